@@ -16,7 +16,9 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
   valid tokens meeting STAPO's criterion ``A > 0 ∧ p < τ_p ∧ H < τ_h`` with default thresholds,
   whatever mask is active), ``keep_frac``, ``tau_h``
 - ``clip_frac_low``, ``clip_frac_high``, ``approx_kl``, ``loss``, ``grad_norm``, ``lr``
-- ``zero_std_group_frac`` (groups whose rewards are all equal, hence A = 0), ``skipped_steps``
+- ``zero_std_group_frac`` (groups whose rewards are all equal, hence A = 0), ``skipped_updates`` (mini-batch
+  updates skipped this step for a non-finite loss or gradient norm), ``skipped_steps`` (steps skipped
+  so far, cumulative)
 - ``time_rollout``, ``time_reward``, ``time_stats``, ``time_update``, ``time_sync``, ``time_step``
   (seconds), ``tokens_per_s``
 
@@ -43,7 +45,7 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "response_length_mean", "response_length_max", "response_clip_ratio",
     "entropy_mean", "silenced_frac", "spurious_frac", "keep_frac", "tau_h",
     "clip_frac_low", "clip_frac_high", "approx_kl", "loss", "grad_norm", "lr",
-    "zero_std_group_frac", "skipped_steps",
+    "zero_std_group_frac", "skipped_updates", "skipped_steps",
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",
     "tokens_per_s",
 )

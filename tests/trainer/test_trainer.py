@@ -15,7 +15,7 @@ import torch
 
 from stapo.config import STAPOConfig
 from stapo.losses import available_masks
-from stapo.trainer.metrics import STEP_METRIC_KEYS, read_metrics
+from stapo.trainer.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +63,8 @@ def test_each_builtin_mask_trains(mask, tmp_path, tiny_model_dir, arithmetic_jso
     for row in rows:
         missing = [k for k in STEP_METRIC_KEYS if k not in row]
         assert not missing, f"metrics.jsonl lacks {missing}"
+        undocumented = set(row) - set(STEP_METRIC_KEYS) - set(OPTIONAL_METRIC_KEYS)
+        assert not undocumented, f"metrics.jsonl logs keys missing from STEP_METRIC_KEYS: {undocumented}"
         bad = {k: row[k] for k in STEP_METRIC_KEYS if not math.isfinite(row[k])}
         assert not bad, f"non-finite metrics: {bad}"
         assert 0.0 <= row["silenced_frac"] <= 1.0 and row["keep_frac"] == pytest.approx(1 - row["silenced_frac"])
