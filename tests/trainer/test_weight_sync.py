@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from _dist_utils import run_ranks, tiny_qwen3
-from stapo.trainer.weight_sync import (StateDictConsumer, flat_layout, hf_name,
-                                       iter_weight_buckets, iter_weights_per_param, pack_partitions,
-                                       plan_buckets, sync_weights, unpack_partitions)
+from stapo.trainer.flat_gather import flat_layout, pack_partitions, unpack_partitions
+from stapo.trainer.weight_sync import (StateDictConsumer, hf_name, iter_weight_buckets,
+                                       iter_weights_per_param, plan_buckets, sync_weights)
 
 # 1 B: smaller than any parameter (one bucket each); 2 KiB: a few small tensors per bucket
 # (the 63x15 fp32 embedding is 3780 B, alone); 256 MiB: the whole model in one bucket.
