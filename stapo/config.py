@@ -47,6 +47,9 @@ class TinyConfig:
     """Supervised warm-start steps on the synthetic arithmetic task before RL (0 disables)."""
     warm_start_lr: float = 3e-3
     """Learning rate of the supervised warm start."""
+    warm_start_bare_fraction: float = 0.0
+    """Fraction of warm-start examples whose target is the bare answer (``\\boxed{17}``) instead of
+    the worked solution; RL then chooses between the two forms (docs/demo.md, the study)."""
 
 
 @dataclass
@@ -335,6 +338,8 @@ def validate(cfg: STAPOConfig) -> None:
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length must be >= 1")
     _check(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0, got {cfg.reward.timeout_s}")
     _check(cfg.tiny.warm_start_steps >= 0, "tiny.warm_start_steps must be >= 0")
+    _check(0.0 <= cfg.tiny.warm_start_bare_fraction < 1.0,
+           f"tiny.warm_start_bare_fraction must be in [0, 1), got {cfg.tiny.warm_start_bare_fraction}")
 
 
 # The reference page generator lives in its own module; re-exported for ``stapo.config`` users.

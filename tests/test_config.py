@@ -62,6 +62,7 @@ def test_unknown_key_names_the_closest_valid_key(tmp_path):
         ("rollout.group_size=2.5", "expected an integer"),
         ("optim.lr=fast", "expected a number"),
         ("logging.tensorboard=maybe", "true/false"),
+        ("tiny.warm_start_bare_fraction=1.0", "warm_start_bare_fraction must be in"),
     ],
 )
 def test_invalid_values_are_rejected_with_the_field_name(override, message):

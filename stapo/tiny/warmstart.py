@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from stapo.tiny.task import CHAT_INSTRUCTION, ArithmeticProblem, arithmetic_prob
 
 #: Default warm-start data: problems drawn with a seed disjoint from evaluation seeds used by the demo.
 DEFAULT_TRAIN_SEED = 12345
+#: Seed of the choice of which warm-start examples get a bare answer (independent of the model seed).
+BARE_ANSWER_SEED = 7
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,20 @@ class SFTExample:
 
     prompt_ids: list[int]
     response_ids: list[int]
+
+
+def with_bare_answers(problems: Sequence[ArithmeticProblem], fraction: float) -> list[ArithmeticProblem]:
+    """A copy of ``problems`` where about ``fraction`` of them (chosen deterministically) have the
+    bare answer ``\\boxed{answer}`` as their solution instead of the worked steps.
+
+    Like web text, such data teaches two answer forms; RL then has to find out which one earns
+    more reward (docs/demo.md).
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"bare-answer fraction must be in [0, 1), got {fraction}")
+    rng = random.Random(BARE_ANSWER_SEED)
+    return [ArithmeticProblem(p.question, p.answer, f"\\boxed{{{p.answer}}}") if rng.random() < fraction else p
+            for p in problems]
 
 
 def render_prompt(tokenizer, question: str, instruction: str = CHAT_INSTRUCTION) -> list[int]:
@@ -161,6 +178,7 @@ def warm_start(
     batch_size: int = 32,
     seed: int = 0,
     weight_decay: float = 0.0,
+    bare_fraction: float = 0.0,
     progress: bool = True,
 ) -> Path:
     """Fine-tune ``model_dir`` on (prompt, solution + EOS) pairs; return the saved HF model dir.
@@ -169,6 +187,8 @@ def warm_start(
     defaults (260 steps of 32 at peak lr 3e-3, cosine to 10%) leave the default ~0.8M-parameter
     model at roughly 40-65% greedy accuracy on the default task (measured on 3 seeds), in about a
     minute of one CPU core.
+    ``bare_fraction`` > 0 replaces that fraction of the targets by bare answers
+    (:func:`with_bare_answers`).
     ``out_dir=None`` caches under ``$STAPO_CACHE/tiny/warm-<key>`` keyed by the source weights,
     the problems and every hyper-parameter, and reuses a complete entry. Deterministic for the
     same inputs on the same machine and thread count. ``warm_start.json`` in the output records
@@ -179,7 +199,7 @@ def warm_start(
         raise ValueError(f"need steps >= 1, batch_size >= 1, lr > 0; got {steps}, {batch_size}, {lr}")
     if problems is None:
         problems = arithmetic_problems(4000, seed=DEFAULT_TRAIN_SEED)
-    problems = list(problems)
+    problems = with_bare_answers(problems, bare_fraction) if bare_fraction else list(problems)
     if not problems:
         raise ValueError("warm_start needs at least one problem")
 

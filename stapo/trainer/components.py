@@ -37,7 +37,8 @@ def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
         path = build_tiny_model(seed=cfg.tiny.seed)
         if cfg.tiny.warm_start_steps > 0:
             path = warm_start(path, steps=cfg.tiny.warm_start_steps, lr=cfg.tiny.warm_start_lr,
-                              seed=cfg.tiny.seed, progress=dist.is_main)
+                              seed=cfg.tiny.seed, bare_fraction=cfg.tiny.warm_start_bare_fraction,
+                              progress=dist.is_main)
         return str(path)
 
     if dist.is_main:

@@ -1,10 +1,11 @@
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from stapo.tiny import arithmetic_problems, warm_start
-from stapo.tiny.warmstart import SFTExample, collate, encode_examples
+from stapo.tiny.warmstart import SFTExample, collate, encode_examples, with_bare_answers
 
 
 def test_collate_masks_prompt_and_padding():
@@ -44,3 +45,17 @@ def test_deterministic_and_cached(tiny_model_dir):
     b = warm_start(tiny_model_dir, a.parent / "again", **kwargs)
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert warm_start(tiny_model_dir, **{**kwargs, "seed": 1}) != a
+
+
+def test_bare_answers_replace_a_deterministic_fraction_of_solutions():
+    problems = arithmetic_problems(1000, seed=3)
+    assert with_bare_answers(problems, 0.0) == problems
+    mixed = with_bare_answers(problems, 0.5)
+    assert mixed == with_bare_answers(problems, 0.5)
+    bare = [m for m in mixed if m.solution == f"\\boxed{{{m.answer}}}"]
+    assert 400 <= len(bare) <= 600
+    for p, m in zip(problems, mixed):
+        assert (m.question, m.answer) == (p.question, p.answer)
+        assert m.solution in (p.solution, f"\\boxed{{{p.answer}}}")
+    with pytest.raises(ValueError, match="bare-answer fraction"):
+        with_bare_answers(problems, 1.0)
