@@ -43,13 +43,16 @@ class ModelConfig:
 class TinyConfig:
     seed: int = 0
     """Seed of the tiny model's random initialization and of its warm-start data."""
-    warm_start_steps: int = 300
+    terms: int = 5
+    """Operands per problem of the synthetic arithmetic task (``builtin:arithmetic`` prompts and
+    the warm-start data): 5 gives four worked steps, ``7+5=12. 12-3=9. 9+8=17. 17-4=13.``"""
+    warm_start_steps: int = 600
     """Supervised warm-start steps on the synthetic arithmetic task before RL (0 disables)."""
     warm_start_lr: float = 3e-3
     """Learning rate of the supervised warm start."""
-    warm_start_bare_fraction: float = 0.0
+    warm_start_bare_fraction: float = 0.5
     """Fraction of warm-start examples whose target is the bare answer (``\\boxed{17}``) instead of
-    the worked solution; RL then chooses between the two forms (docs/demo.md, the study)."""
+    the worked solution; RL then learns which form earns the reward (docs/demo.md)."""
 
 
 @dataclass
@@ -338,6 +341,7 @@ def validate(cfg: STAPOConfig) -> None:
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length must be >= 1")
     _check(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0, got {cfg.reward.timeout_s}")
     _check(cfg.tiny.warm_start_steps >= 0, "tiny.warm_start_steps must be >= 0")
+    _check(cfg.tiny.terms >= 2, f"tiny.terms must be >= 2, got {cfg.tiny.terms}")
     _check(0.0 <= cfg.tiny.warm_start_bare_fraction < 1.0,
            f"tiny.warm_start_bare_fraction must be in [0, 1), got {cfg.tiny.warm_start_bare_fraction}")
 

@@ -21,7 +21,7 @@ from stapo.trainer.metrics import read_metrics
 
 # One panel per entry; a tuple puts several series in one panel.
 DEFAULT_KEYS: tuple[str | tuple[str, ...], ...] = (
-    "reward_mean", "eval_accuracy", "entropy_mean", ("silenced_frac", "spurious_frac"),
+    "reward_mean", "eval_accuracy", "response_length_mean", "entropy_mean", ("silenced_frac", "spurious_frac"),
 )
 _PERCENT_KEYS = ("silenced_frac", "spurious_frac", "keep_frac", "accuracy", "eval_accuracy",
                  "response_clip_ratio", "clip_frac_low", "clip_frac_high", "zero_std_group_frac")

@@ -72,9 +72,9 @@ def arithmetic_problems(
     """``n`` random problems, deterministic for ``seed`` (its own ``random.Random``, no global RNG).
 
     The defaults (one-digit operands, four terms, ``+``/``-``: three chained steps such as
-    ``"7+5=12. 12-3=9. 9+8=17. \\boxed{17}"``) are the README demo's task: a ~0.8M-parameter
-    model learns it partly in a few hundred warm-start steps, and errors compound over the steps,
-    which leaves RL room to improve (see ``stapo.tiny.warmstart``).
+    ``"7+5=12. 12-3=9. 9+8=17. \\boxed{17}"``) give a task a ~0.8M-parameter model learns partly
+    in a few hundred warm-start steps; errors compound over the steps. The README demo uses five
+    terms (``tiny.terms``, four steps; see ``stapo.tiny.warmstart`` and docs/demo.md).
 
     Args:
         digits: maximum number of digits per operand (operands drawn uniformly from

@@ -31,14 +31,16 @@ def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
     """The policy's HF directory; builds (rank 0 first, then the others hit the cache) the tiny model."""
     if cfg.model.path != BUILTIN_MODEL:
         return cfg.model.path
-    from stapo.tiny import build_tiny_model, warm_start
+    from stapo.tiny import arithmetic_problems, build_tiny_model, warm_start
+    from stapo.tiny.warmstart import DEFAULT_TRAIN_SEED
 
     def build() -> str:
         path = build_tiny_model(seed=cfg.tiny.seed)
         if cfg.tiny.warm_start_steps > 0:
-            path = warm_start(path, steps=cfg.tiny.warm_start_steps, lr=cfg.tiny.warm_start_lr,
-                              seed=cfg.tiny.seed, bare_fraction=cfg.tiny.warm_start_bare_fraction,
-                              progress=dist.is_main)
+            problems = arithmetic_problems(4000, seed=DEFAULT_TRAIN_SEED, terms=cfg.tiny.terms)
+            path = warm_start(path, problems=problems, steps=cfg.tiny.warm_start_steps,
+                              lr=cfg.tiny.warm_start_lr, seed=cfg.tiny.seed,
+                              bare_fraction=cfg.tiny.warm_start_bare_fraction, progress=dist.is_main)
         return str(path)
 
     if dist.is_main:
@@ -157,10 +159,10 @@ def build_scorer(cfg: STAPOConfig, reward_fn: RewardFn | None) -> tuple[BatchSco
     return (lambda responses, answers: [float(reward_fn(r, a)) for r, a in zip(responses, answers)]), (lambda: None)
 
 
-def builtin_rows(n: int, seed: int) -> list[dict]:
+def builtin_rows(n: int, seed: int, terms: int) -> list[dict]:
     from stapo.tiny import arithmetic_problems
 
-    return [{"prompt": p.question, "answer": p.answer} for p in arithmetic_problems(n, seed=seed)]
+    return [{"prompt": p.question, "answer": p.answer} for p in arithmetic_problems(n, seed=seed, terms=terms)]
 
 
 def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset=None):
@@ -177,7 +179,7 @@ def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset
         if source is None:
             return None
         if source == BUILTIN_DATA:
-            return prompt_dataset_from_rows(builtin_rows(n_builtin, seed), cfg, tokenizer)
+            return prompt_dataset_from_rows(builtin_rows(n_builtin, seed, cfg.tiny.terms), cfg, tokenizer)
         from stapo.data import load_prompt_dataset
 
         return load_prompt_dataset(

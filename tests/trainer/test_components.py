@@ -1,0 +1,21 @@
+"""The config → components step for the built-in synthetic task."""
+
+import re
+
+import pytest
+
+from stapo.config import STAPOConfig
+from stapo.trainer.components import build_datasets
+
+
+@pytest.mark.parametrize("terms", [3, 5])
+def test_builtin_task_follows_tiny_terms(terms, tiny_tokenizer, tmp_path):
+    cfg = STAPOConfig.from_yaml(None, [f"tiny.terms={terms}", "data.num_builtin_problems=64", "data.eval_size=32",
+                                       "trainer.train_batch_size=8", "trainer.mini_batch_size=8",
+                                       f"trainer.output_dir={tmp_path}"])
+    train, evaluation = build_datasets(cfg, tiny_tokenizer)
+    assert (len(train), len(evaluation)) == (64, 32)
+    for example in list(train) + list(evaluation):
+        expression = re.fullmatch(r"Compute (.+)\.", example.problem).group(1)
+        assert len(re.findall(r"\d+", expression)) == terms, example.problem
+        assert int(example.ground_truth) == eval(expression)  # + and - only: left to right = Python's order
