@@ -190,7 +190,8 @@ class TrainerConfig:
     keep_last: int = 3
     """Number of complete checkpoints kept."""
     resume: str = "auto"
-    """``auto`` (continue the last checkpoint in output_dir), ``never``, or a checkpoint path."""
+    """``auto`` (continue the last checkpoint in output_dir), ``never``, or a checkpoint path. A run
+    that starts from scratch moves an earlier run's files to ``output_dir/previous_runs/``."""
     max_consecutive_skips: int = 5
     """Abort after this many consecutive steps skipped for a non-finite loss or grad norm."""
     eval_every: int = 0

@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,34 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
             return named
     done = complete_checkpoints(output_dir)
     return done[-1] if done else None
+
+
+#: What a training run writes into its output_dir; a fresh start moves an earlier run's copies aside.
+RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "token_records",
+                 "checkpoints", "final", "curves.png", "inspect")
+PREVIOUS_RUNS_DIR = "previous_runs"
+
+
+def archive_previous_run(output_dir: str | os.PathLike) -> Path | None:
+    """Move an earlier run's files to ``output_dir/previous_runs/<UTC time>/`` and return that folder.
+
+    Called when a run starts from scratch (``trainer.resume=never``, or ``auto`` with no complete
+    checkpoint) in a directory that already holds a run: appending to its ``metrics.jsonl`` would mix
+    two runs in every plot and summary, and overwriting would lose what the user trained. Returns
+    None when there is nothing to move. Main process only.
+    """
+    output_dir = Path(output_dir)
+    present = [output_dir / name for name in RUN_ARTIFACTS if (output_dir / name).exists()]
+    if not present:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    archive, n = output_dir / PREVIOUS_RUNS_DIR / stamp, 1
+    while archive.exists():
+        archive, n = output_dir / PREVIOUS_RUNS_DIR / f"{stamp}-{n}", n + 1
+    archive.mkdir(parents=True)
+    for path in present:
+        os.replace(path, archive / path.name)
+    return archive
 
 
 class CheckpointManager:

@@ -24,8 +24,8 @@ from stapo.config import STAPOConfig
 from stapo.losses import TokenMask, TokenStats, build_mask, group_advantages
 from stapo.rollout import Rollout, SamplingParams
 from stapo.trainer import components as build
-from stapo.trainer.checkpoint import CheckpointManager, export_hf, latest_checkpoint
-from stapo.trainer.distributed import init_distributed
+from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_hf, latest_checkpoint
+from stapo.trainer.distributed import barrier, init_distributed
 from stapo.trainer.metrics import MetricsLogger
 from stapo.trainer.recording import TokenRecorder
 from stapo.trainer.step_metrics import PhaseTimer, StepSums, evaluation_metrics, sample_completions, step_metrics
@@ -56,6 +56,7 @@ class STAPOTrainer:
         self.config = cfg = config
         self.dist = init_distributed()
         self.output_dir = build.output_dir(cfg)
+        self._set_aside_previous_run(cfg.trainer.resume)
         self.model_path = build.resolve_model_path(cfg, self.dist)
         self.tokenizer = build.load_tokenizer(self.model_path, cfg)
         self.engine = build.build_deepspeed(build.load_policy(self.model_path, cfg), cfg, self.dist.world_size)
@@ -237,6 +238,16 @@ class STAPOTrainer:
             "config": self.config.to_dict(),
         }
         return self.checkpoints.save(self.engine, self.step_count, state)
+
+    def _set_aside_previous_run(self, how: str) -> None:
+        """A run starting from scratch never appends to, or overwrites, an earlier run's files."""
+        if how == "never" or (how == "auto" and latest_checkpoint(self.output_dir) is None):
+            if self.dist.is_main:
+                archive = archive_previous_run(self.output_dir)
+                if archive is not None:
+                    log.warning("%s held an earlier run (trainer.resume=%s): moved its files to %s",
+                                self.output_dir, how, archive)
+            barrier()
 
     def _resume(self, how: str) -> None:
         if how == "never":

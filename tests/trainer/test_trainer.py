@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -159,3 +160,26 @@ def test_export_reloads_with_the_trained_weights(tmp_path, tiny_model_dir, arith
         assert torch.allclose(exported(ids).logits, reference(ids).logits, atol=1e-6)
         original = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
         assert not torch.allclose(exported(ids).logits, original(ids).logits), "export equals the untrained model"
+
+
+@pytest.mark.parametrize("resume", ["never", "auto"])
+def test_a_fresh_start_moves_an_earlier_run_aside(resume, tmp_path, tiny_model_dir, arithmetic_jsonl):
+    # The earlier run's rows must neither be appended to nor lost. With resume=auto a fresh start
+    # happens when the earlier run left no complete checkpoint (killed before its first save).
+    from stapo import STAPOTrainer
+    from stapo.trainer.checkpoint import PREVIOUS_RUNS_DIR
+
+    first = STAPOTrainer(tiny_config(tmp_path, tiny_model_dir, arithmetic_jsonl, "trainer.total_steps=1"),
+                         reward_fn=digit_one_reward)
+    first.train()
+    run = tmp_path / "run"
+    if resume == "auto":
+        shutil.rmtree(run / "checkpoints")
+    first_rows = (run / "metrics.jsonl").read_text()
+    STAPOTrainer(tiny_config(tmp_path, tiny_model_dir, arithmetic_jsonl, "trainer.total_steps=2",
+                             f"trainer.resume={resume}"), reward_fn=digit_one_reward).train()
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert steps == [1, 2], "the new run's metrics.jsonl must hold only its own steps"
+    (archive,) = (run / PREVIOUS_RUNS_DIR).iterdir()
+    assert (archive / "metrics.jsonl").read_text() == first_rows
+    assert (archive / "config.yaml").is_file()
