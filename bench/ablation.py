@@ -106,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for seed in args.seeds:
         for mask in masks:
-            print(f"[ablation] {mask} seed {seed} ...", flush=True)
+            print(f"[ablation] {mask} seed {seed} ...", file=sys.stderr, flush=True)
             rows.append(run_one(mask, seed, args.out, args.recipe, args.imports, extra))
             print(f"[ablation] {mask} seed {seed}: accuracy {100 * rows[-1]['acc_before']:.1f} -> "
-                  f"{100 * rows[-1]['acc_after']:.1f} in {rows[-1]['seconds']:.0f} s", flush=True)
+                  f"{100 * rows[-1]['acc_after']:.1f} in {rows[-1]['seconds']:.0f} s",
+                  file=sys.stderr, flush=True)
     table = markdown_table(rows)
     (args.out / "ablation.md").write_text(table + "\n", encoding="utf-8")
     (args.out / "ablation.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
@@ -117,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     plot_comparison({r["mask"]: Path(r["run_dir"]) / "metrics.jsonl" for r in rows if r["seed"] == seed0},
                     args.out / "ablation.png",
                     keys=("reward_mean", "entropy_mean", "silenced_frac", "response_length_mean"))
-    print(table)
-    print(f"\nwritten: {args.out / 'ablation.md'}, {args.out / 'ablation.png'}")
+    print(table)  # stdout is the Markdown that bench/run_all.py puts into docs/benchmarks.md
+    print(f"written: {args.out / 'ablation.md'}, {args.out / 'ablation.png'}", file=sys.stderr)
     return 0
 
 
