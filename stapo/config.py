@@ -22,8 +22,7 @@ from typing import Union
 import yaml
 
 from stapo.config_loading import ConfigError, apply_overrides, build_dataclass
-
-PAPER_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+from stapo.data import PAPER_INSTRUCTION  # the default of data.instruction; re-exported
 
 
 @dataclass

@@ -13,8 +13,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from stapo.data import PAPER_INSTRUCTION
+
 #: The paper's prompt instruction (DESIGN §1); the data loader appends it to every question.
-CHAT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+CHAT_INSTRUCTION = PAPER_INSTRUCTION
 
 _OPS = ("+", "-", "*")
 

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from stapo.data import format_problem
 from stapo.tiny.cache import build_atomically, cache_key, cache_root
 from stapo.tiny.model import model_fingerprint
 from stapo.tiny.task import CHAT_INSTRUCTION, ArithmeticProblem, arithmetic_problems
@@ -57,7 +58,8 @@ def with_bare_answers(problems: Sequence[ArithmeticProblem], fraction: float) ->
 def render_prompt(tokenizer, question: str, instruction: str = CHAT_INSTRUCTION) -> list[int]:
     """Prompt ids exactly as the data loader builds them (DESIGN §2, ``stapo.data``)."""
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{question} {instruction}"}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": format_problem(question, instruction)}], add_generation_prompt=True,
+        tokenize=False,
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -185,8 +187,8 @@ def warm_start(
 
     ``problems=None`` uses 4,000 default-difficulty problems (seed ``DEFAULT_TRAIN_SEED``). The
     defaults (260 steps of 32 at peak lr 3e-3, cosine to 10%) leave the default ~0.8M-parameter
-    model at roughly 40-65% greedy accuracy on the default task (measured on 3 seeds), in about a
-    minute of one CPU core.
+    model at 33-69% greedy accuracy on the default task depending on the seed (docs/demo.md: the
+    warm start sits on a cliff there), in about a minute of one CPU core.
     ``bare_fraction`` > 0 replaces that fraction of the targets by bare answers
     (:func:`with_bare_answers`).
     ``out_dir=None`` caches under ``$STAPO_CACHE/tiny/warm-<key>`` keyed by the source weights,
