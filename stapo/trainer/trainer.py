@@ -56,7 +56,9 @@ class STAPOTrainer:
         self.config = cfg = config
         self.dist = init_distributed()
         self.output_dir = build.output_dir(cfg)
-        self._set_aside_previous_run(cfg.trainer.resume)
+        resume_from = self._checkpoint_to_resume(cfg.trainer.resume)
+        if resume_from is None:
+            self._set_aside_previous_run(cfg.trainer.resume)
         self.model_path = build.resolve_model_path(cfg, self.dist)
         self.tokenizer = build.load_tokenizer(self.model_path, cfg)
         self.engine = build.build_deepspeed(build.load_policy(self.model_path, cfg), cfg, self.dist.world_size)
@@ -82,7 +84,8 @@ class STAPOTrainer:
         self._consecutive_skips = 0
         if self.dist.is_main:
             cfg.to_yaml(self.output_dir / "config.yaml")
-        self._resume(cfg.trainer.resume)
+        if resume_from is not None:
+            self._resume(resume_from)
 
     # ---- Algorithm 1 ------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -239,24 +242,26 @@ class STAPOTrainer:
         }
         return self.checkpoints.save(self.engine, self.step_count, state)
 
+    def _checkpoint_to_resume(self, how: str) -> Path | None:
+        """``trainer.resume`` → the checkpoint to continue, or None to start from scratch."""
+        if how == "never":
+            return None
+        if how == "auto":
+            return latest_checkpoint(self.output_dir)
+        if not Path(how).exists():
+            raise FileNotFoundError(f"trainer.resume: checkpoint {how} does not exist")
+        return Path(how)
+
     def _set_aside_previous_run(self, how: str) -> None:
         """A run starting from scratch never appends to, or overwrites, an earlier run's files."""
-        if how == "never" or (how == "auto" and latest_checkpoint(self.output_dir) is None):
-            if self.dist.is_main:
-                archive = archive_previous_run(self.output_dir)
-                if archive is not None:
-                    log.warning("%s held an earlier run (trainer.resume=%s): moved its files to %s",
-                                self.output_dir, how, archive)
-            barrier()
+        if self.dist.is_main:
+            archive = archive_previous_run(self.output_dir)
+            if archive is not None:
+                log.warning("%s held an earlier run (trainer.resume=%s): moved its files to %s",
+                            self.output_dir, how, archive)
+        barrier()
 
-    def _resume(self, how: str) -> None:
-        if how == "never":
-            return
-        path = latest_checkpoint(self.output_dir) if how == "auto" else Path(how)
-        if path is None:
-            return
-        if not path.exists():
-            raise FileNotFoundError(f"trainer.resume: checkpoint {path} does not exist")
+    def _resume(self, path: Path) -> None:
         state = self.checkpoints.load(self.engine, path)
         self.step_count, self.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
         self.sampler.load_state_dict(state["sampler"])
