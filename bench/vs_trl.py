@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PAPER_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # stapo.data
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 VARIANTS = {"dapo": 1.0, "entropy": 0.2}  # variant -> top_entropy_quantile (fraction of tokens kept)
 
 
@@ -77,7 +77,9 @@ def problems(spec: RunSpec):
 
 
 def user_message(question: str) -> str:
-    return f"{question} {PAPER_INSTRUCTION}"  # stapo.data.format_problem
+    from stapo.data import PAPER_INSTRUCTION, format_problem
+
+    return format_problem(question, PAPER_INSTRUCTION)  # what stapo's data loader sends
 
 
 def peak_rss_mb() -> float:
@@ -98,8 +100,11 @@ def run_one(trainer: str, spec: RunSpec, out: Path, tag: str, threads: int, time
     """Run one trainer in a fresh process with ``threads`` intra-op threads; its log goes to ``out``."""
     spec_path, result_path = out / f"{tag}.spec.json", out / f"{tag}.result.json"
     spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    # A plain single process: launcher variables of the caller (DeepSpeed sets LOCAL_RANK once it has
+    # initialized a group in this process) would make TRL/accelerate expect a distributed launch.
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               PYTHONWARNINGS="ignore")
     script = HERE / f"_{trainer}_run.py"
     with open(out / f"{tag}.log", "w") as log:
         proc = subprocess.run([sys.executable, str(script), str(spec_path), str(result_path)],
