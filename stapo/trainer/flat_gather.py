@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 _ALIGN = 16  # bytes: every dtype view of a slot in the flat row starts aligned
 
+
 @dataclass(frozen=True)
 class PartitionSlot:
     """Where one ZeRO-3 parameter's partition sits in each rank's flat byte row."""
@@ -135,4 +136,3 @@ def _comm_device(device: torch.device, group) -> torch.device:
     if device.type == "cpu" and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return device
-

@@ -90,7 +90,6 @@ def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
-
 def _route(param: torch.nn.Parameter) -> str:
     """``local`` (plain or already gathered), ``flat`` (our gather) or ``deepspeed`` (fallback)."""
     if not hasattr(param, "ds_id") or param.ds_status.name == "AVAILABLE":
@@ -157,9 +156,9 @@ def iter_weight_buckets(
     """
     named = list(model.named_parameters())
     sizes = [full_numel(p) * p.element_size() for _, p in named]
-    buffers = GatherBuffers()  # this iteration's; freed with the generator
+    gather_buffers = GatherBuffers()  # this iteration's; freed with the generator
     for indices in plan_buckets(sizes, bucket_bytes):
-        with _full_tensors([named[i][1] for i in indices], copy, buffers) as tensors:
+        with _full_tensors([named[i][1] for i in indices], copy, gather_buffers) as tensors:
             bucket = [(hf_name(named[i][0]), t) for i, t in zip(indices, tensors)]
             del tensors
             yield bucket

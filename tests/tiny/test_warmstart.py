@@ -45,6 +45,7 @@ def test_deterministic_and_cached(tiny_model_dir):
     b = warm_start(tiny_model_dir, a.parent / "again", **kwargs)
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert warm_start(tiny_model_dir, **{**kwargs, "seed": 1}) != a
+    assert warm_start(tiny_model_dir, **{**kwargs, "bare_fraction": 0.5}) != a  # other targets, other entry
 
 
 def test_bare_answers_replace_a_deterministic_fraction_of_solutions():

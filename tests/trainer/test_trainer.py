@@ -8,7 +8,6 @@ real updates. ``tau_p = 0.05`` makes the S2T condition bite on a near-uniform ra
 from __future__ import annotations
 
 import math
-import os
 import shutil
 
 import pytest
