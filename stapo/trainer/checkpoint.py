@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from stapo.inspect.records import RECORDS_DIR
 from stapo.trainer.distributed import all_gather_object, barrier, get_rank, get_world_size
+from stapo.trainer.metrics import METRICS_FILE, SAMPLES_FILE
 from stapo.trainer.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
 CHECKPOINT_DIR = "checkpoints"
@@ -135,8 +137,8 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 
 
 #: What a training run writes into its output_dir; a fresh start moves an earlier run's copies aside.
-RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "token_records",
-                 "checkpoints", "final", "curves.png", "inspect")
+RUN_ARTIFACTS = ("config.yaml", METRICS_FILE, SAMPLES_FILE, "tensorboard", RECORDS_DIR, CHECKPOINT_DIR, "final",
+                 "curves.png", "inspect")
 PREVIOUS_RUNS_DIR = "previous_runs"
 
 
