@@ -36,6 +36,10 @@ class ModelConfig:
     """Recompute activations in backward to save memory (needed for long responses on large models)."""
     trust_remote_code: bool = False
     """Passed to transformers when loading the model and tokenizer."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel of the policy (transformers' ``attn_implementation``): ``sdpa`` (any device),
+    ``flex_attention`` or ``flash_attention_2`` (GPU; block-sparse over packed sequences instead of
+    sdpa's dense block-diagonal mask), ``eager``. Packed rows are exact with every one of them."""
 
 
 @dataclass
@@ -144,7 +148,9 @@ class LossConfig:
     advantage_eps: float = 1e-6
     """Added to the group std in Eq. 2."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL to a frozen reference model (paper: none)."""
+    """Weight of the k3 KL penalty to a frozen reference policy (the initial weights, partitioned like
+    the policy under ZeRO-3; its logprobs come from the no-grad pass). 0 builds no reference model
+    (the paper: no KL). Logged as ``kl``."""
     log_ratio_clamp: float = 20.0
     """|log rho| is clamped to this before exponentiation (numerical safety only)."""
 
@@ -179,7 +185,19 @@ class TrainerConfig:
     mini_batch_size: int = 64
     """Prompts per optimizer step, over all ranks (paper: 64, i.e. 4 updates per rollout)."""
     micro_batch_size: int = 1
-    """Sequences per forward/backward on one rank (gradient accumulation; paper: 1)."""
+    """Sequences per forward/backward on one rank (gradient accumulation; paper: 1); used when
+    ``max_tokens_per_micro_batch`` is 0."""
+    packing: bool = True
+    """Pack each micro-batch's sequences into one padding-free row (per-sequence positions, attention
+    that never crosses sequences) for the no-grad stats pass and the update; exact (equal to the
+    padded path up to float rounding). ``false``: pad rows to the longest."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget (prompt + response tokens) of one update micro-batch on one rank; rows are placed
+    by length so micro-batches are balanced and every rank runs the same number. 0: count rows with
+    ``micro_batch_size`` instead."""
+    max_tokens_per_stats_micro_batch: int = 0
+    """Token budget of the no-grad stats pass (it holds no activations for backward, so it can take
+    more); 0: twice ``max_tokens_per_micro_batch`` (or ``micro_batch_size`` rows when that is 0)."""
     zero_stage: int = 3
     """DeepSpeed ZeRO stage."""
     offload: bool = False
@@ -335,6 +353,12 @@ def validate(cfg: STAPOConfig) -> None:
            f"trainer.mini_batch_size ({t.mini_batch_size}) must divide trainer.train_batch_size "
            f"({t.train_batch_size})")
     _check(t.micro_batch_size >= 1, f"trainer.micro_batch_size must be >= 1, got {t.micro_batch_size}")
+    for name in ("max_tokens_per_micro_batch", "max_tokens_per_stats_micro_batch"):
+        _check(getattr(t, name) >= 0, f"trainer.{name} must be >= 0 (0: count rows), got {getattr(t, name)}")
+    _check(cfg.model.attn_implementation in ("sdpa", "eager", "flex_attention", "flash_attention_2",
+                                             "flash_attention_3"),
+           f"model.attn_implementation must be sdpa, eager, flex_attention, flash_attention_2 or "
+           f"flash_attention_3, got {cfg.model.attn_implementation!r}")
     _check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
     _check(t.save_every >= 0, "trainer.save_every must be >= 0")
     _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips must be >= 1")

@@ -70,7 +70,8 @@ def load_policy(path: str, cfg: STAPOConfig):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=policy_dtype(cfg), trust_remote_code=cfg.model.trust_remote_code
+        path, dtype=policy_dtype(cfg), trust_remote_code=cfg.model.trust_remote_code,
+        attn_implementation=cfg.model.attn_implementation,
     )
     model.config.use_cache = False
     return model
@@ -106,6 +107,16 @@ def build_deepspeed(model, cfg: STAPOConfig, world_size: int):
     )
 
 
+def build_reference(cfg: STAPOConfig, model_path: str):
+    """The frozen reference policy of the KL term, or None when ``loss.kl_coef`` is 0 (the paper)."""
+    if cfg.loss.kl_coef == 0:
+        return None
+    from stapo.trainer.engine import build_reference as wrap
+
+    return wrap(load_policy(model_path, cfg), zero_stage=cfg.trainer.zero_stage,
+                bf16=policy_dtype(cfg) == torch.bfloat16)
+
+
 def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer):
     from stapo.rollout import HFEngine, VLLMEngine
 
@@ -139,9 +150,13 @@ def update_options(cfg: STAPOConfig) -> UpdateOptions:
         clip_c=cfg.loss.clip_c,
         agg=cfg.loss.agg,
         log_ratio_clamp=cfg.loss.log_ratio_clamp,
-        micro_batch_size=cfg.trainer.micro_batch_size,
         temperature=cfg.rollout.temperature,
         max_response_length=cfg.rollout.max_response_length,
+        kl_coef=cfg.loss.kl_coef,
+        packing=cfg.trainer.packing,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch or None,
+        max_tokens_per_stats_micro_batch=cfg.trainer.max_tokens_per_stats_micro_batch or None,
     )
 
 

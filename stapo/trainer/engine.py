@@ -7,11 +7,12 @@ we want is the plain sum ``Σ_ranks Σ_micro ∇loss``. DeepSpeed by default div
 reduce-scatter *averages* over the data-parallel ranks. :func:`backward_sum` undoes both: it
 multiplies the loss by the data-parallel world size and turns the accumulation scaling off.
 
-Usage per mini-batch (exactly ``grad_accum_steps`` micro-batches)::
+Usage per mini-batch (any number of micro-batches, e.g. from a token budget)::
 
+    acc = GradientAccumulation(engine, len(micro_batches))
     for micro in micro_batches:
-        backward_sum(engine, loss_fn(engine(micro)))
-    result = optimizer_step(engine)   # StepResult(applied, grad_norm)
+        acc.backward(loss_fn(micro))
+    result = acc.step()   # StepResult(applied, grad_norm)
 
 Non-finite gradients: ZeRO-3 computes the global grad norm over the partitioned fp32 grads
 (one all-reduce) before stepping; an inf/NaN norm marks the step as overflow in bf16 and fp32
@@ -172,6 +173,22 @@ def build_engine(
     return engine
 
 
+def build_reference(model: torch.nn.Module, *, zero_stage: int, bf16: bool) -> torch.nn.Module:
+    """A frozen reference policy for the k3 KL term (``loss.kl_coef > 0``): the initial weights,
+    partitioned like the policy under ZeRO-3 (a DeepSpeed inference engine without optimizer), a plain
+    module on the policy's device otherwise. Returns the module to run forwards on."""
+    model.requires_grad_(False).eval()
+    if zero_stage != 3:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        return model.to(device)
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": bf16},
+              "zero_optimization": {"stage": 3}, "steps_per_print": 2**62}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    return engine.module
+
+
 class GuardedAdamW(torch.optim.AdamW):
     """AdamW that clips the global grad norm itself and skips a non-finite step, for ZeRO stage 0.
 
@@ -210,13 +227,15 @@ def _dp_world_size(engine) -> int:
     return int(getattr(engine, "dp_world_size", None) or get_world_size())
 
 
-def backward_sum(engine, loss: torch.Tensor) -> None:
+def backward_sum(engine, loss: torch.Tensor, *, last: bool) -> None:
     """Accumulate ``∇loss`` so that the step sees exactly ``Σ_ranks Σ_micro ∇loss``.
 
     ``loss * dp_world_size`` cancels ZeRO's data-parallel averaging; ``scale_wrt_gas=False``
-    cancels the ``1/gradient_accumulation_steps`` factor. Between micro-batches we call
-    ``engine.step()``, which in DeepSpeed only advances the micro-step counter; the update itself
-    is :func:`optimizer_step` at the accumulation boundary.
+    cancels the ``1/gradient_accumulation_steps`` factor. ``last`` marks the accumulation boundary
+    (DeepSpeed's manual boundary), so a mini-batch may have any number of micro-batches (token
+    budgets). Between micro-batches ``engine.step()`` only advances the micro-step counter; the
+    update itself is :func:`optimizer_step` after the last one. Prefer :class:`GradientAccumulation`,
+    which also checks the count.
     """
     if loss.dim() != 0:
         raise ValueError(f"backward_sum expects a scalar loss, got shape {tuple(loss.shape)}")
@@ -224,10 +243,7 @@ def backward_sum(engine, loss: torch.Tensor) -> None:
         # ZeRO-3 reduce-scatters inside backward: a rank that skips it deadlocks the others.
         raise ValueError("backward_sum: loss does not require grad; keep it attached to the graph "
                          "(e.g. 0 * surrogate for an empty keep-set) so every rank runs backward")
-    if engine.is_gradient_accumulation_boundary() and getattr(engine, "_stapo_pending_step", False):
-        raise RuntimeError(
-            f"backward_sum called again after the last of {engine.gradient_accumulation_steps()} "
-            "micro-batches; call optimizer_step(engine) first")
+    engine.set_gradient_accumulation_boundary(last)
     engine.backward(loss * _dp_world_size(engine), scale_wrt_gas=False)
     # ZeRO-3 switches from copying to ACCUMULATING micro-batch gradients when its micro_step_id
     # advances, which DeepSpeed does at the start of ``engine.forward``. The trainer runs the
@@ -235,29 +251,52 @@ def backward_sum(engine, loss: torch.Tensor) -> None:
     # here; without this only the last micro-batch's gradient survives (tests/trainer/test_exactness.py).
     if hasattr(engine.optimizer, "clear_backward_seen_flag"):
         engine.optimizer.clear_backward_seen_flag()
-    if engine.is_gradient_accumulation_boundary():
-        engine._stapo_pending_step = True  # gradients complete: gather_full_grads / optimizer_step
-    else:
+    if not last:
         engine.step()  # not a boundary: only counts the micro-step
 
 
 def optimizer_step(engine) -> StepResult:
     """Clip the global grad norm, step AdamW and the lr schedule; skip on non-finite grads.
 
-    Must follow exactly ``grad_accum_steps`` calls of :func:`backward_sum`. A skipped step
-    leaves weights, optimizer moments and the lr schedule unchanged and clears the gradients.
+    Must follow the ``backward_sum(..., last=True)`` of a mini-batch. A skipped step leaves
+    weights, optimizer moments and the lr schedule unchanged and clears the gradients.
     """
-    if not getattr(engine, "_stapo_pending_step", False):
-        raise RuntimeError(
-            "optimizer_step called before the gradients of all "
-            f"{engine.gradient_accumulation_steps()} micro-batches were accumulated with backward_sum")
     skipped_before = engine.skipped_steps
     engine.step()
-    engine._stapo_pending_step = False
     applied = engine.skipped_steps == skipped_before
     norm = engine.get_global_grad_norm()  # DeepSpeed sets inf on a skipped step
     norm = math.inf if not applied else (float(norm) if norm is not None else math.nan)
     return StepResult(applied=applied, grad_norm=norm)
+
+
+class GradientAccumulation:
+    """One optimizer step over exactly ``num_micro_batches`` backwards (the mini-batch's plan).
+
+    Holds the count itself, so nothing is parked on the DeepSpeed engine::
+
+        acc = GradientAccumulation(engine, len(plan))
+        for micro in plan:
+            acc.backward(loss_of(micro))
+        result = acc.step()   # StepResult(applied, grad_norm)
+    """
+
+    def __init__(self, engine, num_micro_batches: int) -> None:
+        if num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+        self.engine, self.total, self.done = engine, num_micro_batches, 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.done == self.total:
+            raise RuntimeError(f"backward called again after the last of {self.total} micro-batches; "
+                               "call step() first")
+        self.done += 1
+        backward_sum(self.engine, loss, last=self.done == self.total)
+
+    def step(self) -> StepResult:
+        if self.done != self.total:
+            raise RuntimeError(f"step called after {self.done} of {self.total} micro-batch backwards")
+        self.done = 0
+        return optimizer_step(self.engine)
 
 
 def current_lr(engine) -> float:

@@ -13,8 +13,10 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
   the max response length)
 - ``entropy_mean`` (mean over valid response tokens)
 - ``silenced_frac`` (silenced / valid tokens under the active mask), ``spurious_frac`` (fraction of
-  valid tokens meeting STAPO's criterion ``A > 0 ∧ p < τ_p ∧ H < τ_h`` with default thresholds,
-  whatever mask is active), ``keep_frac``, ``tau_h``
+  valid tokens meeting STAPO's criterion ``A > 0 ∧ p < τ_p ∧ H < τ_h`` at the active mask's ``tau_p`` /
+  ``entropy_quantile`` (the paper's defaults for a mask without them),
+  whatever mask is active), ``keep_frac``, ``mask_tau_h`` (the active mask's entropy threshold; NaN
+  for a mask without one), ``probe_tau_h`` (the S2T probe's)
 - ``clip_frac_low``, ``clip_frac_high``, ``approx_kl``, ``loss``, ``grad_norm``, ``lr``
 - ``zero_std_group_frac`` (groups whose rewards are all equal, hence A = 0), ``skipped_updates`` (mini-batch
   updates skipped this step for a non-finite loss or gradient norm), ``skipped_steps`` (steps skipped
@@ -22,7 +24,8 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
 - ``time_rollout``, ``time_reward``, ``time_stats``, ``time_update``, ``time_sync``, ``time_step``
   (seconds), ``tokens_per_s``
 
-Optional (eval steps only): ``eval_accuracy``, ``eval_reward_mean`` (:data:`OPTIONAL_METRIC_KEYS`).
+Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean`` (eval steps only);
+``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``).
 
 Non-finite values (a skipped step's loss) are stored as the strings ``"NaN"``, ``"Infinity"``,
 ``"-Infinity"`` so every line stays valid JSON; :func:`read_metrics` turns them back into floats.
@@ -43,13 +46,13 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "step", "epoch",
     "reward_mean", "reward_std", "accuracy",
     "response_length_mean", "response_length_max", "response_clip_ratio",
-    "entropy_mean", "silenced_frac", "spurious_frac", "keep_frac", "tau_h",
+    "entropy_mean", "silenced_frac", "spurious_frac", "keep_frac", "mask_tau_h", "probe_tau_h",
     "clip_frac_low", "clip_frac_high", "approx_kl", "loss", "grad_norm", "lr",
     "zero_std_group_frac", "skipped_updates", "skipped_steps",
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",
     "tokens_per_s",
 )
-OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean")
+OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "kl")
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"

@@ -4,16 +4,21 @@ For every response token ``y_t`` we need ``log pi(y_t | x, y_<t)`` and the entro
 next-token distribution, at the sampling temperature, in fp32. They are computed from the decoder's
 hidden states with :func:`stapo.losses.token_logprobs_and_entropy`, which works in token chunks and
 recomputes each chunk in backward, so a micro-batch never materializes ``(tokens x vocab)`` logits
-(DESIGN.md §3: Qwen3's 151,936-token vocabulary makes those tens of GB on long responses).
+(docs/losses.md: Qwen3's 151,936-token vocabulary makes those tens of GB on long responses).
 
 Under ZeRO-3 the lm_head weight is partitioned. The chunked op is therefore run *as the lm_head
 module's forward*: DeepSpeed's module hooks gather the weight for forward and again for backward,
 exactly as they do for the plain ``nn.Linear`` they replace, and reduce-scatter its gradient.
+
+Rows are fed either padded (:class:`PolicyInputs`) or packed into one padding-free row
+(:class:`PackedInputs`, ``trainer.packing``); both give the same statistics (to float rounding,
+tested to 1e-5 in fp32) and :func:`teacher_forced_inputs` is the one place that builds them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 
@@ -22,7 +27,7 @@ from stapo.losses import token_logprobs_and_entropy, token_topk
 
 @dataclass
 class PolicyInputs:
-    """Teacher-forced inputs for ``b`` rows: ``[left-padded prompt | right-padded response]``."""
+    """Padded teacher-forced inputs for ``b`` rows: ``[left-padded prompt | right-padded response]``."""
 
     input_ids: torch.Tensor  # (b, Lp + T) long
     attention_mask: torch.Tensor  # (b, Lp + T) long
@@ -37,9 +42,7 @@ class PolicyInputs:
         prompt_cols = prompt_mask.any(dim=0).nonzero()
         first = int(prompt_cols[0]) if len(prompt_cols) else prompt_mask.shape[1] - 1
         prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
-        resp_cols = response_mask.any(dim=0).nonzero()
-        t_len = int(resp_cols[-1]) + 1 if len(resp_cols) else 1
-        response_ids, response_mask = response_ids[:, :t_len], response_mask[:, :t_len]
+        response_ids, response_mask = _trim_responses(response_ids, response_mask)
         attention = torch.cat([prompt_mask, response_mask], dim=1).long()  # (b, Lp + T)
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)  # left padding: real tokens start at 0
         return cls(
@@ -57,19 +60,68 @@ class PolicyInputs:
             self.response_ids.to(device), self.response_mask.to(device), self.prompt_length,
         )
 
+    def target_hidden(self, decoder) -> torch.Tensor:
+        """Hidden states that predict the valid response tokens, ``(N, H)`` in row-major order."""
+        out = decoder(input_ids=self.input_ids, attention_mask=self.attention_mask,
+                      position_ids=self.position_ids, use_cache=False)
+        start, t_len = self.prompt_length - 1, self.response_ids.shape[1]
+        return out.last_hidden_state[:, start: start + t_len][self.response_mask]
 
-def _response_hidden(model, inputs: PolicyInputs) -> torch.Tensor:
-    """Decoder hidden states at the positions that predict response tokens: ``(b, T, H)``."""
-    decoder = model.get_decoder()
-    out = decoder(
-        input_ids=inputs.input_ids,
-        attention_mask=inputs.attention_mask,
-        position_ids=inputs.position_ids,
-        use_cache=False,
-    )
-    t_len = inputs.response_ids.shape[1]
-    start = inputs.prompt_length - 1
-    return out.last_hidden_state[:, start : start + t_len]
+
+@dataclass
+class PackedInputs:
+    """Padding-free teacher-forced inputs: ``b`` sequences (prompt + response) concatenated in ONE row.
+
+    Position ids restart at 0 for every sequence and no attention mask is passed, so transformers
+    builds attention that never crosses sequences (its packed-sequence support: a block-causal mask
+    for sdpa/eager/flex, ``cu_seqlens`` for flash-attention). The forward computes only real tokens,
+    so its cost is the sum of the lengths, not ``b x`` the longest (docs/distributed.md, packing).
+    """
+
+    input_ids: torch.Tensor  # (1, S) long, S = real tokens of the b sequences
+    position_ids: torch.Tensor  # (1, S) long, 0.. per sequence
+    target_index: torch.Tensor  # (N,) long: column whose hidden state predicts valid response token n
+    response_ids: torch.Tensor  # (b, T) long
+    response_mask: torch.Tensor  # (b, T) bool
+
+    @classmethod
+    def from_parts(cls, prompt_ids, prompt_mask, response_ids, response_mask) -> "PackedInputs":
+        """Pack left-padded prompts and right-padded responses (real tokens of a row are contiguous)."""
+        if not bool(prompt_mask.any(dim=1).all()):
+            raise ValueError("PackedInputs: every row needs at least one prompt token")
+        response_ids, response_mask = _trim_responses(response_ids, response_mask)
+        real = torch.cat([prompt_mask, response_mask], dim=1)  # (b, Lp + T) bool
+        ids = torch.cat([prompt_ids, response_ids], dim=1)[real]  # (S,) row by row
+        positions = (real.long().cumsum(dim=1) - 1)[real]  # (S,) restart per row
+        column = real.flatten().long().cumsum(0).view(real.shape) - 1  # packed column of each real token
+        target = column[:, prompt_mask.shape[1]:][response_mask] - 1  # the token before each response token
+        return cls(ids[None], positions[None], target, response_ids, response_mask.bool())
+
+    def to(self, device) -> "PackedInputs":
+        return PackedInputs(self.input_ids.to(device), self.position_ids.to(device), self.target_index.to(device),
+                            self.response_ids.to(device), self.response_mask.to(device))
+
+    def target_hidden(self, decoder) -> torch.Tensor:
+        out = decoder(input_ids=self.input_ids, attention_mask=None, position_ids=self.position_ids,
+                      use_cache=False)
+        return out.last_hidden_state[0, self.target_index]  # (N, H)
+
+
+TeacherForcedInputs = Union[PolicyInputs, PackedInputs]
+
+
+def teacher_forced_inputs(prompt_ids, prompt_mask, response_ids, response_mask, *,
+                          packed: bool) -> TeacherForcedInputs:
+    """THE builder of teacher-forced inputs (packed or padded) for the rows given."""
+    cls = PackedInputs if packed else PolicyInputs
+    return cls.from_parts(prompt_ids, prompt_mask, response_ids, response_mask)
+
+
+def _trim_responses(response_ids, response_mask):
+    """Drop response columns that are padding in every row (keep at least one)."""
+    cols = response_mask.any(dim=0).nonzero()
+    t_len = int(cols[-1]) + 1 if len(cols) else 1
+    return response_ids[:, :t_len], response_mask[:, :t_len]
 
 
 def _run_as_lm_head(model, fn, hidden: torch.Tensor):
@@ -82,13 +134,13 @@ def _run_as_lm_head(model, fn, hidden: torch.Tensor):
         del head.forward  # back to the class's own forward
 
 
-def response_token_stats(model, inputs: PolicyInputs, *, temperature: float, chunk_size: int):
+def response_token_stats(model, inputs: TeacherForcedInputs, *, temperature: float, chunk_size: int):
     """``(logprobs, entropy)`` of each response token, ``(b, T)`` fp32, zero on padding.
 
     ``logprobs`` carries gradients when called with grad enabled; ``entropy`` never does.
     """
     mask = inputs.response_mask
-    hidden = _response_hidden(model, inputs)[mask]  # (N, H): valid tokens only
+    hidden = inputs.target_hidden(model.get_decoder())  # (N, H): valid tokens only
     labels = inputs.response_ids[mask]  # (N,)
 
     def stats(h, weight):
@@ -100,9 +152,9 @@ def response_token_stats(model, inputs: PolicyInputs, *, temperature: float, chu
 
 
 @torch.no_grad()
-def response_token_topk(model, inputs: PolicyInputs, *, temperature: float, chunk_size: int, k: int = 5):
+def response_token_topk(model, inputs: TeacherForcedInputs, *, temperature: float, chunk_size: int, k: int = 5):
     """Top-``k`` alternatives and collision probability of each valid response token (inspector)."""
-    hidden = _response_hidden(model, inputs)[inputs.response_mask]
+    hidden = inputs.target_hidden(model.get_decoder())
     return _run_as_lm_head(
         model, lambda h, w: token_topk(h, w, k=k, temperature=temperature, chunk_size=chunk_size), hidden
     )

@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 
 from stapo.inspect.collect import build_token_record
-from stapo.losses import registered_name
 from stapo.inspect.records import token_record_path, write_token_record
+from stapo.trainer.microbatch import MicroBatches
 from stapo.trainer.policy import response_token_topk
-from stapo.trainer.update import micro_slices
 
 
 class TokenRecorder:
@@ -26,29 +25,27 @@ class TokenRecorder:
         return self.every > 0 and step % self.every == 0
 
     @torch.no_grad()
-    def record(self, step, model, mini, stats, masked, rollout, rewards, tokenizer, mask, opts) -> None:
-        """Write the record of one mini-batch (rank 0's rows; every rank runs the forward)."""
+    def record(self, step, model, mini, stats, masked, thresholds, rollout, rewards, tokenizer, mask_name,
+               opts) -> None:
+        """Write the record of one mini-batch (rank 0's rows; every rank runs the forward). Called
+        before the mini-batch's update, so top-k comes from the theta that gave p and H."""
         shape = (*mini.response_ids.shape, self.top_k)
         topk_ids = torch.zeros(shape, dtype=torch.long)
         topk_probs = torch.zeros(shape)
         collision = torch.zeros(mini.response_ids.shape)
-        device = next(model.parameters()).device
-        for sl in micro_slices(len(mini), opts.micro_batch_size):
-            inputs = mini.policy_inputs(sl).to(device)
+        for rows, inputs in MicroBatches(mini, opts, next(model.parameters()).device, no_grad=True):
             top = response_token_topk(model, inputs, temperature=opts.temperature,
                                       chunk_size=opts.chunk_size, k=self.top_k)
-            valid = torch.zeros_like(mini.response_mask[sl])
+            valid = torch.zeros_like(mini.response_mask[rows])
             valid[:, : inputs.response_mask.shape[1]] = inputs.response_mask.cpu()
-            topk_ids[sl][valid] = top.ids.cpu()
-            topk_probs[sl][valid] = top.probs.cpu()
-            collision[sl][valid] = top.collision.cpu()
+            flat = rows[:, None].expand_as(valid)[valid], valid.nonzero()[:, 1]  # (row, column) of each token
+            topk_ids[flat] = top.ids.cpu()
+            topk_probs[flat] = top.probs.cpu()
+            collision[flat] = top.collision.cpu()
         if not self.is_main:
             return
-        thresholds = {k: float(v) for k, v in masked.thresholds.items()}
-        thresholds.setdefault("tau_p", float(getattr(mask, "tau_p", float("nan"))))
         record = build_token_record(
-            step=step, minibatch=0, mask_name=registered_name(mask) or type(mask).__name__,
-            thresholds=thresholds,
+            step=step, minibatch=0, mask_name=mask_name, thresholds={k: float(v) for k, v in thresholds.items()},
             token_ids=mini.response_ids, logprobs=stats.logprobs, entropy=stats.entropy,
             advantages=stats.advantages, response_mask=stats.response_mask, keep=masked.keep,
             topk_ids=topk_ids, topk_probs=topk_probs, collision=collision,

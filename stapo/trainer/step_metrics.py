@@ -12,12 +12,12 @@ from contextlib import contextmanager
 
 import torch
 
+from stapo.losses import MaskResult, TokenStats
 from stapo.trainer.distributed import reduce_metrics
-from stapo.trainer.engine import current_lr
 
 # Quantities that are already global (identical on every rank) before the reduction. (The loss is
 # not: each rank holds its share of Eq. 1's numerator over the global denominator.)
-_GLOBAL = ("tau_h", "grad_norm")
+_GLOBAL = ("mask_tau_h", "probe_tau_h", "grad_norm")
 
 
 class PhaseTimer:
@@ -66,6 +66,26 @@ def _rollout_sums(rollout, rewards: torch.Tensor, group_size: int) -> dict[str, 
     }
 
 
+def mask_sums(stats: TokenStats, masked: MaskResult, probe: MaskResult) -> dict[str, torch.Tensor]:
+    """What the active mask and the S2T probe did on one mini-batch, as sums (device tensors).
+
+    ``mask_tau_h`` is the ACTIVE mask's entropy threshold (NaN for a mask without one) and
+    ``probe_tau_h`` the probe's (the S2T criterion at the configured tau_p / entropy_quantile,
+    whatever mask is active), so neither can be mistaken for the other.
+    """
+    valid = stats.response_mask
+    nan = torch.tensor(float("nan"), device=valid.device)
+    return {
+        "valid_tokens": valid.sum(),
+        "kept_tokens_mask": masked.keep.sum(),
+        "silenced_tokens": masked.silenced.sum(),
+        "spurious_tokens": probe.silenced.sum(),
+        "entropy_sum": stats.entropy[valid].sum(),
+        "mask_tau_h": masked.thresholds.get("tau_h", nan).detach().float(),
+        "probe_tau_h": probe.thresholds.get("tau_h", nan).detach().float(),
+    }
+
+
 def _global_max(value: float) -> float:
     import torch.distributed as dist
 
@@ -75,22 +95,27 @@ def _global_max(value: float) -> float:
     return float(t)
 
 
-def step_metrics(trainer, rollout, rewards: torch.Tensor, sums: StepSums, timer: PhaseTimer) -> dict[str, float]:
-    """The documented per-step metrics, reduced once across ranks."""
-    world = trainer.dist.world_size
-    local = {**_rollout_sums(rollout, rewards, trainer.config.rollout.group_size), **sums}
-    local.setdefault("tau_h", float("nan"))
+def skipped_updates(sums: StepSums) -> int:
+    """Mini-batch updates skipped this step (identical on every rank: the grad norm is global)."""
+    return int(round(float(sums["minibatches"]) - float(sums["step_applied"])))
+
+
+def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_size: int, world_size: int,
+                 rollout, rewards: torch.Tensor, sums: StepSums, timer: PhaseTimer) -> dict[str, float]:
+    """The documented per-step metrics from plain values, reduced once across ranks."""
+    local = {**_rollout_sums(rollout, rewards, group_size), **sums}
     s = reduce_metrics(local)
-    minibatches = s["minibatches"] / world
+    minibatches = s["minibatches"] / world_size
     for key in _GLOBAL:  # identical on every rank: undo the sum over ranks
-        s[key] = s.get(key, 0.0) / world
+        s[key] = s.get(key, 0.0) / world_size
     n, valid, kept = s["responses"], max(s["valid_tokens"], 1.0), max(s["kept_tokens_mask"], 1.0)
     reward_mean = s["reward_sum"] / n
-    applied = s["step_applied"] / world
+    applied = s["step_applied"] / world_size
     step_time = timer.total()
+    optional = {"kl": s["kl_sum"] / kept} if "kl_sum" in s else {}  # only with a reference policy
     return {
-        "step": float(trainer.step_count),
-        "epoch": float(trainer.sampler.epoch),
+        "step": float(step),
+        "epoch": float(epoch),
         "reward_mean": reward_mean,
         "reward_std": max(s["reward_sq_sum"] / n - reward_mean**2, 0.0) ** 0.5,
         "accuracy": s["correct"] / n,
@@ -99,21 +124,23 @@ def step_metrics(trainer, rollout, rewards: torch.Tensor, sums: StepSums, timer:
         "response_clip_ratio": s["truncated"] / n,
         "entropy_mean": s["entropy_sum"] / valid,
         "silenced_frac": s["silenced_tokens"] / valid,
-        "spurious_frac": s.get("spurious_tokens", 0.0) / valid,
+        "spurious_frac": s["spurious_tokens"] / valid,
         "keep_frac": s["kept_tokens_mask"] / valid,
-        "tau_h": s["tau_h"] / minibatches,
+        "mask_tau_h": s["mask_tau_h"] / minibatches,
+        "probe_tau_h": s["probe_tau_h"] / minibatches,
         "clip_frac_low": s.get("clip_low_count", 0.0) / kept,
         "clip_frac_high": s.get("clip_high_count", 0.0) / kept,
         "approx_kl": s.get("approx_kl_sum", 0.0) / kept,
         "loss": s["loss"] / minibatches,
         "grad_norm": s["grad_norm"] / max(applied, 1.0),
-        "lr": current_lr(trainer.engine),
+        "lr": lr,
         "zero_std_group_frac": s["zero_std_groups"] / s["groups"],
         "skipped_updates": minibatches - applied,
-        "skipped_steps": float(trainer.skipped_steps),
+        "skipped_steps": float(skipped_steps),
         **{f"time_{phase}": timer.seconds.get(phase, 0.0) for phase in ("rollout", "reward", "stats", "update", "sync")},
         "time_step": step_time,
         "tokens_per_s": (s["length_sum"] + s["prompt_tokens"]) / step_time,
+        **optional,
     }
 
 

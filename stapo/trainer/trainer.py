@@ -21,18 +21,27 @@ from pathlib import Path
 import torch
 
 from stapo.config import STAPOConfig
-from stapo.losses import TokenMask, TokenStats, build_mask, group_advantages
+from stapo.losses import TokenMask, TokenStats, build_mask, group_advantages, registered_name
 from stapo.rollout import Rollout, SamplingParams
 from stapo.trainer import components as build
 from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_hf, latest_checkpoint
 from stapo.trainer.distributed import barrier, init_distributed
 from stapo.trainer.metrics import MetricsLogger
 from stapo.trainer.recording import TokenRecorder
-from stapo.trainer.step_metrics import PhaseTimer, StepSums, evaluation_metrics, sample_completions, step_metrics
-from stapo.trainer.update import TrainBatch, micro_slices, policy_stats, update_minibatch
+from stapo.trainer.engine import current_lr
+from stapo.trainer.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
+                                        skipped_updates, step_metrics)
+from stapo.trainer.update import TrainBatch, policy_stats, update_minibatch
 from stapo.trainer.weight_sync import sync_weights
 
 log = logging.getLogger("stapo.trainer")
+
+
+def spurious_probe(mask: TokenMask) -> TokenMask:
+    """The S2T criterion (``stapo`` mask) at the active mask's ``tau_p`` / ``entropy_quantile`` where it
+    has them, the paper's defaults otherwise: ``spurious_frac`` then follows a tau_p / tau_h sweep."""
+    params = {name: getattr(mask, name) for name in ("tau_p", "entropy_quantile") if hasattr(mask, name)}
+    return build_mask("stapo", **params)
 
 
 class TrainingAborted(RuntimeError):
@@ -63,9 +72,10 @@ class STAPOTrainer:
         self.tokenizer = build.load_tokenizer(self.model_path, cfg)
         self.engine = build.build_deepspeed(build.load_policy(self.model_path, cfg), cfg, self.dist.world_size)
         self.model = self.engine.module
+        self.reference = build.build_reference(cfg, self.model_path)  # None unless loss.kl_coef > 0
         self.rollout_engine = build.build_rollout_engine(cfg, self.model_path, self.tokenizer)
         self.mask = mask if mask is not None else build_mask(cfg.mask.name, **cfg.mask.params)
-        self.spurious_probe = build_mask("stapo")  # S2T criterion as a diagnostic, whatever the mask
+        self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
         self.score, self._close_scorer = build.build_scorer(cfg, reward_fn)
         self.train_data, self.eval_data = build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset)
         from stapo.data import PromptSampler
@@ -97,27 +107,37 @@ class STAPOTrainer:
             rewards = torch.tensor(self.score(rollout.response_text, rollout.ground_truth), dtype=torch.float32)
             advantages = group_advantages(  # line 5, Eq. 2
                 rewards, cfg.rollout.group_size, scale=cfg.loss.advantage_scale, eps=cfg.loss.advantage_eps)
-        batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids,
-                           rollout.response_mask, advantages)
         with timer("stats"):
-            batch.old_logprobs, batch.old_entropy = policy_stats(self.model, batch, self.opts)  # theta_old
+            batch = self._train_batch(rollout, advantages)  # theta_old's logprobs and entropy (line 8)
         sums = StepSums()
         for k, rows in enumerate(self._mini_batches(len(batch))):  # line 6
             mini = batch.rows(rows)
             with timer("stats"):
                 stats = self._mask_stats(mini, first=k == 0)  # line 8: p and H of the current policy
-            with timer("update"):
-                minibatch_sums, masked = update_minibatch(  # lines 9-12: S2T mask, Eq. 1, optimizer step
-                    self.engine, self.model, mini, stats, self.mask, self.opts, self.spurious_probe)
-            sums.add(minibatch_sums)
+            masked = self.mask.apply(stats)  # lines 9-10: the S2T mask (or a baseline's)
+            probe = self.spurious_probe.apply(stats)  # diagnostic: the S2T criterion, whatever the mask
             if k == 0:
-                self._observe(mini, stats, masked, rollout.select(rows), rewards[rows])
+                self._observe(mini, stats, masked, probe, rollout.select(rows), rewards[rows])
+            with timer("update"):  # lines 11-12: Eq. 1 over kept tokens, optimizer step
+                update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts)
+            sums.add({**update_sums, **mask_sums(stats, masked, probe)})
         with timer("sync"):
             sync_weights(self.model, self.rollout_engine, cfg.rollout.sync_bucket_mb * 2**20)  # next line 3
         self.step_count += 1
-        metrics = step_metrics(self, rollout, rewards, sums, timer)
-        self._track_skips(metrics)
-        return metrics
+        self._track_skips(skipped_updates(sums))
+        return step_metrics(step=self.step_count, epoch=self.sampler.epoch, lr=current_lr(self.engine),
+                            skipped_steps=self.skipped_steps, group_size=cfg.rollout.group_size,
+                            world_size=self.dist.world_size, rollout=rollout, rewards=rewards, sums=sums,
+                            timer=timer)
+
+    def _train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:
+        """The iteration's rows, complete: theta_old's stats from the no-grad pass (and the reference
+        policy's logprobs when ``loss.kl_coef > 0``)."""
+        old_logprobs, old_entropy = policy_stats(self.model, rollout, self.opts)
+        ref_logprobs = policy_stats(self.reference, rollout, self.opts)[0] if self.reference is not None else None
+        return TrainBatch(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask,
+                          advantages, old_logprobs, old_entropy, sampling_logprobs=rollout.sampling_logprobs,
+                          ref_logprobs=ref_logprobs)
 
     def _mask_stats(self, mini: TrainBatch, first: bool) -> TokenStats:
         """Exact stats for the first mini-batch (theta = theta_old); later ones need a fresh pass
@@ -129,7 +149,8 @@ class STAPOTrainer:
         return TokenStats(logprobs, entropy, mini.advantages, mini.response_mask)
 
     def _mini_batches(self, num_rows: int) -> list[slice]:
-        return micro_slices(num_rows, build.rows_per_rank(self.config, self.dist.world_size))
+        size = build.rows_per_rank(self.config, self.dist.world_size)
+        return [slice(s, min(s + size, num_rows)) for s in range(0, num_rows, size)]
 
     # ---- rollout ----------------------------------------------------------------------------
     def _next_prompts(self) -> list:
@@ -211,20 +232,22 @@ class STAPOTrainer:
         self._close_scorer()
         return summary
 
-    def _observe(self, mini, stats, masked, rollout, rewards) -> None:
-        """Sample completions and token records of the first mini-batch, when due."""
+    def _observe(self, mini, stats, masked, probe, rollout, rewards) -> None:
+        """Sample completions and token records of the first mini-batch, when due. Runs BEFORE its
+        update, so the recorder's top-k alternatives come from the same theta_old as p, H and A."""
         step, every = self.step_count + 1, self.config.logging.log_samples_every
         if every and step % every == 0:
             self.logger.log_samples(step, sample_completions(rollout, rewards, masked.silenced, self.tokenizer))
         if self.recorder.due(step):
-            self.recorder.record(step, self.model, mini, stats, masked, rollout, rewards,
-                                 self.tokenizer, self.mask, self.opts)
+            thresholds = {"tau_p": self.spurious_probe.tau_p, **probe.thresholds, **masked.thresholds}
+            self.recorder.record(step, self.model, mini, stats, masked, thresholds, rollout, rewards,
+                                 self.tokenizer, registered_name(self.mask) or type(self.mask).__name__, self.opts)
 
-    def _track_skips(self, metrics: dict[str, float]) -> None:
-        skipped = metrics.get("skipped_updates", 0.0) > 0
+    def _track_skips(self, skipped_updates: int) -> None:
+        """The one place that counts skipped steps (and aborts after too many in a row)."""
+        skipped = skipped_updates > 0
         self.skipped_steps += int(skipped)
         self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
-        metrics["skipped_steps"] = float(self.skipped_steps)
         if skipped:
             log.warning("step %d: non-finite loss or grad norm, update skipped (%d in a row)",
                         self.step_count, self._consecutive_skips)

@@ -1,49 +1,57 @@
-"""One policy update on one mini-batch (Algorithm 1 lines 7-12, paper Eq. 1).
+"""The no-grad stats pass and one policy update on one mini-batch (Algorithm 1 lines 7-12, Eq. 1).
 
 The update must not depend on how the mini-batch is cut into micro-batches or spread over ranks
-(DESIGN.md §1). Three things make that exact:
+(docs/algorithm.md). Three things make that exact:
 
-1. the keep mask is computed once per mini-batch, with quantile thresholds over the valid tokens of
-   the whole mini-batch on all ranks (``masked_quantile`` all-gathers);
+1. the keep mask is computed once per mini-batch by the caller, with quantile thresholds over the
+   valid tokens of the whole mini-batch on all ranks (``masked_quantile`` all-gathers);
 2. the loss normalizer (kept tokens for ``token-mean``, rows for the ``seq-mean-*`` modes) is the
    GLOBAL count, all-reduced before any backward, so micro-batch losses add up to Eq. 1;
-3. gradients are summed, not averaged, over micro-batches and ranks (``backward_sum``).
+3. gradients are summed, not averaged, over micro-batches and ranks (``GradientAccumulation``).
+
+Both passes run over :class:`~stapo.trainer.microbatch.MicroBatches`: rows cut by count or by a
+token budget, each micro-batch packed into one padding-free row (``trainer.packing``) or padded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from stapo.losses import MaskResult, TokenMask, TokenStats, all_reduce_sum_, clipped_surrogate_loss
-from stapo.trainer.engine import backward_sum, optimizer_step
-from stapo.trainer.policy import PolicyInputs, response_token_stats
+from stapo.losses import all_reduce_sum_, clipped_surrogate_loss
+from stapo.losses.ops import DEFAULT_CHUNK_SIZE
+from stapo.trainer.engine import GradientAccumulation
+from stapo.trainer.microbatch import MicroBatches
+from stapo.trainer.policy import response_token_stats
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainBatch:
-    """Rank-local rows of one iteration with everything the update reads."""
+    """This rank's rows of one iteration, complete: everything the update reads."""
 
     prompt_ids: torch.Tensor  # (B, Lp) long, left-padded
     prompt_mask: torch.Tensor  # (B, Lp) bool
     response_ids: torch.Tensor  # (B, T) long, right-padded
     response_mask: torch.Tensor  # (B, T) bool
     advantages: torch.Tensor  # (B,) fp32, shared by all tokens of a response
-    old_logprobs: torch.Tensor | None = None  # (B, T) fp32, policy at theta_old
-    old_entropy: torch.Tensor | None = None  # (B, T) fp32
+    old_logprobs: torch.Tensor  # (B, T) fp32, policy at theta_old (trainer recompute)
+    old_entropy: torch.Tensor  # (B, T) fp32
+    sampling_logprobs: torch.Tensor | None = None  # (B, T) fp32, the rollout engine's (for TIS)
+    ref_logprobs: torch.Tensor | None = None  # (B, T) fp32, frozen reference policy (for the KL term)
+    loss_mask: torch.Tensor | None = None  # (B, T) bool: tokens allowed in the loss (None: response_mask)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 
-    def rows(self, index: slice) -> "TrainBatch":
+    def rows(self, index: slice | torch.Tensor) -> "TrainBatch":
         pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return TrainBatch(*(pick(getattr(self, name)) for name in self.__dataclass_fields__))
+        return TrainBatch(**{f.name: pick(getattr(self, f.name)) for f in fields(self)})
 
-    def policy_inputs(self, index: slice) -> PolicyInputs:
-        return PolicyInputs.from_parts(
-            self.prompt_ids[index], self.prompt_mask[index], self.response_ids[index], self.response_mask[index]
-        )
+    @property
+    def trainable(self) -> torch.Tensor:
+        """(B, T) bool: response tokens the loss may use (``loss.mask_truncated`` drops cut rows)."""
+        return self.response_mask if self.loss_mask is None else self.loss_mask & self.response_mask
 
 
 @dataclass(frozen=True)
@@ -55,29 +63,39 @@ class UpdateOptions:
     clip_c: float | None = None
     agg: str = "token-mean"
     log_ratio_clamp: float = 20.0
-    micro_batch_size: int = 1
     temperature: float = 1.0
-    chunk_size: int = 1024
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     max_response_length: int | None = None
+    kl_coef: float = 0.0
+    tis_cap: float | None = None
+    entropy_coef: float = 0.0
+    # micro-batching: rows (micro_batch_size) unless a token budget is set; packed or padded rows
+    packing: bool = True
+    micro_batch_size: int = 1
+    max_tokens_per_micro_batch: int | None = None
+    max_tokens_per_stats_micro_batch: int | None = None
 
-
-def micro_slices(num_rows: int, micro_batch_size: int) -> list[slice]:
-    return [slice(s, min(s + micro_batch_size, num_rows)) for s in range(0, num_rows, micro_batch_size)]
+    def budget(self, no_grad: bool) -> int | None:
+        """Token budget of a micro-batch; the no-grad pass holds no activations, so it takes twice
+        the update's budget unless set."""
+        if no_grad and self.max_tokens_per_stats_micro_batch:
+            return self.max_tokens_per_stats_micro_batch
+        if self.max_tokens_per_micro_batch:
+            return self.max_tokens_per_micro_batch * (2 if no_grad else 1)
+        return None
 
 
 @torch.no_grad()
-def policy_stats(model, batch: TrainBatch, opts: UpdateOptions) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad ``(logprobs, entropy)`` ``(B, T)`` of the current policy, same micro-batching as training
-    (identical shapes give bitwise-identical logprobs, so rho = 1 exactly at theta_old)."""
-    shape = batch.response_ids.shape
+def policy_stats(model, seqs, opts: UpdateOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad ``(logprobs, entropy)`` ``(B, T)`` fp32 on CPU of ``model`` over ``seqs`` (a Rollout
+    or TrainBatch: prompt/response ids and masks); zero on padding."""
+    shape = seqs.response_ids.shape
     logprobs = torch.zeros(shape, dtype=torch.float32)
     entropy = torch.zeros(shape, dtype=torch.float32)
-    device = next(model.parameters()).device
-    for sl in micro_slices(len(batch), opts.micro_batch_size):
-        inputs = batch.policy_inputs(sl).to(device)
+    for rows, inputs in MicroBatches(seqs, opts, _device(model), no_grad=True):
         lp, ent = response_token_stats(model, inputs, temperature=opts.temperature, chunk_size=opts.chunk_size)
         t_len = lp.shape[1]
-        logprobs[sl, :t_len], entropy[sl, :t_len] = lp.cpu(), ent.cpu()
+        logprobs[rows, :t_len], entropy[rows, :t_len] = lp.cpu(), ent.cpu()
     return logprobs, entropy
 
 
@@ -87,55 +105,44 @@ def _global_normalizer(keep: torch.Tensor, agg: str) -> torch.Tensor:
     return all_reduce_sum_(local.to(torch.float64)).to(torch.float32)
 
 
-def update_minibatch(engine, model, batch: TrainBatch, stats: TokenStats, mask: TokenMask,
-                     opts: UpdateOptions, spurious_mask: TokenMask | None = None
-                     ) -> tuple[dict[str, torch.Tensor], MaskResult]:
-    """Mask, loss, backward over micro-batches, one optimizer step.
+def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
+                     opts: UpdateOptions) -> dict[str, torch.Tensor]:
+    """Eq. 1 over the kept tokens, backward over micro-batches, one optimizer step.
 
-    Returns this rank's metric SUMS (tensors) and the mask's result (keep, silenced, thresholds).
+    ``keep``: ``(B, T)`` bool from the mask strategy (never true on padding). Returns this rank's
+    metric SUMS as device tensors (the step reduces them once; no per-micro-batch sync).
     """
-    masked = mask.apply(stats)  # keep: (B, T) bool, never true on padding
-    keep = masked.keep
+    keep = keep & batch.trainable
     normalizer = _global_normalizer(keep, opts.agg)
-    device = next(model.parameters()).device
+    device = _device(model)
+    micro_batches = MicroBatches(batch, opts, device, no_grad=False)
+    accumulation = GradientAccumulation(engine, len(micro_batches))
     sums: dict[str, torch.Tensor] = {}
-    for sl in micro_slices(len(batch), opts.micro_batch_size):
-        inputs = batch.policy_inputs(sl).to(device)
-        t_len = inputs.response_ids.shape[1]
+    for rows, inputs in micro_batches:
         logprobs, _ = response_token_stats(model, inputs, temperature=opts.temperature, chunk_size=opts.chunk_size)
+        t_len = logprobs.shape[1]
+        part = batch.rows(rows)
+        old = part.old_logprobs[:, :t_len].to(device)
+        ref = part.ref_logprobs[:, :t_len].to(device) if part.ref_logprobs is not None else None
         loss, metrics = clipped_surrogate_loss(
-            logprobs,
-            batch.old_logprobs[sl, :t_len].to(device),
-            batch.advantages[sl].to(device),
-            keep[sl, :t_len].to(device),
-            clip_low=opts.clip_low,
-            clip_high=opts.clip_high,
-            clip_c=opts.clip_c,
-            agg=opts.agg,
-            normalizer=normalizer.to(device),
-            max_response_length=opts.max_response_length,
-            log_ratio_clamp=opts.log_ratio_clamp,
+            logprobs, old, part.advantages.to(device), keep[rows, :t_len].to(device),
+            clip_low=opts.clip_low, clip_high=opts.clip_high, clip_c=opts.clip_c, agg=opts.agg,
+            normalizer=normalizer.to(device), max_response_length=opts.max_response_length,
+            log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef,
         )
-        backward_sum(engine, loss)
+        accumulation.backward(loss)
         _accumulate(sums, {"loss": loss.detach(), **metrics})
-    step = optimizer_step(engine)
-    valid = stats.response_mask
+    step = accumulation.step()
     _accumulate(sums, {
-        "valid_tokens": valid.sum(),
-        "kept_tokens_mask": keep.sum(),
-        "silenced_tokens": masked.silenced.sum(),
-        "entropy_sum": stats.entropy[valid].sum(),
         "step_applied": torch.tensor(float(step.applied)),
         "grad_norm": torch.tensor(float(step.grad_norm) if step.applied else 0.0),
+        "micro_batches": torch.tensor(float(len(micro_batches))),
     })
-    thresholds = dict(masked.thresholds)
-    if spurious_mask is not None:  # the S2T criterion as a diagnostic, whatever mask is active
-        probe = spurious_mask.apply(stats)
-        sums["spurious_tokens"] = probe.silenced.sum()
-        thresholds = {**probe.thresholds, **thresholds}
-    if "tau_h" in thresholds:
-        sums["tau_h"] = thresholds["tau_h"].detach().float()
-    return sums, masked  # device tensors: the step reduces them once (no per-micro-batch sync)
+    return sums
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
 
 
 def _accumulate(total: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:

@@ -32,11 +32,12 @@ def _tokenizer():
 
 
 def _train_step(engine, rank, shift):
-    from stapo.trainer.engine import backward_sum, optimizer_step
+    from stapo.trainer.engine import GradientAccumulation
 
     ids = (IDS[rank : rank + 1] + shift) % 64
-    backward_sum(engine, engine(input_ids=ids, labels=ids).loss)
-    return optimizer_step(engine)
+    accumulation = GradientAccumulation(engine, 1)
+    accumulation.backward(engine(input_ids=ids, labels=ids).loss)
+    return accumulation.step()
 
 
 def _roundtrip_worker(out_dir, **_):

@@ -43,8 +43,7 @@ def _weights(model):
 def _engine_worker(out_dir, **_):
     from stapo.trainer.distributed import (barrier, broadcast_object, init_distributed,
                                            is_main_process, reduce_metrics)
-    from stapo.trainer.engine import (backward_sum, build_engine, current_lr, gather_full_grads,
-                                      optimizer_step)
+    from stapo.trainer.engine import GradientAccumulation, build_engine, current_lr, gather_full_grads
 
     info = init_distributed()
     with pytest.raises(ValueError, match="initial weights differ across ranks"):
@@ -58,10 +57,11 @@ def _engine_worker(out_dir, **_):
     out["w0"] = _weights(engine)
 
     def one_step(scale=1.0):
+        accumulation = GradientAccumulation(engine, len(mine))
         for i in mine:
-            backward_sum(engine, _loss(engine, ids[i], masks[i]) * scale)
+            accumulation.backward(_loss(engine, ids[i], masks[i]) * scale)
         grads = gather_full_grads(engine)
-        return grads, optimizer_step(engine)
+        return grads, accumulation.step()
 
     out["grads1"], out["step1"] = one_step()
     out["w1"], out["lr1"] = _weights(engine), current_lr(engine)
@@ -69,8 +69,8 @@ def _engine_worker(out_dir, **_):
     out["w_nan"], out["lr_nan"] = _weights(engine), current_lr(engine)
     _, out["step2"] = one_step()
     out["w2"] = _weights(engine)
-    with pytest.raises(RuntimeError, match="optimizer_step called before"):
-        optimizer_step(engine)
+    with pytest.raises(RuntimeError, match="step called after 0 of 2 micro-batch backwards"):
+        GradientAccumulation(engine, 2).step()
     out["metrics"] = reduce_metrics({"reward_sum": torch.tensor(info.rank + 1.0), "count": 2})
     out["bcast"] = broadcast_object({"seed": 123} if info.rank == 0 else None)
     barrier()
@@ -170,7 +170,7 @@ def test_non_finite_loss_skips_the_step(two_ranks):
 
 def _single_process_worker(out_dir, **_):
     from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import backward_sum, build_engine, gather_full_grads, optimizer_step
+    from stapo.trainer.engine import GradientAccumulation, backward_sum, build_engine, gather_full_grads
     from stapo.trainer.weight_sync import iter_weight_buckets
 
     info = init_distributed()
@@ -178,17 +178,19 @@ def _single_process_worker(out_dir, **_):
     engine = build_engine(tiny_qwen3(seed=0), lr=LR, warmup_steps=0, grad_accum_steps=1, bf16=False)
     ids, masks = _data()
     with pytest.raises(ValueError, match="loss does not require grad"):
-        backward_sum(engine, torch.tensor(0.0))  # would deadlock ZeRO-3 peers: refused
-    backward_sum(engine, _loss(engine, ids[0], masks[0]))
-    with pytest.raises(RuntimeError, match="call optimizer_step"):
-        backward_sum(engine, _loss(engine, ids[0], masks[0]))
-    out = {"info": info, "env": env, "step": optimizer_step(engine),
+        backward_sum(engine, torch.tensor(0.0), last=True)  # would deadlock ZeRO-3 peers: refused
+    accumulation = GradientAccumulation(engine, 1)
+    accumulation.backward(_loss(engine, ids[0], masks[0]))
+    with pytest.raises(RuntimeError, match="call step"):
+        accumulation.backward(_loss(engine, ids[0], masks[0]))
+    out = {"info": info, "env": env, "step": accumulation.step(),
            "zero_stage": engine.zero_optimization_stage()}
     # bf16 (the GPU setting) also builds and steps on DeepSpeed's CPU accelerator
     bf16 = build_engine(tiny_qwen3(seed=0), lr=LR, warmup_steps=0, grad_accum_steps=1, bf16=True)
-    backward_sum(bf16, _loss(bf16, ids[0], masks[0]))
+    accumulation = GradientAccumulation(bf16, 1)
+    accumulation.backward(_loss(bf16, ids[0], masks[0]))
     out["bf16_grads"] = gather_full_grads(bf16)
-    out["bf16_step"] = optimizer_step(bf16)
+    out["bf16_step"] = accumulation.step()
     out["bf16_dtypes"] = {t.dtype for b in iter_weight_buckets(bf16) for _, t in b}
     return out
 

@@ -1,11 +1,9 @@
-"""The update does not depend on how a mini-batch is split into micro-batches or ranks (DESIGN §1).
+"""The update does not depend on how a mini-batch is split into micro-batches or ranks, nor on
+packing (docs/algorithm.md, docs/distributed.md).
 
 One mini-batch of 8 rows (2 prompts x G=4, ragged prompt and response lengths) is updated with
-real DeepSpeed ZeRO-3 under three layouts:
-
-    (1 rank, 4 micro-batches of 2)   (1 rank, 1 micro-batch of 8)   (2 ranks, 2 micro-batches of 2)
-
-and the loss, the keep mask and the accumulated full gradient (read before the optimizer step)
+real DeepSpeed ZeRO-3 under the layouts of ``LAYOUTS``: 1 or 2 ranks, padded or packed rows,
+micro-batches by row count or by a token budget. The loss, the keep mask and the accumulated full gradient (read before the optimizer step)
 must agree to fp32 tolerance, for the ``stapo`` and ``entropy_top`` masks. The stats the masks see
 are fixed per row (computed once by a plain forward) so only the layout differs; the ratio's
 denominator is offset per token so that both clip sides are exercised.
@@ -21,6 +19,12 @@ from _dist_utils import run_ranks
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 ROWS, G = 8, 4
+# (label, ranks, rows per micro-batch, packed, token budget): the padded reference "1x1" against
+# padded row micro-batches, packed row micro-batches and packed token-budget micro-batches
+# (budget 24 of 80 real tokens: several micro-batches per rank, balanced by length).
+LAYOUTS = (("1x1", 1, 8, False, None), ("1x4", 1, 2, False, None), ("2x2", 2, 2, False, None),
+           ("1x4-packed", 1, 2, True, None), ("2x2-packed", 2, 2, True, None),
+           ("1-budget", 1, 8, True, 24), ("2-budget", 2, 8, True, 24))
 MASKS = {"stapo": {"tau_p": 0.05}, "entropy_top": {}}
 
 
@@ -61,14 +65,13 @@ def _make_batch(model_dir) -> dict:
                 entropy=ent)
 
 
-def _update_worker(out_dir, *, model_dir, batch, micro_batch_size):
+def _update_worker(out_dir, *, model_dir, batch, micro_batch_size, packing, max_tokens):
     """On each rank: its share of rows, one update per mask, full grads captured before the step."""
     from transformers import AutoModelForCausalLM
 
     from stapo.losses import TokenStats, build_mask
-    from stapo.trainer import update
     from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import build_engine, gather_full_grads
+    from stapo.trainer.engine import GradientAccumulation, build_engine, gather_full_grads
     from stapo.trainer.update import TrainBatch, UpdateOptions, update_minibatch
 
     info = init_distributed()
@@ -78,24 +81,26 @@ def _update_worker(out_dir, *, model_dir, batch, micro_batch_size):
                       batch["response_mask"][rows], batch["advantages"][rows], batch["old_logprobs"][rows],
                       batch["entropy"][rows])
     stats = TokenStats(mine.old_logprobs, mine.old_entropy, mine.advantages, mine.response_mask)
-    opts = UpdateOptions(micro_batch_size=micro_batch_size, chunk_size=64)
+    opts = UpdateOptions(micro_batch_size=micro_batch_size, chunk_size=64, packing=packing,
+                         max_tokens_per_micro_batch=max_tokens)
     captured = {}
-    real_step = update.optimizer_step
+    real_step = GradientAccumulation.step
 
-    def step_after_capturing_grads(engine):
-        captured.update(gather_full_grads(engine))
-        return real_step(engine)
+    def step_after_capturing_grads(self):
+        captured.update(gather_full_grads(self.engine))
+        return real_step(self)
 
-    update.optimizer_step = step_after_capturing_grads
+    GradientAccumulation.step = step_after_capturing_grads
     results = {}
     for name, params in MASKS.items():
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         engine = build_engine(model, lr=1e-3, warmup_steps=0, grad_accum_steps=-(-share // micro_batch_size),
                               micro_batch_size=micro_batch_size, bf16=False)
         captured.clear()
-        sums, masked = update_minibatch(engine, engine.module, mine, stats, build_mask(name, **params), opts)
+        masked = build_mask(name, **params).apply(stats)
+        sums = update_minibatch(engine, engine.module, mine, masked.keep, opts)
         results[name] = {"loss": float(sums["loss"]), "keep": masked.keep, "grads": dict(captured),
-                         "tau_h": float(masked.thresholds["tau_h"])}
+                         "tau_h": float(masked.thresholds["tau_h"]), "micro_batches": float(sums["micro_batches"])}
     return results
 
 
@@ -103,15 +108,17 @@ def _update_worker(out_dir, *, model_dir, batch, micro_batch_size):
 def layouts(tiny_model_dir, tmp_path_factory):
     batch = _make_batch(tiny_model_dir)
     out = {}
-    for label, world, micro in (("1x4", 1, 2), ("1x1", 1, 8), ("2x2", 2, 2)):
+    for label, world, micro, packing, max_tokens in LAYOUTS:
         results = run_ranks(_update_worker, world, tmp_path_factory.mktemp(label), timeout=240,
-                            kwargs={"model_dir": str(tiny_model_dir), "batch": batch, "micro_batch_size": micro})
+                            kwargs={"model_dir": str(tiny_model_dir), "batch": batch, "micro_batch_size": micro,
+                                    "packing": packing, "max_tokens": max_tokens})
         out[label] = {
             name: {
                 "loss": sum(r[name]["loss"] for r in results),  # each rank: its share of Eq. 1's numerator
                 "keep": torch.cat([r[name]["keep"] for r in results]),
                 "grads": results[0][name]["grads"],  # full gradients are identical on every rank
                 "tau_h": [r[name]["tau_h"] for r in results],
+                "micro_batches": [r[name]["micro_batches"] for r in results],
             }
             for name in MASKS
         }
@@ -126,11 +133,13 @@ def test_update_is_independent_of_micro_batches_and_ranks(layouts, mask):
     valid = batch["response_mask"]
     assert not (keep & ~valid).any()
     assert 0 < int(keep.sum()) < int(valid.sum()), "the mask should silence some but not all tokens"
-    for label in ("1x4", "2x2"):
+    for label in [layout[0] for layout in LAYOUTS if layout[0] != "1x1"]:
         got = out[label][mask]
         assert torch.equal(got["keep"], keep), f"{label}: keep mask differs"
         assert all(t == pytest.approx(ref["tau_h"][0], rel=1e-6) for t in got["tau_h"]), f"{label}: tau_h"
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7), f"{label}: loss"
+        if "budget" in label:  # 80 tokens over a 24-token budget: several balanced micro-batches
+            assert all(n >= 2 for n in got["micro_batches"]), f"{label}: {got['micro_batches']}"
         assert got["grads"].keys() == ref["grads"].keys()
         for name, grad in ref["grads"].items():
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=f"{label}: {name}")

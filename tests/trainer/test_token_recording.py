@@ -65,3 +65,19 @@ def test_stapo_inspect_writes_the_report(recorded_run, capsys):
         assert (out / name).stat().st_size > 0
     assert len(list(out.glob("*.png"))) >= 4
     assert "inspector report" in capsys.readouterr().out
+
+
+def test_topk_comes_from_the_same_theta_as_p_and_h(recorded_run):
+    # The record is taken before the first mini-batch's update: wherever the sampled token is among
+    # the top-5 alternatives, its top-k probability IS exp(logprob) the mask saw (after an update it
+    # would have moved by far more than float rounding at lr 1e-3).
+    from stapo.inspect import load_records
+
+    matched = 0
+    for rec in load_records(recorded_run):
+        hit = rec.topk_ids == rec.token_id[:, None]  # (N, K)
+        rows = hit.any(dim=1)
+        got = (rec.topk_probs * hit).sum(dim=1)[rows]
+        torch.testing.assert_close(got, rec.logprob[rows].exp(), rtol=1e-4, atol=1e-6)
+        matched += int(rows.sum())
+    assert matched > 20, "too few sampled tokens among the top-5 to compare"

@@ -65,7 +65,11 @@ def test_each_builtin_mask_trains(mask, tmp_path, tiny_model_dir, arithmetic_jso
         assert not missing, f"metrics.jsonl lacks {missing}"
         undocumented = set(row) - set(STEP_METRIC_KEYS) - set(OPTIONAL_METRIC_KEYS)
         assert not undocumented, f"metrics.jsonl logs keys missing from STEP_METRIC_KEYS: {undocumented}"
-        bad = {k: row[k] for k in STEP_METRIC_KEYS if not math.isfinite(row[k])}
+        # mask_tau_h is NaN exactly for masks that compute no entropy threshold
+        no_tau_h = mask in ("none", "prob_only")
+        assert math.isnan(row["mask_tau_h"]) == no_tau_h
+        assert row["probe_tau_h"] > 0.0
+        bad = {k: row[k] for k in STEP_METRIC_KEYS if not math.isfinite(row[k]) and k != "mask_tau_h"}
         assert not bad, f"non-finite metrics: {bad}"
         assert 0.0 <= row["silenced_frac"] <= 1.0 and row["keep_frac"] == pytest.approx(1 - row["silenced_frac"])
     silenced = sum(r["silenced_frac"] for r in rows)

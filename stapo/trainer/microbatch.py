@@ -1,0 +1,134 @@
+"""Micro-batch plans: which rows go through one forward (and backward) together.
+
+Two ways to cut a batch of sequences, both used by the no-grad stats pass, the update and the
+token recorder (one loop, :func:`iter_micro_batches`):
+
+* **rows** (``max_tokens=None``): consecutive runs of ``max_rows`` rows, in order — the classic
+  ``micro_batch_size``;
+* **token budget** (``max_tokens``): rows are placed by length so that every micro-batch holds at
+  most ``max_tokens`` real tokens (prompt + response; a longer row gets a micro-batch of its own)
+  and the micro-batches are balanced: longest-first into the least-loaded micro-batch
+  (the LPT rule). With packed rows (``stapo.trainer.policy.PackedInputs``) the cost of a micro-batch
+  is its real tokens, so the budget is what the GPU actually computes.
+
+Under ZeRO-3 every forward all-gathers each layer's parameters, so all ranks must run the SAME
+number of micro-batches: :func:`plan_micro_batches` takes the count every rank agrees on (the
+maximum over ranks, one all-reduce) and spreads this rank's rows over exactly that many.
+The update is exact whatever the plan (the loss normalizer is global; see ``update.py``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from stapo.trainer.policy import TeacherForcedInputs, teacher_forced_inputs
+
+__all__ = ["MicroBatches", "plan_micro_batches", "balanced_bins", "bins_needed", "all_ranks_max", "row_lengths"]
+
+
+def balanced_bins(lengths: Sequence[int], num_bins: int) -> list[list[int]]:
+    """LPT: rows longest-first, each into the bin with the fewest tokens so far.
+
+    Returns ``num_bins`` lists of row indices, each sorted ascending (so rows keep their order within
+    a micro-batch). E.g. lengths [5, 1, 4, 2], 2 bins -> [[0, 1], [2, 3]] (6 and 6 tokens).
+    """
+    if num_bins < 1:
+        raise ValueError(f"num_bins must be >= 1, got {num_bins}")
+    heap = [(0, b) for b in range(num_bins)]  # (tokens, bin)
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for row in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        tokens, b = heapq.heappop(heap)
+        bins[b].append(row)
+        heapq.heappush(heap, (tokens + max(lengths[row], 1), b))  # >= 1: no bin stays empty
+    return [sorted(b) for b in bins]
+
+
+def _fits(bins: list[list[int]], lengths: Sequence[int], max_tokens: int) -> bool:
+    """Every bin within budget, except a single over-long row alone in its bin."""
+    return all(len(b) == 1 or sum(lengths[i] for i in b) <= max_tokens for b in bins)
+
+
+def bins_needed(lengths: Sequence[int], max_tokens: int) -> int:
+    """Fewest balanced bins (:func:`balanced_bins`) that keep every bin within ``max_tokens``."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not lengths:
+        return 1
+    k = max(1, math.ceil(sum(lengths) / max_tokens))
+    while k < len(lengths) and not _fits(balanced_bins(lengths, k), lengths, max_tokens):
+        k += 1
+    return min(k, len(lengths))
+
+
+def all_ranks_max(value: int) -> int:
+    """The maximum of ``value`` over ranks (itself without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def plan_micro_batches(lengths: Sequence[int], *, max_rows: int | None = None,
+                       max_tokens: int | None = None, sync_ranks: bool = True) -> list[list[int]]:
+    """Row indices of each micro-batch, the same number of micro-batches on every rank.
+
+    ``lengths``: real tokens (prompt + response) of this rank's rows. With ``max_tokens`` the rows
+    are balanced by tokens (module doc); otherwise consecutive runs of ``max_rows``. Every rank must
+    call it (one all-reduce) unless ``sync_ranks=False``. All ranks hold the same number of rows in
+    the trainer, so the agreed count never exceeds a rank's rows; a rank with fewer rows than the
+    agreed count raises rather than running an empty forward.
+    """
+    n = len(lengths)
+    if max_tokens is not None:
+        local = bins_needed(lengths, max_tokens)
+    elif max_rows is not None and max_rows >= 1:
+        local = max(1, math.ceil(n / max_rows))
+    else:
+        raise ValueError(f"plan_micro_batches needs max_rows >= 1 or max_tokens, got {max_rows!r}, {max_tokens!r}")
+    count = all_ranks_max(local) if sync_ranks else local
+    if count > n:
+        raise ValueError(f"this rank has {n} rows but the ranks agreed on {count} micro-batches; "
+                         "every rank must hold the same number of rows")
+    if max_tokens is not None:
+        return balanced_bins(lengths, count)
+    sizes = [n // count + (i < n % count) for i in range(count)]  # `count` near-equal runs, <= max_rows
+    starts = [sum(sizes[:i]) for i in range(count)]
+    return [list(range(s, s + k)) for s, k in zip(starts, sizes)]
+
+
+def row_lengths(seqs) -> list[int]:
+    """Real tokens (prompt + response) of each row of a Rollout / TrainBatch."""
+    return (seqs.prompt_mask.sum(dim=1) + seqs.response_mask.sum(dim=1)).tolist()
+
+
+class MicroBatches:
+    """THE micro-batch loop of the stats pass, the update and the token recorder.
+
+    Iterating yields ``(rows, inputs)``: a ``(b,)`` index tensor into ``seqs`` and the teacher-forced
+    inputs of those rows on ``device`` (packed or padded per ``opts.packing``). ``len()`` is known
+    before the loop (gradient accumulation needs it). Collective: every rank builds it.
+    """
+
+    def __init__(self, seqs, opts, device, *, no_grad: bool) -> None:
+        self.seqs, self.packing, self.device = seqs, opts.packing, device
+        self.plan = plan_micro_batches(row_lengths(seqs), max_rows=opts.micro_batch_size,
+                                       max_tokens=opts.budget(no_grad))
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, TeacherForcedInputs]]:
+        s = self.seqs
+        for rows in self.plan:
+            index = torch.tensor(rows, dtype=torch.long)
+            inputs = teacher_forced_inputs(s.prompt_ids[index], s.prompt_mask[index], s.response_ids[index],
+                                           s.response_mask[index], packed=self.packing)
+            yield index, inputs.to(self.device)
