@@ -13,14 +13,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["masked_sum", "masked_mean", "masked_quantile", "all_reduce_sum_", "world_size"]
+__all__ = ["masked_sum", "masked_mean", "masked_quantile", "all_reduce_sum_", "world_size", "distributed_on"]
+
+
+def distributed_on() -> bool:
+    """THE check that a process group exists (the trainer's and the rollout's helpers use it too)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def world_size(group=None) -> int:
     """Number of ranks in ``group`` (1 when torch.distributed is not initialized)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(group)
-    return 1
+    return dist.get_world_size(group) if distributed_on() else 1
 
 
 def all_reduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:

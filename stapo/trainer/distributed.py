@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stapo.losses.reduce import distributed_on, world_size
+
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _MPI_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -110,8 +112,7 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def _active() -> bool:
-    return dist.is_available() and dist.is_initialized()
+_active = distributed_on
 
 
 def get_rank() -> int:
@@ -119,7 +120,7 @@ def get_rank() -> int:
 
 
 def get_world_size() -> int:
-    return dist.get_world_size() if _active() else 1
+    return world_size()
 
 
 def is_main_process() -> bool:
@@ -149,6 +150,15 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def all_reduce_max(value: float) -> float:
+    """The maximum of ``value`` over all ranks (itself without a process group)."""
+    if get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def _comm_device() -> torch.device:

@@ -25,9 +25,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from stapo.trainer.distributed import all_reduce_max
 from stapo.trainer.policy import TeacherForcedInputs, teacher_forced_inputs
 
-__all__ = ["MicroBatches", "plan_micro_batches", "balanced_bins", "bins_needed", "all_ranks_max", "row_lengths"]
+__all__ = ["MicroBatches", "plan_micro_batches", "balanced_bins", "bins_needed", "row_lengths"]
 
 
 def balanced_bins(lengths: Sequence[int], num_bins: int) -> list[list[int]]:
@@ -64,18 +65,6 @@ def bins_needed(lengths: Sequence[int], max_tokens: int) -> int:
     return min(k, len(lengths))
 
 
-def all_ranks_max(value: int) -> int:
-    """The maximum of ``value`` over ranks (itself without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def plan_micro_batches(lengths: Sequence[int], *, max_rows: int | None = None,
                        max_tokens: int | None = None, sync_ranks: bool = True) -> list[list[int]]:
     """Row indices of each micro-batch, the same number of micro-batches on every rank.
@@ -93,7 +82,7 @@ def plan_micro_batches(lengths: Sequence[int], *, max_rows: int | None = None,
         local = max(1, math.ceil(n / max_rows))
     else:
         raise ValueError(f"plan_micro_batches needs max_rows >= 1 or max_tokens, got {max_rows!r}, {max_tokens!r}")
-    count = all_ranks_max(local) if sync_ranks else local
+    count = int(all_reduce_max(local)) if sync_ranks else local
     if count > n:
         raise ValueError(f"this rank has {n} rows but the ranks agreed on {count} micro-batches; "
                          "every rank must hold the same number of rows")

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from stapo.losses import MaskResult, TokenStats
-from stapo.trainer.distributed import reduce_metrics
+from stapo.trainer.distributed import all_reduce_max, reduce_metrics
 
 # Quantities that are already global (identical on every rank) before the reduction. (The loss is
 # not: each rank holds its share of Eq. 1's numerator over the global denominator.)
@@ -86,15 +86,6 @@ def mask_sums(stats: TokenStats, masked: MaskResult, probe: MaskResult) -> dict[
     }
 
 
-def _global_max(value: float) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def skipped_updates(sums: StepSums) -> int:
     """Mini-batch updates skipped this step (identical on every rank: the grad norm is global)."""
     return int(round(float(sums["minibatches"]) - float(sums["step_applied"])))
@@ -120,7 +111,7 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "reward_std": max(s["reward_sq_sum"] / n - reward_mean**2, 0.0) ** 0.5,
         "accuracy": s["correct"] / n,
         "response_length_mean": s["length_sum"] / n,
-        "response_length_max": _global_max(float(rollout.response_mask.sum(dim=1).max())),
+        "response_length_max": all_reduce_max(float(rollout.response_mask.sum(dim=1).max())),
         "response_clip_ratio": s["truncated"] / n,
         "entropy_mean": s["entropy_sum"] / valid,
         "silenced_frac": s["silenced_tokens"] / valid,
