@@ -143,6 +143,11 @@ def _vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+# Attention kernels whose cost follows the real packed sequences (no dense block-diagonal mask):
+# with them a whole micro-batch is packed into one row.
+ONE_ROW_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
+
+
 def update_options(cfg: STAPOConfig) -> UpdateOptions:
     return UpdateOptions(
         clip_low=cfg.loss.clip_low,
@@ -154,6 +159,7 @@ def update_options(cfg: STAPOConfig) -> UpdateOptions:
         max_response_length=cfg.rollout.max_response_length,
         kl_coef=cfg.loss.kl_coef,
         packing=cfg.trainer.packing,
+        pack_one_row=cfg.model.attn_implementation in ONE_ROW_ATTENTION,
         micro_batch_size=cfg.trainer.micro_batch_size,
         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch or None,
         max_tokens_per_stats_micro_batch=cfg.trainer.max_tokens_per_stats_micro_batch or None,

@@ -107,7 +107,7 @@ class MicroBatches:
     """
 
     def __init__(self, seqs, opts, device, *, no_grad: bool) -> None:
-        self.seqs, self.packing, self.device = seqs, opts.packing, device
+        self.seqs, self.opts, self.device = seqs, opts, device
         self.plan = plan_micro_batches(row_lengths(seqs), max_rows=opts.micro_batch_size,
                                        max_tokens=opts.budget(no_grad))
 
@@ -119,5 +119,6 @@ class MicroBatches:
         for rows in self.plan:
             index = torch.tensor(rows, dtype=torch.long)
             inputs = teacher_forced_inputs(s.prompt_ids[index], s.prompt_mask[index], s.response_ids[index],
-                                           s.response_mask[index], packed=self.packing)
+                                           s.response_mask[index], packed=self.opts.packing,
+                                           one_row=self.opts.pack_one_row)
             yield index, inputs.to(self.device)

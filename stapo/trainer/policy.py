@@ -70,32 +70,51 @@ class PolicyInputs:
 
 @dataclass
 class PackedInputs:
-    """Padding-free teacher-forced inputs: ``b`` sequences (prompt + response) concatenated in ONE row.
+    """Padding-free teacher-forced inputs: ``b`` sequences (prompt + response) concatenated in rows.
 
     Position ids restart at 0 for every sequence and no attention mask is passed, so transformers
     builds attention that never crosses sequences (its packed-sequence support: a block-causal mask
-    for sdpa/eager/flex, ``cu_seqlens`` for flash-attention). The forward computes only real tokens,
-    so its cost is the sum of the lengths, not ``b x`` the longest (docs/distributed.md, packing).
+    for sdpa/eager/flex, ``cu_seqlens`` for flash-attention). ``row_width=None`` packs everything
+    into ONE row (right for flash/flex attention, whose cost follows the real sequences); a width
+    packs sequences first-fit-decreasing into rows of at most that many tokens (right for sdpa,
+    whose block-diagonal mask is dense: attention then costs ``rows x width^2``, never more than the
+    padded path's). The unused tail of a row is a separate dummy sequence no real token attends to.
     """
 
-    input_ids: torch.Tensor  # (1, S) long, S = real tokens of the b sequences
-    position_ids: torch.Tensor  # (1, S) long, 0.. per sequence
-    target_index: torch.Tensor  # (N,) long: column whose hidden state predicts valid response token n
+    input_ids: torch.Tensor  # (R, S) long
+    position_ids: torch.Tensor  # (R, S) long, 0.. per sequence
+    target_index: torch.Tensor  # (N,) long: flat (R * S) index whose hidden state predicts valid token n
     response_ids: torch.Tensor  # (b, T) long
     response_mask: torch.Tensor  # (b, T) bool
 
     @classmethod
-    def from_parts(cls, prompt_ids, prompt_mask, response_ids, response_mask) -> "PackedInputs":
+    def from_parts(cls, prompt_ids, prompt_mask, response_ids, response_mask,
+                   row_width: int | None = None) -> "PackedInputs":
         """Pack left-padded prompts and right-padded responses (real tokens of a row are contiguous)."""
         if not bool(prompt_mask.any(dim=1).all()):
             raise ValueError("PackedInputs: every row needs at least one prompt token")
         response_ids, response_mask = _trim_responses(response_ids, response_mask)
         real = torch.cat([prompt_mask, response_mask], dim=1)  # (b, Lp + T) bool
-        ids = torch.cat([prompt_ids, response_ids], dim=1)[real]  # (S,) row by row
-        positions = (real.long().cumsum(dim=1) - 1)[real]  # (S,) restart per row
-        column = real.flatten().long().cumsum(0).view(real.shape) - 1  # packed column of each real token
-        target = column[:, prompt_mask.shape[1]:][response_mask] - 1  # the token before each response token
-        return cls(ids[None], positions[None], target, response_ids, response_mask.bool())
+        tokens = torch.cat([prompt_ids, response_ids], dim=1)
+        lengths = real.sum(dim=1).tolist()
+        width = max(lengths) if row_width is None else max(row_width, max(lengths))
+        rows = [list(range(len(lengths)))] if row_width is None else _first_fit_decreasing(lengths, width)
+        width = max(sum(lengths[i] for i in r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        starts = [0] * len(lengths)  # flat index of each sequence's first token
+        for r, members in enumerate(rows):
+            col = 0
+            for i in members:
+                ids[r, col: col + lengths[i]] = tokens[i][real[i]]
+                positions[r, col: col + lengths[i]] = torch.arange(lengths[i])
+                starts[i], col = r * width + col, col + lengths[i]
+            positions[r, col:] = torch.arange(width - col)  # tail: its own dummy sequence
+        prompt_lengths = prompt_mask.sum(dim=1)
+        first = torch.tensor(starts) + prompt_lengths - 1  # (b,) predicts response token 0
+        steps = torch.arange(response_mask.shape[1])
+        target = (first[:, None] + steps[None, :])[response_mask]  # (N,) row-major over (b, T)
+        return cls(ids, positions, target, response_ids, response_mask.bool())
 
     def to(self, device) -> "PackedInputs":
         return PackedInputs(self.input_ids.to(device), self.position_ids.to(device), self.target_index.to(device),
@@ -104,17 +123,35 @@ class PackedInputs:
     def target_hidden(self, decoder) -> torch.Tensor:
         out = decoder(input_ids=self.input_ids, attention_mask=None, position_ids=self.position_ids,
                       use_cache=False)
-        return out.last_hidden_state[0, self.target_index]  # (N, H)
+        return out.last_hidden_state.flatten(0, 1)[self.target_index]  # (N, H)
+
+
+def _first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
+    """Sequences into rows of at most ``width`` tokens, longest first, each into the first row with room."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
+        if r is None:
+            rows.append([])
+            free.append(width)
+            r = len(rows) - 1
+        rows[r].append(i)
+        free[r] -= lengths[i]
+    return rows
 
 
 TeacherForcedInputs = Union[PolicyInputs, PackedInputs]
 
 
-def teacher_forced_inputs(prompt_ids, prompt_mask, response_ids, response_mask, *,
-                          packed: bool) -> TeacherForcedInputs:
-    """THE builder of teacher-forced inputs (packed or padded) for the rows given."""
-    cls = PackedInputs if packed else PolicyInputs
-    return cls.from_parts(prompt_ids, prompt_mask, response_ids, response_mask)
+def teacher_forced_inputs(prompt_ids, prompt_mask, response_ids, response_mask, *, packed: bool,
+                          one_row: bool = False) -> TeacherForcedInputs:
+    """THE builder of teacher-forced inputs for the rows given: padded, or packed into rows as wide as
+    the longest sequence (``one_row``: a single row, for block-sparse attention kernels)."""
+    if not packed:
+        return PolicyInputs.from_parts(prompt_ids, prompt_mask, response_ids, response_mask)
+    width = None if one_row else int((prompt_mask.sum(dim=1) + response_mask.sum(dim=1)).max())
+    return PackedInputs.from_parts(prompt_ids, prompt_mask, response_ids, response_mask, row_width=width)
 
 
 def _trim_responses(response_ids, response_mask):

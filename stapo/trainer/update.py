@@ -71,6 +71,7 @@ class UpdateOptions:
     entropy_coef: float = 0.0
     # micro-batching: rows (micro_batch_size) unless a token budget is set; packed or padded rows
     packing: bool = True
+    pack_one_row: bool = False  # block-sparse attention (flash/flex): a micro-batch is one packed row
     micro_batch_size: int = 1
     max_tokens_per_micro_batch: int | None = None
     max_tokens_per_stats_micro_batch: int | None = None

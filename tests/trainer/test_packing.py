@@ -103,3 +103,29 @@ def test_plan_by_rows_and_by_tokens():
     assert len(plan) == 4 and all(sum([10, 7, 13, 11, 12, 6, 9, 12][i] for i in b) <= 24 for b in plan)
     with pytest.raises(ValueError, match="max_rows >= 1 or max_tokens"):
         plan_micro_batches([1, 2], max_rows=None)
+
+
+def test_packed_rows_of_bounded_width_by_hand():
+    # lengths 5 (2+3), 2 (1+1), 4 (2+2) into rows of width 5, first-fit-decreasing: seq 0 -> row 0,
+    # seq 2 -> row 1 (1 left), seq 1 fits neither -> row 2; unused tails restart their positions
+    prompt_ids = torch.tensor([[11, 12], [0, 13], [14, 15]])
+    prompt_mask = torch.tensor([[True, True], [False, True], [True, True]])
+    response_ids = torch.tensor([[21, 22, 23], [24, 0, 0], [25, 26, 0]])
+    response_mask = torch.tensor([[True, True, True], [True, False, False], [True, True, False]])
+    packed = PackedInputs.from_parts(prompt_ids, prompt_mask, response_ids, response_mask, row_width=5)
+    assert packed.input_ids.tolist() == [[11, 12, 21, 22, 23], [14, 15, 25, 26, 0], [13, 24, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 0, 1, 2]]
+    # flat index = row * 5 + column; seq 0 -> 1, 2, 3; seq 1 -> 10; seq 2 -> 6, 7
+    assert packed.target_index.tolist() == [1, 2, 3, 10, 6, 7]
+
+
+def test_row_packed_stats_equal_one_row_and_padded(model):
+    parts = _ragged([3, 5, 4, 6, 2, 5, 1], [7, 2, 9, 5, 10, 1, 3], seed=2)
+    padded = response_token_stats(model, teacher_forced_inputs(*parts, packed=False), temperature=1.0, chunk_size=16)
+    rows = teacher_forced_inputs(*parts, packed=True)
+    one = teacher_forced_inputs(*parts, packed=True, one_row=True)
+    assert rows.input_ids.shape[0] > 1 and one.input_ids.shape[0] == 1
+    assert rows.input_ids.shape[1] == 13  # as wide as the longest sequence (4 + 9)
+    for inputs in (rows, one):
+        lp, h = response_token_stats(model, inputs, temperature=1.0, chunk_size=16)
+        assert (lp - padded[0]).abs().max() <= 1e-5 and (h - padded[1]).abs().max() <= 1e-5
