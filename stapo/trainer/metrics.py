@@ -22,7 +22,7 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
   updates skipped this step for a non-finite loss or gradient norm), ``skipped_steps`` (steps skipped
   so far, cumulative)
 - ``time_rollout``, ``time_reward``, ``time_stats``, ``time_update``, ``time_sync``, ``time_step``
-  (seconds), ``tokens_per_s``
+  (seconds), ``tokens_per_s``, ``sync_mb`` (MiB pushed into each rank's rollout engine by the weight sync)
 
 Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean`` (eval steps only);
 ``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``).
@@ -49,7 +49,7 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "entropy_mean", "silenced_frac", "spurious_frac", "keep_frac", "mask_tau_h", "probe_tau_h",
     "clip_frac_low", "clip_frac_high", "approx_kl", "loss", "grad_norm", "lr",
     "zero_std_group_frac", "skipped_updates", "skipped_steps",
-    "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",
+    "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step", "sync_mb",
     "tokens_per_s",
 )
 OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "kl")

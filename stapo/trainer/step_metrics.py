@@ -44,9 +44,13 @@ class StepSums(dict):
     :func:`step_metrics` reduces them all at once."""
 
     def add(self, sums: dict[str, torch.Tensor]) -> None:
+        """One mini-batch's sums."""
         self["minibatches"] = self.get("minibatches", 0.0) + 1.0
         for key, value in sums.items():
-            self[key] = self.get(key, 0.0) + value
+            self.add_value(key, value)
+
+    def add_value(self, key: str, value) -> None:
+        self[key] = self.get(key, 0.0) + value
 
 
 def _rollout_sums(rollout, rewards: torch.Tensor, group_size: int) -> dict[str, float]:
@@ -130,6 +134,7 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "skipped_steps": float(skipped_steps),
         **{f"time_{phase}": timer.seconds.get(phase, 0.0) for phase in ("rollout", "reward", "stats", "update", "sync")},
         "time_step": step_time,
+        "sync_mb": s["sync_mb"] / world_size,
         "tokens_per_s": (s["length_sum"] + s["prompt_tokens"]) / step_time,
         **optional,
     }

@@ -122,7 +122,8 @@ class STAPOTrainer:
                 update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts)
             sums.add({**update_sums, **mask_sums(stats, masked, probe)})
         with timer("sync"):
-            sync_weights(self.model, self.rollout_engine, cfg.rollout.sync_bucket_mb * 2**20)  # next line 3
+            synced = sync_weights(self.model, self.rollout_engine, cfg.rollout.sync_bucket_mb * 2**20)  # line 3
+        sums.add_value("sync_mb", synced.num_bytes / 2**20)
         self.step_count += 1
         self._track_skips(skipped_updates(sums))
         return step_metrics(step=self.step_count, epoch=self.sampler.epoch, lr=current_lr(self.engine),
