@@ -3,7 +3,8 @@
 P prompts × G samples give B = P·G rows; row i answers prompt i // G and is its sample i % G, so the
 groups are consecutive (the group advantages of paper §2.1 rely on that). Prompts are LEFT-padded
 and responses RIGHT-padded, so `cat(prompt_ids, response_ids)` puts every response right after its
-prompt at column Lp — see `Rollout.full_input_ids` for the teacher-forced forward.
+prompt at column Lp; the trainer builds its teacher-forced inputs (padded or packed) from these four
+tensors in `stapo.trainer.policy.teacher_forced_inputs`.
 """
 
 from __future__ import annotations
@@ -193,34 +194,8 @@ class Rollout:
             ground_truth=[r for p in parts for r in p.ground_truth],
             prompt_text=[r for p in parts for r in p.prompt_text], pad_token_id=pad)
 
-    def trim(self) -> Rollout:
-        """Drop prompt columns that are padding in every row and response columns past the longest
-        response (cheaper forwards on mini-batches; values are unchanged)."""
-        lead = int(self.prompt_mask.any(dim=0).long().argmax()) if self.prompt_mask.any() else 0
-        t = int(self.response_lengths.max()) if len(self) else 0
-        return dataclasses.replace(
-            self, prompt_ids=self.prompt_ids[:, lead:], prompt_mask=self.prompt_mask[:, lead:],
-            response_ids=self.response_ids[:, :t], response_mask=self.response_mask[:, :t],
-            sampling_logprobs=self.sampling_logprobs[:, :t])
-
     def to(self, device: torch.device | str) -> Rollout:
         """Copy with every tensor on `device`."""
         return dataclasses.replace(self, **{
             f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)})
-
-    # --------------------------------------------------- teacher-forced view
-    def full_input_ids(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Inputs for a teacher-forced forward over prompt + response.
-
-        Returns `(input_ids (B, Lp+T) long, attention_mask (B, Lp+T) long, position_ids (B, Lp+T) long)`.
-        Column `Lp + t` holds response token t, so the logits at columns `Lp-1 .. Lp+T-2`
-        (i.e. `logits[:, Lp-1:-1]`) predict `response_ids[:, 0 .. T-1]`; use `response_mask` to
-        ignore padding. Position ids count real tokens only (`cumsum(mask) - 1`, padding clamped to
-        0): with left padding, Qwen3's rotary embedding must see position 0 at each row's first real
-        token, exactly as during generation.
-        """
-        input_ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)  # (B, Lp+T)
-        mask = torch.cat([self.prompt_mask, self.response_mask], dim=1).long()  # (B, Lp+T)
-        position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, Lp+T)
-        return input_ids, mask, position_ids

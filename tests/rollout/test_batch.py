@@ -85,27 +85,6 @@ def test_concat_repads_and_offsets_groups(rollout):
         Rollout.concat([rollout.with_ground_truth(["a", "b"]), other])
 
 
-def test_trim_drops_all_padding_columns(rollout):
-    sub = rollout.select(slice(0, 2))  # prompts [0,5,6]: column 0 all padding; responses max len 2
-    trimmed = sub.trim()
-    assert trimmed.prompt_ids.tolist() == [[5, 6], [5, 6]]
-    assert trimmed.response_ids.tolist() == [[11, 2], [12, 0]]
-    assert trimmed.sampling_logprobs.shape == (2, 2)
-
-
-def test_full_input_ids_positions(rollout):
-    ids, mask, pos = rollout.full_input_ids()
-    # row 1: prompt [pad, 5, 6] + response [12, pad, pad]
-    assert ids[1].tolist() == [0, 5, 6, 12, 0, 0]
-    assert mask[1].tolist() == [0, 1, 1, 1, 0, 0]
-    assert pos[1].tolist() == [0, 0, 1, 2, 2, 2]  # cumsum(mask) - 1, clamped at 0
-    # row 2: no padding: positions 0..5
-    assert pos[2].tolist() == [0, 1, 2, 3, 4, 5]
-    # logits at columns Lp-1 .. Lp+T-2 predict the response: input column Lp + t is response token t
-    lp = rollout.prompt_ids.shape[1]
-    assert torch.equal(ids[:, lp:], rollout.response_ids)
-
-
 def test_to_moves_tensors(rollout):
     moved = rollout.to("cpu")
     assert moved.prompt_ids.device.type == "cpu" and moved.finish_reason == rollout.finish_reason

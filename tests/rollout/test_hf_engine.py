@@ -1,11 +1,11 @@
 """HFEngine on the tiny Qwen3 model: layout, stopping, determinism, and logprobs that match a
-teacher-forced forward (through `Rollout.full_input_ids`, which also checks the positions)."""
+teacher-forced forward (through the trainer's padded inputs builder, which also checks the positions)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _rollout_utils import assert_matches_teacher_forced, teacher_forced
+from _rollout_utils import assert_matches_teacher_forced, teacher_forced, teacher_forced_logits
 
 from stapo.rollout import HFEngine, RolloutEngine, SamplingParams
 
@@ -83,11 +83,7 @@ def test_top_k_top_p_logprobs_are_renormalized(engine, prompts, top_k, top_p):
 def test_greedy_follows_argmax(engine, prompts):
     r = engine.generate(prompts, G, SamplingParams(temperature=0.0, max_new_tokens=6))
     assert torch.equal(r.response_ids[0], r.response_ids[1])  # greedy: both samples equal
-    input_ids, attention_mask, position_ids = r.full_input_ids()
-    with torch.no_grad():
-        logits = engine.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    lp = r.prompt_ids.shape[1]
-    argmax = logits[:, lp - 1: -1].argmax(-1)
+    argmax = teacher_forced_logits(engine.model, r).argmax(-1)
     assert torch.equal(argmax[r.response_mask], r.response_ids[r.response_mask])
 
 

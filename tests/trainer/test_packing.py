@@ -129,3 +129,20 @@ def test_row_packed_stats_equal_one_row_and_padded(model):
     for inputs in (rows, one):
         lp, h = response_token_stats(model, inputs, temperature=1.0, chunk_size=16)
         assert (lp - padded[0]).abs().max() <= 1e-5 and (h - padded[1]).abs().max() <= 1e-5
+
+
+def test_padded_inputs_positions_by_hand():
+    # row 1: prompt [pad, 5, 6] + response [12, pad]: positions count real tokens only
+    prompt_ids = torch.tensor([[4, 5, 6], [0, 5, 6]])
+    prompt_mask = torch.tensor([[True, True, True], [False, True, True]])
+    response_ids = torch.tensor([[11, 2], [12, 0]])
+    response_mask = torch.tensor([[True, True], [True, False]])
+    inputs = PolicyInputs.from_parts(prompt_ids, prompt_mask, response_ids, response_mask)
+    assert inputs.input_ids[1].tolist() == [0, 5, 6, 12, 0]
+    assert inputs.attention_mask[1].tolist() == [0, 1, 1, 1, 0]
+    assert inputs.position_ids[1].tolist() == [0, 0, 1, 2, 2]  # cumsum(mask) - 1, clamped at 0
+    assert inputs.position_ids[0].tolist() == [0, 1, 2, 3, 4]
+    assert inputs.prompt_length == 3  # hidden state at column 2 + t predicts response token t
+    # all-padding columns are trimmed: left of every prompt, right of every response
+    trimmed = PolicyInputs.from_parts(prompt_ids[1:], prompt_mask[1:], response_ids[1:], response_mask[1:])
+    assert trimmed.input_ids.tolist() == [[5, 6, 12]] and trimmed.prompt_length == 2
