@@ -45,7 +45,7 @@ SHAPES = {
 # sequences, G, prompt length range, max response, mini-batches, rows per micro-batch, token budget
 WORKLOADS = {
     "qwen3_0p6b": dict(sequences=512, group=8, prompt=(48, 64), response=512, minibatches=4, micro=8, budget=16384),
-    "smoke": dict(sequences=16, group=8, prompt=(6, 8), response=24, minibatches=4, micro=2, budget=48),
+    "smoke": dict(sequences=16, group=8, prompt=(6, 8), response=24, minibatches=4, micro=2, budget=64),
 }
 ONE_ROW_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 
@@ -173,10 +173,13 @@ def report(rows: list[dict], tokens: int, fpt: float, peak: float | None) -> str
             f"| {_fmt(r.get('mfu_update'), '.1%')} | {r['micro_batches']:.0f} | {_fmt(r['peak_gib'], '.1f')} "
             f"| {r['step_s']:.2f} | {_fmt(same and same / r['step_s'], '.2f')} "
             f"| {_fmt(zero0 and zero0 / r['step_s'], '.2f')} |")
+    ratios = []
     for layout in dict.fromkeys(r["layout"] for r in rows):
         steps = {r["zero"]: r["step_s"] for r in rows if r["layout"] == layout}
         if 0 in steps and 3 in steps:
-            lines.append(f"\nZeRO-3 / ZeRO-0 step time, {layout}: {steps[3] / steps[0]:.2f}×")
+            ratios.append(f"{layout} {steps[3] / steps[0]:.2f}×")
+    if ratios:
+        lines += ["", "ZeRO-3 / ZeRO-0 step time: " + ", ".join(ratios)]
     return "\n".join(lines)
 
 

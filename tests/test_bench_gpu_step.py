@@ -50,4 +50,4 @@ def test_gpu_step_smoke_runs_all_configurations(tmp_path):
     assert rows[0]["micro_batches"] == 8
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert len(table) == 2 + 4 and "| – |" in table[2]  # header, rule, 4 rows; MFU blank on CPU
-    assert "ZeRO-3 / ZeRO-0 step time, packed" in proc.stdout
+    assert "ZeRO-3 / ZeRO-0 step time: padded " in proc.stdout and ", packed " in proc.stdout
