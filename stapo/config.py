@@ -218,6 +218,43 @@ class TrainerConfig:
 
 
 @dataclass
+class ZeroConfig:
+    """DeepSpeed ZeRO communication settings, tuned for one node (docs/distributed.md, "ZeRO-3 on one
+    node"). DeepSpeed's own defaults are in parentheses; stage-3 keys apply only when
+    ``trainer.zero_stage`` is 3, the bucket/overlap keys at stages 1-3."""
+
+    param_persistence_threshold: int = 1_000_000
+    """Parameters with fewer elements stay whole on every rank (DeepSpeed: 1e5). Below ~1M elements
+    (2 MB in bf16) an all-gather is latency-bound: launch and hook time, not bandwidth, and it would be
+    paid twice per micro-batch (forward and backward). 1M keeps every norm and bias of every Qwen3 size
+    whole (their replicas are < 0.1% of the weights) and still partitions every projection matrix
+    (the smallest, Qwen3-0.6B's k/v, has 1,048,576)."""
+    prefetch_bucket_size: int = 200_000_000
+    """Elements all-gathered ahead of use (DeepSpeed: 5e7). 2e8 (400 MB in bf16) is about two decoder
+    layers of Qwen3-4B, one of Qwen3-8B, four of Qwen3-1.7B: the next layer's gather overlaps the current
+    layer's compute. 0 disables prefetching."""
+    max_live_parameters: int = 1_000_000_000
+    """Gathered elements a rank may hold before it releases some (DeepSpeed: 1e9, 2 GB in bf16): well
+    above the prefetch bucket so prefetching never stalls on releases; lower it only when activations
+    run out of memory. Must be >= ``prefetch_bucket_size``."""
+    max_reuse_distance: int = 1_000_000_000
+    """A parameter used again within this many elements is kept instead of released and re-gathered
+    (DeepSpeed: 1e9): the backward starts with the layers the forward just used, so with this default the
+    last layers are not gathered twice at the forward/backward turn."""
+    reduce_bucket_size: int = 100_000_000
+    """Gradient elements reduce-scattered together (DeepSpeed: 5e8). 1e8 (200 MB in bf16) is still far
+    above the ~10 MB where an NVLink collective becomes bandwidth-bound, while the first bucket is ready
+    after about two layers of Qwen3-1.7B's backward (DeepSpeed's 5e8 waits for half of its backward), so
+    with ``overlap_comm`` the reduction runs under the remaining backward."""
+    overlap_comm: bool = True
+    """Reduce gradients on a side stream while the backward continues (DeepSpeed: true at stage 3, false
+    at stages 1-2)."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (no fragmentation over many
+    micro-batches; DeepSpeed: true)."""
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard scalars to ``output_dir/tensorboard``."""
@@ -260,6 +297,8 @@ class STAPOConfig:
     """Optimizer and schedule."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop sizes, checkpoints, output."""
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """DeepSpeed ZeRO communication settings (bucket sizes, persistence, overlap)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metric sinks."""
     inspect: InspectConfig = field(default_factory=InspectConfig)
@@ -368,6 +407,13 @@ def validate(cfg: STAPOConfig) -> None:
     _check(cfg.tiny.terms >= 2, f"tiny.terms must be >= 2, got {cfg.tiny.terms}")
     _check(0.0 <= cfg.tiny.warm_start_bare_fraction < 1.0,
            f"tiny.warm_start_bare_fraction must be in [0, 1), got {cfg.tiny.warm_start_bare_fraction}")
+    z = cfg.zero
+    for name in ("param_persistence_threshold", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance"):
+        _check(getattr(z, name) >= 0, f"zero.{name} must be >= 0, got {getattr(z, name)}")
+    _check(z.reduce_bucket_size >= 1, f"zero.reduce_bucket_size must be >= 1, got {z.reduce_bucket_size}")
+    _check(z.max_live_parameters >= z.prefetch_bucket_size,
+           f"zero.max_live_parameters ({z.max_live_parameters}) must be >= zero.prefetch_bucket_size "
+           f"({z.prefetch_bucket_size}): prefetched parameters count as live")
 
 
 # The reference page generator lives in its own module; re-exported for ``stapo.config`` users.

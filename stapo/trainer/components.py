@@ -7,6 +7,7 @@ datasets, reward scorer and the per-update options.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ import torch
 
 from stapo.config import STAPOConfig
 from stapo.trainer.distributed import DistInfo, barrier
+from stapo.trainer.engine import ZeroTuning
 from stapo.trainer.update import UpdateOptions
 
 log = logging.getLogger("stapo.trainer")
@@ -86,6 +88,11 @@ def rows_per_rank(cfg: STAPOConfig, world_size: int) -> int:
     return t.mini_batch_size // world_size * cfg.rollout.group_size
 
 
+def zero_tuning(cfg: STAPOConfig) -> ZeroTuning:
+    """The ``zero:`` section as the engine's flat :class:`~stapo.trainer.engine.ZeroTuning`."""
+    return ZeroTuning(**dataclasses.asdict(cfg.zero))
+
+
 def build_deepspeed(model, cfg: STAPOConfig, world_size: int):
     from stapo.trainer.engine import build_engine
 
@@ -104,6 +111,7 @@ def build_deepspeed(model, cfg: STAPOConfig, world_size: int):
         bf16=policy_dtype(cfg) == torch.bfloat16,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         offload=cfg.trainer.offload,
+        zero_tuning=zero_tuning(cfg),
     )
 
 

@@ -55,6 +55,32 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
     return min(1.0, (step + 1) / warmup_steps)
 
 
+@dataclass(frozen=True)
+class ZeroTuning:
+    """ZeRO communication settings (the ``zero:`` config section, docs/distributed.md); ``None`` leaves
+    DeepSpeed's default. Stage-3 fields apply only at ``zero_stage=3``, the others at stages 1-3."""
+
+    param_persistence_threshold: int | None = None  # stage 3: tensors below this stay whole
+    prefetch_bucket_size: int | None = None  # stage 3: elements gathered ahead of use
+    max_live_parameters: int | None = None  # stage 3: gathered elements held before releasing
+    max_reuse_distance: int | None = None  # stage 3: keep a parameter reused within this distance
+    reduce_bucket_size: int | None = None  # gradient elements reduced together
+    overlap_comm: bool | None = None  # reduce on a side stream during backward
+    contiguous_gradients: bool | None = None  # gradients into one contiguous buffer
+
+
+# our name -> (DeepSpeed ``zero_optimization`` key, lowest stage it applies to)
+_ZERO_KEYS = {
+    "param_persistence_threshold": ("stage3_param_persistence_threshold", 3),
+    "prefetch_bucket_size": ("stage3_prefetch_bucket_size", 3),
+    "max_live_parameters": ("stage3_max_live_parameters", 3),
+    "max_reuse_distance": ("stage3_max_reuse_distance", 3),
+    "reduce_bucket_size": ("reduce_bucket_size", 1),
+    "overlap_comm": ("overlap_comm", 1),
+    "contiguous_gradients": ("contiguous_gradients", 1),
+}
+
+
 def deepspeed_config(
     *,
     grad_accum_steps: int,
@@ -63,11 +89,16 @@ def deepspeed_config(
     zero_stage: int,
     bf16: bool,
     offload: bool,
+    zero_tuning: ZeroTuning | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed JSON config for our flat arguments (pure; exposed for logging and tests)."""
     zero: dict[str, Any] = {"stage": zero_stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    for name, (key, min_stage) in _ZERO_KEYS.items():
+        value = getattr(zero_tuning, name) if zero_tuning is not None else None
+        if value is not None and zero_stage >= min_stage:
+            zero[key] = value
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum_steps,
@@ -134,13 +165,15 @@ def build_engine(
     bf16: bool,
     gradient_checkpointing: bool = False,
     offload: bool = False,
+    zero_tuning: ZeroTuning | None = None,
 ):
     """Wrap ``model`` in a DeepSpeed engine (ZeRO-``zero_stage``) with AdamW and the lr schedule.
 
     The process group must exist (:func:`~stapo.trainer.distributed.init_distributed`). Every
     rank must pass a model with identical weights (same seed or same checkpoint). The optimizer
     is ``torch.optim.AdamW`` (deterministic, no JIT build); with ``offload=True`` DeepSpeed's
-    ``DeepSpeedCPUAdam`` in AdamW mode, which ZeRO-Offload requires.
+    ``DeepSpeedCPUAdam`` in AdamW mode, which ZeRO-Offload requires. ``zero_tuning``: ZeRO bucket,
+    persistence and overlap settings (None: DeepSpeed's defaults).
     """
     import deepspeed
 
@@ -163,7 +196,8 @@ def build_engine(
         optimizer.max_grad_norm, grad_clip = grad_clip, 0.0  # it clips itself, from the pre-clip norm
     schedule = functools.partial(warmup_factor, warmup_steps=warmup_steps)
     config = deepspeed_config(grad_accum_steps=grad_accum_steps, micro_batch_size=micro_batch_size,
-                              grad_clip=grad_clip, zero_stage=zero_stage, bf16=bf16, offload=offload)
+                              grad_clip=grad_clip, zero_stage=zero_stage, bf16=bf16, offload=offload,
+                              zero_tuning=zero_tuning)
     engine, *_ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

@@ -1,0 +1,128 @@
+"""Model FLOPs utilization (MFU) and tokens/s per training phase (DESIGN §7, docs/benchmarks.md).
+
+MFU = model FLOPs actually needed by the real (non-padding) tokens / (seconds x peak dense bf16 FLOP/s).
+Model FLOPs come from the transformers config, never from a profiler, so padding, recomputation
+(gradient checkpointing) and ZeRO communication all show up as lower MFU, which is the point.
+
+Conventions (stated once, used by the trainer's step metrics and ``bench/gpu_step.py``):
+
+* forward FLOPs per token = ``2 x`` matmul parameters (q/k/v/o with GQA, MLP gate/up/down, lm_head;
+  the embedding lookup is not a matmul) ``+ 2 x 2 x layers x heads x head_dim x context`` (scores
+  ``QK^T`` and the weighted sum ``AV``);
+* ``context`` is the mean number of keys a token attends to. Causal attention over a sequence of ``S``
+  tokens gives ``(S + 1) / 2`` (:func:`causal_context_length`); PaLM's appendix B counts the full ``S``
+  and so reports a higher attention share;
+* forward + backward = ``3 x`` forward (the backward computes gradients w.r.t. both inputs and weights);
+  a gradient-checkpointing recompute is NOT counted (that would be hardware FLOPs utilization).
+
+Launch-independent: pass tokens and seconds of the same set of devices (this rank's, or the global
+tokens with ``devices=world_size``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peaks, matched against ``torch.cuda.get_device_name()``
+# (case-insensitive substring, FIRST match wins, so variants precede their family name):
+# - H100 SXM 989.4e12, PCIe 756e12: NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), table 1
+#   (1,978.9 / 1,513 TFLOPS with sparsity); H100 NVL 835.5e12: https://www.nvidia.com/en-us/data-center/h100/
+#   (1,671 TFLOPS with sparsity).
+# - H200 SXM 989.4e12 (same GH100 tensor cores as H100 SXM), H200 NVL 835.5e12:
+#   https://www.nvidia.com/en-us/data-center/h200/ (1,979 / 1,671 TFLOPS with sparsity). GH200's GPU is
+#   an H100/H200 SXM (https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/).
+# - A100 (SXM and PCIe) 312e12: NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/
+#   (624 TFLOPS with sparsity).
+# - B200 2.25e15: HGX B200, https://www.nvidia.com/en-us/data-center/hgx/ (36 PFLOPS FP16/BF16 with
+#   sparsity for 8 GPUs = 4.5 per GPU, half dense). GB200 2.5e15: GB200 NVL72,
+#   https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (360 PFLOPS sparse for 72 GPUs = 5 per GPU).
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835.5e12),
+    ("H100", 989.4e12),
+    ("H200 NVL", 835.5e12),
+    ("GH200", 989.4e12),
+    ("H200", 989.4e12),
+    ("A100", 312e12),
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+)
+
+
+def device_peak_flops(device_name: str | None) -> float | None:
+    """Dense bf16 peak FLOP/s of one device named like ``torch.cuda.get_device_name()``; None on CPU
+    (``None``/``"cpu"``) or an unknown device, so MFU is left out of the metrics rather than faked."""
+    if not device_name:
+        return None
+    name = device_name.lower()
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in name:
+            return flops
+    return None
+
+
+def _field(hf_config, name: str):
+    value = getattr(hf_config, name, None)
+    if value is None:
+        raise ValueError(f"flops_per_token: the model config ({type(hf_config).__name__}) has no {name!r}")
+    return value
+
+
+def matmul_params(hf_config) -> int:
+    """Parameters that enter a matmul once per token: attention q/k/v/o (GQA), MLP gate/up/down, lm_head.
+
+    Dense decoders only (Llama/Qwen/Mistral-style); MoE configs are refused rather than miscounted.
+    """
+    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
+        raise ValueError(f"flops_per_token: mixture-of-experts configs ({type(hf_config).__name__}) are not "
+                         "supported (active parameters per token differ from the dense count)")
+    hidden = _field(hf_config, "hidden_size")
+    heads = _field(hf_config, "num_attention_heads")
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o: heads; k and v: kv_heads
+    mlp = 3 * hidden * _field(hf_config, "intermediate_size")  # gate, up, down
+    lm_head = hidden * _field(hf_config, "vocab_size")  # a matmul even when tied to the embedding
+    return _field(hf_config, "num_hidden_layers") * (attention + mlp) + lm_head
+
+
+def flops_per_token(hf_config, context_length: float) -> float:
+    """Forward FLOPs per token: ``2 x matmul_params + 4 x layers x heads x head_dim x context_length``.
+
+    Training (forward + backward) is 3x this (see the module doc); ``context_length`` is the mean
+    number of attended keys per token (:func:`causal_context_length`).
+    """
+    if context_length < 0:
+        raise ValueError(f"flops_per_token: context_length must be >= 0, got {context_length}")
+    heads = _field(hf_config, "num_attention_heads")
+    head_dim = getattr(hf_config, "head_dim", None) or _field(hf_config, "hidden_size") // heads
+    attention = 2 * 2 * _field(hf_config, "num_hidden_layers") * heads * head_dim * context_length
+    return 2.0 * matmul_params(hf_config) + attention
+
+
+def causal_context_length(sequence_lengths: Sequence[int]) -> float:
+    """Mean keys attended per token over causal sequences: ``Σ S(S+1)/2 / Σ S`` (0 for no tokens).
+
+    E.g. lengths [1, 3]: (1 + 6) / 4 = 1.75. Packed sequences never attend across each other, so the
+    lengths are the real (prompt + response) lengths, whatever the padding or packing.
+    """
+    total = sum(sequence_lengths)
+    return sum(s * (s + 1) / 2 for s in sequence_lengths) / total if total else 0.0
+
+
+def phase_throughput(phase: str, tokens: float, seconds: float, flops_per_token: float,
+                     peak: float | None, backward: bool, devices: int = 1) -> dict[str, float]:
+    """``{tokens_per_s_<phase>, mfu_<phase>}`` for ``tokens`` real tokens processed in ``seconds``.
+
+    ``mfu_<phase>`` is present only when ``peak`` (one device's FLOP/s) is known; ``backward=True``
+    counts forward + backward (3x the forward FLOPs). ``devices``: how many devices the tokens and
+    seconds cover (1 for one rank's own tokens; the world size for global tokens).
+    """
+    if seconds <= 0 or tokens < 0 or devices < 1:
+        raise ValueError(f"phase_throughput({phase!r}): need seconds > 0, tokens >= 0 and devices >= 1, "
+                         f"got seconds={seconds}, tokens={tokens}, devices={devices}")
+    out = {f"tokens_per_s_{phase}": tokens / seconds}
+    if peak:
+        model_flops = tokens * flops_per_token * (3.0 if backward else 1.0)
+        out[f"mfu_{phase}"] = model_flops / (seconds * peak * devices)
+    return out

@@ -1,0 +1,88 @@
+"""MFU arithmetic on hand-computed configs; the device table; throughput metric keys."""
+
+import pytest
+import torch
+
+from stapo.trainer.mfu import (causal_context_length, device_peak_flops, flops_per_token, matmul_params,
+                               phase_throughput)
+
+
+def _small_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+
+
+def test_matmul_params_by_hand():
+    # attention per layer: q 64x(4*16)=4096, o 4096, k 64x(2*16)=2048, v 2048 -> 12,288
+    # MLP per layer: gate, up, down 3 x 64 x 128 = 24,576; two layers: 2 x 36,864 = 73,728
+    # lm_head 64 x 100 = 6,400 (counted although tied to the embedding) -> 80,128
+    assert matmul_params(_small_config()) == 80_128
+
+
+def test_matmul_params_equal_the_linear_weights_of_the_real_model():
+    from transformers import Qwen3ForCausalLM
+
+    config = _small_config()
+    model = Qwen3ForCausalLM(config)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert matmul_params(config) == linear  # lm_head is an nn.Linear (tied weight, still a matmul)
+
+
+def test_flops_per_token_by_hand():
+    # 2 x 80,128 = 160,256 matmul FLOPs + attention 2 x 2 x 2 layers x 4 heads x 16 x 10 keys = 5,120
+    assert flops_per_token(_small_config(), context_length=10) == 165_376
+    assert flops_per_token(_small_config(), context_length=0) == 160_256
+    with pytest.raises(ValueError, match="context_length must be >= 0"):
+        flops_per_token(_small_config(), -1)
+
+
+def test_qwen3_0p6b_shape_of_the_gpu_bench():
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=384, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    # per layer: 1024 x 128 x (2 x 16 + 2 x 8) = 6,291,456 + MLP 3 x 1024 x 3072 = 9,437,184 -> 15,728,640
+    # 28 layers = 440,401,920; lm_head 1024 x 384 = 393,216 -> 440,795,136
+    assert matmul_params(config) == 440_795_136
+
+
+def test_missing_field_and_moe_are_refused():
+    from transformers import PretrainedConfig
+
+    with pytest.raises(ValueError, match="no 'hidden_size'"):
+        matmul_params(PretrainedConfig())
+    config = _small_config()
+    config.num_experts = 8
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        flops_per_token(config, 1.0)
+
+
+def test_causal_context_length():
+    assert causal_context_length([1, 3]) == 1.75  # (1 + (1 + 2 + 3)) / (1 + 3) = 7 / 4
+    assert causal_context_length([4]) == 2.5  # (4 + 1) / 2
+    assert causal_context_length([]) == 0.0
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835.5e12),
+    ("NVIDIA H200", 989.4e12), ("NVIDIA H200 NVL", 835.5e12), ("NVIDIA GH200 480GB", 989.4e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA B200", 2.25e15),
+    ("NVIDIA GB200", 2.5e15), ("NVIDIA GeForce RTX 4090", None), ("cpu", None), (None, None), ("", None),
+])
+def test_device_peak_flops(name, peak):
+    assert device_peak_flops(name) == peak
+
+
+def test_phase_throughput_keys_and_values():
+    # 1,000 tokens in 2 s -> 500 tokens/s; MFU = 1,000 x 165,376 x 3 / (2 s x 1e9) = 0.248064
+    out = phase_throughput("update", tokens=1000, seconds=2.0, flops_per_token=165_376, peak=1e9, backward=True)
+    assert out == {"tokens_per_s_update": 500.0, "mfu_update": pytest.approx(0.248064)}
+    # no backward: a third of that; 2 devices: half
+    stats = phase_throughput("stats", 1000, 2.0, 165_376, 1e9, backward=False, devices=2)
+    assert stats["mfu_stats"] == pytest.approx(0.248064 / 3 / 2)
+    # unknown peak (CPU): MFU absent, not 0
+    assert phase_throughput("rollout", 300, 3.0, 1.0, None, backward=False) == {"tokens_per_s_rollout": 100.0}
+    with pytest.raises(ValueError, match="seconds > 0"):
+        phase_throughput("update", 10, 0.0, 1.0, None, backward=True)
