@@ -111,14 +111,6 @@ def run_phases(engine, seqs: dict, layout: Layout, minibatches: int, attn: str, 
     return {"stats_s": stats_s, "update_s": time.perf_counter() - start, "micro_batches": micro_batches}
 
 
-def has_packing_api() -> bool:
-    """True once ``stapo.trainer.update`` has packed rows and token budgets (the integrator's API)."""
-    from stapo.trainer.update import UpdateOptions
-
-    fields = UpdateOptions.__dataclass_fields__
-    return "packing" in fields and "max_tokens_per_micro_batch" in fields
-
-
 def _build_engine(config, zero_stage: int, grad_accum_steps: int, micro: int, bf16: bool):
     from transformers import Qwen3ForCausalLM
 
@@ -194,9 +186,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--layouts", default="padded,packed")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = ap.parse_args(argv)
-    if not has_packing_api():
-        raise SystemExit("bench/gpu_step.py needs the packed / token-budget update API "
-                         "(stapo.trainer.update.UpdateOptions.packing, max_tokens_per_micro_batch)")
     from transformers import Qwen3Config
 
     from stapo.trainer.distributed import init_distributed

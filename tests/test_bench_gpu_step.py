@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_step import WORKLOADS, has_packing_api, synthetic_batch  # noqa: E402
+from gpu_step import WORKLOADS, synthetic_batch  # noqa: E402
 
 
 def test_synthetic_batch_is_rl_shaped():
@@ -29,8 +29,6 @@ def test_synthetic_batch_is_rl_shaped():
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(not has_packing_api(), strict=False,
-                   reason="needs the packing API (UpdateOptions.packing); remove once the integrator wires it")
 def test_gpu_step_smoke_runs_all_configurations(tmp_path):
     out = tmp_path / "gpu_step.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_step.py"), "--smoke", "--json", str(out)],
