@@ -6,7 +6,7 @@ top-p 1.0, max prompt 1k / response 15k tokens, the S2T mask with tau_p = 2e-3 a
 80% entropy quantile of each mini-batch.
 
 Every field carries a docstring (the string right below it); ``docs/configuration.md`` is generated
-from them by :func:`config_reference_markdown`. Loading is strict: an unknown key is an error that
+from them by :mod:`stapo.config_docs`. Loading is strict: an unknown key is an error that
 names the closest valid key, and values are type-checked and validated.
 
     cfg = STAPOConfig.from_yaml("examples/recipes/qwen3_8b_stapo.yaml", overrides=["optim.lr=2e-6"])
@@ -23,6 +23,7 @@ import yaml
 
 from stapo.config_loading import ConfigError, apply_overrides, build_dataclass
 from stapo.data import PAPER_INSTRUCTION  # the default of data.instruction; re-exported
+from stapo.losses.ops import DEFAULT_CHUNK_SIZE
 
 
 @dataclass
@@ -147,6 +148,10 @@ class LossConfig:
     """Weight of the k3 KL to a frozen reference model (paper: none)."""
     log_ratio_clamp: float = 20.0
     """|log rho| is clamped to this before exponentiation (numerical safety only)."""
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Response tokens per chunk of the logprob/entropy op: peak extra memory is one
+    ``(chunk_size, vocab)`` fp32 buffer; the default is tuned in ``bench/token_stats.py``
+    (docs/losses.md)."""
 
 
 @dataclass
@@ -183,7 +188,8 @@ class TrainerConfig:
     zero_stage: int = 3
     """DeepSpeed ZeRO stage."""
     offload: bool = False
-    """Offload ZeRO-3 optimizer state and parameters to CPU."""
+    """Offload the optimizer state (and its step, DeepSpeedCPUAdam) to CPU (ZeRO-Offload); parameters
+    stay on the accelerator."""
     save_every: int = 50
     """Checkpoint every N iterations (and at the end); 0 saves only at the end."""
     keep_last: int = 3
@@ -344,7 +350,5 @@ def validate(cfg: STAPOConfig) -> None:
     _check(cfg.tiny.terms >= 2, f"tiny.terms must be >= 2, got {cfg.tiny.terms}")
     _check(0.0 <= cfg.tiny.warm_start_bare_fraction < 1.0,
            f"tiny.warm_start_bare_fraction must be in [0, 1), got {cfg.tiny.warm_start_bare_fraction}")
+    _check(lo.chunk_size >= 1, f"loss.chunk_size must be >= 1, got {lo.chunk_size}")
 
-
-# The reference page generator lives in its own module; re-exported for ``stapo.config`` users.
-from stapo.config_docs import config_reference_markdown, field_docs  # noqa: E402,F401

@@ -139,6 +139,7 @@ def update_options(cfg: STAPOConfig) -> UpdateOptions:
         clip_c=cfg.loss.clip_c,
         agg=cfg.loss.agg,
         log_ratio_clamp=cfg.loss.log_ratio_clamp,
+        chunk_size=cfg.loss.chunk_size,
         micro_batch_size=cfg.trainer.micro_batch_size,
         temperature=cfg.rollout.temperature,
         max_response_length=cfg.rollout.max_response_length,
