@@ -17,7 +17,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
-from stapo.trainer.metrics import read_metrics
+from stapo.run_dir import read_metrics
 
 # One panel per entry; a tuple puts several series in one panel.
 DEFAULT_KEYS: tuple[str | tuple[str, ...], ...] = (

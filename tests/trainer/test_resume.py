@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from stapo.config import STAPOConfig
-from stapo.trainer.checkpoint import latest_checkpoint, step_of
-from stapo.trainer.metrics import read_metrics
+from stapo.run_dir import latest_checkpoint, read_metrics, step_of
 
 pytestmark = pytest.mark.slow
 
