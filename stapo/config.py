@@ -228,7 +228,7 @@ class InspectConfig:
 
 @dataclass
 class STAPOConfig:
-    """The whole run: one section per pipeline stage (DESIGN.md §2)."""
+    """The whole run: one section per pipeline stage (docs/configuration.md)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy model."""
@@ -313,7 +313,7 @@ def _check(ok: bool, message: str) -> None:
 
 
 def validate(cfg: STAPOConfig) -> None:
-    """Value checks with messages that name the field (DESIGN.md §6)."""
+    """Value checks with messages that name the field (docs/configuration.md)."""
     for dotted, choices in _CHOICES.items():
         section, name = dotted.split(".")
         value = getattr(getattr(cfg, section), name)

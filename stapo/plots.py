@@ -1,4 +1,4 @@
-"""PNG plots of training curves from ``metrics.jsonl`` (DESIGN.md §6; paper Fig. 3 / Fig. 5).
+"""PNG plots of training curves from ``metrics.jsonl`` (docs/algorithm.md; paper Fig. 3 / Fig. 5).
 
 Uses matplotlib's object API (``matplotlib.figure.Figure`` rendered by Agg on save) rather than
 pyplot: no display, no global backend switch, safe in headless jobs and threads.

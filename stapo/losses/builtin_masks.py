@@ -1,4 +1,4 @@
-"""Built-in mask strategies: STAPO's S2T mask, its ablations and the baselines (DESIGN.md §1).
+"""Built-in mask strategies: STAPO's S2T mask, its ablations and the baselines (docs/losses.md).
 
 With ``p = exp(logprob)``, ``H`` = entropy, ``A`` = advantage (silence = 0 in the paper):
 

@@ -1,4 +1,4 @@
-"""The one place where a :class:`~stapo.config.STAPOConfig` becomes components (STYLE.md item 5).
+"""The one place where a :class:`~stapo.config.STAPOConfig` becomes components (CONTRIBUTING.md).
 
 Components take flat arguments; this module reads the config and builds them: the policy model
 path (building the tiny demo model when asked), tokenizer, DeepSpeed engine, rollout engine,

@@ -1,4 +1,4 @@
-"""The update does not depend on how a mini-batch is split into micro-batches or ranks (DESIGN §1).
+"""The update does not depend on how a mini-batch is split into micro-batches or ranks (docs/algorithm.md).
 
 One mini-batch of 8 rows (2 prompts x G=4, ragged prompt and response lengths) is updated with
 real DeepSpeed ZeRO-3 under three layouts:
@@ -68,7 +68,8 @@ def _update_worker(out_dir, *, model_dir, batch, micro_batch_size):
     from stapo.losses import TokenStats, build_mask
     from stapo.trainer import update
     from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import build_engine, gather_full_grads
+    from _dist_utils import gather_full_grads
+    from stapo.trainer.engine import build_engine
     from stapo.trainer.update import TrainBatch, UpdateOptions, update_minibatch
 
     info = init_distributed()
