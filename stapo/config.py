@@ -123,7 +123,8 @@ class MaskConfig:
     ``prob_only``, ``high_entropy_low_prob`` or a user-registered one."""
     params: dict = field(default_factory=dict)
     """Keyword parameters of the mask, e.g. ``{tau_p: 0.002, entropy_quantile: 0.8}``; the mask's own
-    defaults apply to the ones left out."""
+    defaults apply to the ones left out. The paper's "tau_h = 20%" is ``entropy_quantile: 0.8``
+    (tau_h% = 1 - entropy_quantile)."""
     stats_source: str = "fresh"
     """Stats the mask sees for mini-batches after the first: ``fresh`` (a no-grad pass of the current
     policy, exact per Algorithm 1 line 8) or ``old`` (reuse the rollout-time pass; cheaper approximation)."""
@@ -136,7 +137,8 @@ class LossConfig:
     clip_high: float = 0.28
     """epsilon_high of the clipped surrogate (clip-higher, ratio ceiling 1 + clip_high)."""
     clip_c: Union[float, None] = None
-    """Dual-clip constant (> 1) for negative advantages; None disables."""
+    """Dual-clip constant (> 1) for negative advantages; None disables (the default, as in the paper's
+    Eq. 1; verl enables it by default with ``clip_ratio_c = 3``)."""
     agg: str = "token-mean"
     """Loss aggregation: ``token-mean`` (paper Eq. 1, over kept tokens of the whole mini-batch),
     ``seq-mean-token-mean`` (original GRPO) or ``seq-mean-token-sum-norm`` (Dr.GRPO)."""
