@@ -1,7 +1,7 @@
 """20-Entropy token selection, TRL's rule vs stapo's, on IDENTICAL entropies (``bench/vs_trl.py``).
 
 Both rules keep tokens whose entropy is at or above the 80% quantile (top 20%); they differ in
-WHERE the quantile is taken and in the loss NORMALIZER (reference/related.md, DESIGN.md §1):
+WHERE the quantile is taken and in the loss NORMALIZER (docs/vs_trl.md, docs/algorithm.md):
 
 - TRL ``GRPOTrainer`` (``top_entropy_quantile=0.2``): the threshold is computed per micro-step
   over the micro-batch's valid tokens (gathered over ranks), and the DAPO loss keeps dividing by

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from stapo.cli import builtin_recipe  # noqa: E402
 from stapo.plots import plot_comparison  # noqa: E402
-from stapo.trainer.metrics import read_metrics  # noqa: E402
+from stapo.run_dir import METRICS_FILE, read_metrics  # noqa: E402
 
 BUILTIN_MASKS = ("none", "stapo", "entropy_top", "prob_only", "high_entropy_low_prob")
 MASK_PARAMS = {"none": "{}", "entropy_top": "{entropy_quantile: 0.8}", "prob_only": "{tau_p: 0.002}"}
@@ -57,7 +57,7 @@ def run_one(mask: str, seed: int, out: Path, recipe: Path, imports: list[str], e
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
         raise RuntimeError(f"{mask} seed {seed} failed:\n{proc.stderr[-3000:]}")
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = read_metrics(run_dir / METRICS_FILE)
     steps = [r for r in rows if "entropy_mean" in r]
     evals = [r for r in rows if "eval_accuracy" in r]
     entropy = [r["entropy_mean"] for r in steps]
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "ablation.md").write_text(table + "\n", encoding="utf-8")
     (args.out / "ablation.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
     seed0 = args.seeds[0]
-    plot_comparison({r["mask"]: Path(r["run_dir"]) / "metrics.jsonl" for r in rows if r["seed"] == seed0},
+    plot_comparison({r["mask"]: Path(r["run_dir"]) / METRICS_FILE for r in rows if r["seed"] == seed0},
                     args.out / "ablation.png",
                     keys=("reward_mean", "entropy_mean", "silenced_frac", "response_length_mean"))
     print(table)  # stdout is the Markdown that bench/run_all.py puts into docs/benchmarks.md

@@ -1,4 +1,4 @@
-"""Chunked vs naive token logprob + entropy: peak extra memory and wall time (DESIGN.md §5).
+"""Chunked vs naive token logprob + entropy: peak extra memory and wall time (docs/losses.md, docs/benchmarks.md).
 
     python bench/token_stats.py                    # V=151,936, H=1,024, N in {1024, 2048}
     python bench/token_stats.py --smoke            # tiny shapes, seconds (used by the tests)

@@ -1,4 +1,4 @@
-"""Verifier throughput and accuracy: stapo vs Math-Verify (DESIGN §5: >= 10x on RL workloads).
+"""Verifier throughput and accuracy: stapo vs Math-Verify (target: >= 10x on RL workloads; docs/benchmarks.md).
 
     pip install math-verify            # benchmark-only dependency
     python bench/verifier_speed.py [--n 2000] [--repeats 3] [--smoke]

@@ -1,4 +1,4 @@
-"""stapo's ``STAPOTrainer`` vs TRL's ``GRPOTrainer``, side by side on one CPU (DESIGN.md §5).
+"""stapo's ``STAPOTrainer`` vs TRL's ``GRPOTrainer``, side by side on one CPU (docs/vs_trl.md).
 
     python bench/vs_trl.py                 # 8 prompts x G=8, 48 new tokens, 5 iterations, 3 reps
     python bench/vs_trl.py --smoke         # seconds-scale sizes (tests/test_bench_vs_trl.py)

@@ -4,7 +4,7 @@ Launches 2 CPU ranks (gloo), each holding a ZeRO-3 partition of a random-init ~5
 Qwen3 and a plain copy as the consumer (what a colocated rollout engine's ``load_weights``
 does). Prints a Markdown table: median wall time of a full sync into the plain model and of the
 gathers alone, CPU seconds of all ranks (stable on a loaded box), speed-ups vs per-parameter
-gathering (DESIGN §5 target: ≥ 2×), peak RSS growth and the largest bucket. ``gp<MiB>`` rows
+gathering (target: ≥ 2×, docs/benchmarks.md), peak RSS growth and the largest bucket. ``gp<MiB>`` rows
 time the previous path (``GatheredParameters`` over a bucket: one all-gather per parameter).
 
     python bench/weight_sync.py                 # ~47M params, 20 layers, 2 ranks, 5 repetitions

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from stapo.config import ConfigError, STAPOConfig
+from stapo.run_dir import written_artifacts
 
 TINY_RECIPE = "tiny_cpu.yaml"
 
@@ -77,7 +78,7 @@ def _print_summary(cfg: STAPOConfig, summary: dict) -> None:
     lines += [
         f"  silenced tokens: {100 * summary['silenced_frac_mean']:.3f}% of response tokens "
         f"(spurious by S2T criterion: {100 * summary['spurious_frac_mean']:.3f}%)",
-        f"  outputs: {cfg.trainer.output_dir}/ (metrics.jsonl, tensorboard/, curves.png, final/)",
+        f"  outputs: {cfg.trainer.output_dir}/ ({', '.join(written_artifacts(cfg.trainer.output_dir))})",
     ]
     print("\n".join(lines))
 

@@ -6,7 +6,7 @@ top-p 1.0, max prompt 1k / response 15k tokens, the S2T mask with tau_p = 2e-3 a
 80% entropy quantile of each mini-batch.
 
 Every field carries a docstring (the string right below it); ``docs/configuration.md`` is generated
-from them by :func:`config_reference_markdown`. Loading is strict: an unknown key is an error that
+from them by :mod:`stapo.config_docs`. Loading is strict: an unknown key is an error that
 names the closest valid key, and values are type-checked and validated.
 
     cfg = STAPOConfig.from_yaml("examples/recipes/qwen3_8b_stapo.yaml", overrides=["optim.lr=2e-6"])
@@ -23,6 +23,7 @@ import yaml
 
 from stapo.config_loading import ConfigError, apply_overrides, build_dataclass
 from stapo.data import PAPER_INSTRUCTION  # the default of data.instruction; re-exported
+from stapo.losses.ops import DEFAULT_CHUNK_SIZE
 
 
 @dataclass
@@ -126,7 +127,8 @@ class MaskConfig:
     ``prob_only``, ``high_entropy_low_prob`` or a user-registered one."""
     params: dict = field(default_factory=dict)
     """Keyword parameters of the mask, e.g. ``{tau_p: 0.002, entropy_quantile: 0.8}``; the mask's own
-    defaults apply to the ones left out."""
+    defaults apply to the ones left out. The paper's "tau_h = 20%" is ``entropy_quantile: 0.8``
+    (tau_h% = 1 - entropy_quantile)."""
     stats_source: str = "fresh"
     """Stats the mask sees for mini-batches after the first: ``fresh`` (a no-grad pass of the current
     policy, exact per Algorithm 1 line 8) or ``old`` (reuse the rollout-time pass; cheaper approximation)."""
@@ -139,7 +141,8 @@ class LossConfig:
     clip_high: float = 0.28
     """epsilon_high of the clipped surrogate (clip-higher, ratio ceiling 1 + clip_high)."""
     clip_c: Union[float, None] = None
-    """Dual-clip constant (> 1) for negative advantages; None disables."""
+    """Dual-clip constant (> 1) for negative advantages; None disables (the default, as in the paper's
+    Eq. 1; verl enables it by default with ``clip_ratio_c = 3``)."""
     agg: str = "token-mean"
     """Loss aggregation: ``token-mean`` (paper Eq. 1, over kept tokens of the whole mini-batch),
     ``seq-mean-token-mean`` (original GRPO) or ``seq-mean-token-sum-norm`` (Dr.GRPO)."""
@@ -153,6 +156,10 @@ class LossConfig:
     (the paper: no KL). Logged as ``kl``."""
     log_ratio_clamp: float = 20.0
     """|log rho| is clamped to this before exponentiation (numerical safety only)."""
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Response tokens per chunk of the logprob/entropy op: peak extra memory is one
+    ``(chunk_size, vocab)`` fp32 buffer; the default is tuned in ``bench/token_stats.py``
+    (docs/losses.md)."""
 
 
 @dataclass
@@ -201,7 +208,8 @@ class TrainerConfig:
     zero_stage: int = 3
     """DeepSpeed ZeRO stage."""
     offload: bool = False
-    """Offload ZeRO-3 optimizer state and parameters to CPU."""
+    """Offload the optimizer state (and its step, DeepSpeedCPUAdam) to CPU (ZeRO-Offload); parameters
+    stay on the accelerator."""
     save_every: int = 50
     """Checkpoint every N iterations (and at the end); 0 saves only at the end."""
     keep_last: int = 3
@@ -277,7 +285,7 @@ class InspectConfig:
 
 @dataclass
 class STAPOConfig:
-    """The whole run: one section per pipeline stage (DESIGN.md §2)."""
+    """The whole run: one section per pipeline stage (docs/configuration.md)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy model."""
@@ -364,7 +372,7 @@ def _check(ok: bool, message: str) -> None:
 
 
 def validate(cfg: STAPOConfig) -> None:
-    """Value checks with messages that name the field (DESIGN.md §6)."""
+    """Value checks with messages that name the field (docs/configuration.md)."""
     for dotted, choices in _CHOICES.items():
         section, name = dotted.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -414,7 +422,5 @@ def validate(cfg: STAPOConfig) -> None:
     _check(z.max_live_parameters >= z.prefetch_bucket_size,
            f"zero.max_live_parameters ({z.max_live_parameters}) must be >= zero.prefetch_bucket_size "
            f"({z.prefetch_bucket_size}): prefetched parameters count as live")
+    _check(lo.chunk_size >= 1, f"loss.chunk_size must be >= 1, got {lo.chunk_size}")
 
-
-# The reference page generator lives in its own module; re-exported for ``stapo.config`` users.
-from stapo.config_docs import config_reference_markdown, field_docs  # noqa: E402,F401

@@ -1,6 +1,6 @@
 """Prompt datasets for RL on verifiable math: rows -> chat-templated prompt token ids + answers.
 
-Paper setup (STAPO §4, DESIGN §1): DAPO-Math-17K, each problem followed by the instruction
+Paper setup (STAPO §5.1; docs/rollout.md): DAPO-Math-17K, each problem followed by the instruction
 "Please reason step by step, and put your final answer within \\boxed{}." and rendered with the
 tokenizer's chat template (`add_generation_prompt=True`). The `dapo_math_17k` preset strips DAPO's
 own "Answer:" instruction first, so the prompt asks for `\\boxed{}` only.
@@ -206,7 +206,7 @@ def _render(tokenizer, messages: list[dict]) -> str:
 
 class PromptSampler:
     """Deterministic prompt batches: each epoch is a permutation drawn from (seed, epoch), so a run
-    resumed from `state_dict()` continues with exactly the same data order (DESIGN §6).
+    resumed from `state_dict()` continues with exactly the same data order (docs/distributed.md, "Resuming").
 
     `next_batch()` returns the next list of example indices; iterating yields batches forever.
     """

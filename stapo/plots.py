@@ -1,4 +1,4 @@
-"""PNG plots of training curves from ``metrics.jsonl`` (DESIGN.md §6; paper Fig. 3 / Fig. 5).
+"""PNG plots of training curves from ``metrics.jsonl`` (docs/algorithm.md; paper Fig. 3 / Fig. 5).
 
 Uses matplotlib's object API (``matplotlib.figure.Figure`` rendered by Agg on save) rather than
 pyplot: no display, no global backend switch, safe in headless jobs and threads.
@@ -17,7 +17,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
-from stapo.trainer.metrics import read_metrics
+from stapo.run_dir import read_metrics
 
 # One panel per entry; a tuple puts several series in one panel.
 DEFAULT_KEYS: tuple[str | tuple[str, ...], ...] = (

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stapo.cli import builtin_recipe, main
+from stapo.cli import _print_summary, builtin_recipe, main
 from stapo.config import STAPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,3 +83,18 @@ def test_paper_recipes_differ_only_in_the_method():
 
 def test_the_built_in_recipe_is_the_tiny_example():
     assert STAPOConfig.from_yaml(builtin_recipe()) == STAPOConfig.from_yaml(ROOT / "examples" / "recipes" / "tiny_cpu.yaml")
+
+
+def test_summary_lists_only_what_the_run_wrote(tmp_path, capsys):
+    # logging.tensorboard, logging.plot and trainer.export_hf off: no tensorboard/, curves.png, final/
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    cfg = STAPOConfig.from_yaml(None, [f"trainer.output_dir={run}", "logging.tensorboard=false",
+                                       "logging.plot=false", "trainer.export_hf=false"])
+    summary = {"steps": 1, "seconds": 60.0, "accuracy_before": float("nan"), "accuracy_after": float("nan"),
+               "silenced_frac_mean": 0.0, "spurious_frac_mean": 0.0}
+    _print_summary(cfg, summary)
+    out = capsys.readouterr().out
+    assert f"outputs: {run}/ (config.yaml, metrics.jsonl, checkpoints/)" in out, out

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stapo.config import ConfigError, STAPOConfig, config_reference_markdown, field_docs
+from stapo.config import ConfigError, STAPOConfig
+from stapo.config_docs import config_reference_markdown, field_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,5 +102,5 @@ def test_configuration_reference_is_up_to_date():
     page = ROOT / "docs" / "configuration.md"
     assert page.read_text(encoding="utf-8") == config_reference_markdown() + "\n", (
         "docs/configuration.md is stale: regenerate with "
-        "`python -c 'from stapo.config import config_reference_markdown as m; print(m())' > docs/configuration.md`"
+        "`python -m stapo.config_docs > docs/configuration.md`"
     )

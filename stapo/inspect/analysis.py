@@ -135,7 +135,7 @@ def silenced_ratio_over_training(run_dir: str | Path, records: Sequence[TokenRec
     ``records`` (already loaded) saves reading them again for the fallback.
     """
     from stapo.plots import series
-    from stapo.trainer.metrics import METRICS_FILE, read_metrics
+    from stapo.run_dir import METRICS_FILE, read_metrics
 
     path = Path(run_dir) / METRICS_FILE
     if path.exists():

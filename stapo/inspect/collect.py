@@ -1,8 +1,7 @@
 """Build a :class:`TokenRecord` from the trainer's mini-batch tensors (called every N steps).
 
-Two pure functions: :func:`topk_and_collision` summarises next-token distributions from logits
-(chunked, fp32), :func:`build_token_record` flattens the valid tokens of ``(B, T)`` tensors.
-Token texts are decoded once per distinct id (``decode_token`` is usually
+:func:`build_token_record` flattens the valid tokens of ``(B, T)`` tensors; the top-k
+alternatives and collision probabilities come from :func:`stapo.losses.ops.token_topk`. Token texts are decoded once per distinct id (``decode_token`` is usually
 ``lambda i: tokenizer.decode([i])``).
 """
 
@@ -13,29 +12,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from stapo.inspect.records import RecordRow, TokenRecord
-
-
-@torch.no_grad()
-def topk_and_collision(logits: torch.Tensor, k: int = 5, temperature: float = 1.0,
-                       chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-``k`` ids/probs and collision probability Σπ² of ``softmax(logits / temperature)``.
-
-    ``logits`` ``(N, V)`` → ``topk_ids (N, k)`` long, ``topk_probs (N, k)`` f32,
-    ``collision (N,)`` f32. Works chunk by chunk so only ``(chunk_size, V)`` fp32 exists at once.
-    """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be (N, V), got shape {tuple(logits.shape)}")
-    ids, probs, coll = [], [], []
-    for chunk in logits.split(chunk_size):
-        p = torch.softmax(chunk.float() / temperature, dim=-1)  # (n, V)
-        top = p.topk(min(k, p.shape[-1]), dim=-1)
-        ids.append(top.indices)
-        probs.append(top.values)
-        coll.append(p.square().sum(-1))
-    if not ids:
-        n = logits.shape[0]
-        return (torch.zeros(n, k, dtype=torch.long), torch.zeros(n, k), torch.zeros(n))
-    return torch.cat(ids), torch.cat(probs), torch.cat(coll)
 
 
 def build_token_record(

@@ -1,7 +1,7 @@
 """Token records: what the trainer saves every ``inspect.record_every`` steps for the inspector.
 
 One file per recorded mini-batch, ``RUN_DIR/token_records/step_XXXXXX.pt`` (``..._mbK.pt`` for a
-mini-batch K > 0), written by :func:`write_token_record`. A :class:`TokenRecord` holds::
+mini-batch K > 0; :func:`stapo.run_dir.token_record_path`), written by :func:`write_token_record`. A :class:`TokenRecord` holds::
 
     step: int, minibatch: int, mask_name: str, thresholds: {"tau_p": float, "tau_h": float}
     rows: list of {row, prompt_text, response_text, reward, advantage}
@@ -27,18 +27,17 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-RECORDS_DIR = "token_records"
+from stapo.run_dir import RECORDS_DIR, token_record_paths
+
 FORMAT_VERSION = 1
 DEFAULT_TAU_P = 2e-3  # paper defaults, as in stapo.losses' ``stapo`` mask
 DEFAULT_ENTROPY_QUANTILE = 0.8
-_NAME = re.compile(r"^step_(\d+)(?:_mb(\d+))?\.pt$")
 _TENSORS = {  # field -> (dtype, ndim)
     "row": (torch.long, 1), "position": (torch.long, 1), "token_id": (torch.long, 1),
     "logprob": (torch.float32, 1), "entropy": (torch.float32, 1),
@@ -128,7 +127,7 @@ class TokenRecord:
 
 
 def default_thresholds(thresholds: dict[str, Any], entropy: torch.Tensor) -> dict[str, float]:
-    """``tau_p``/``tau_h`` as floats; missing or NaN ones get STAPO's defaults (DESIGN.md §1).
+    """``tau_p``/``tau_h`` as floats; missing or NaN ones get STAPO's defaults (docs/losses.md).
 
     Masks without these thresholds (``none``, ``entropy_top``) still get a record that shows
     what STAPO would silence: ``τ_p = 2e-3`` and ``τ_h`` = the 0.8 quantile (linear
@@ -150,12 +149,6 @@ def _quantile(values: torch.Tensor, q: float) -> float:
     pos = q * (s.numel() - 1)
     lo, hi = math.floor(pos), math.ceil(pos)
     return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
-
-
-def token_record_path(run_dir: str | Path, step: int, minibatch: int = 0) -> Path:
-    """``RUN_DIR/token_records/step_XXXXXX.pt`` (``_mbK`` suffix for mini-batch K > 0)."""
-    suffix = f"_mb{minibatch}" if minibatch else ""
-    return Path(run_dir) / RECORDS_DIR / f"step_{step:06d}{suffix}.pt"
 
 
 def write_token_record(path: str | Path, record: TokenRecord | dict[str, Any]) -> Path:
@@ -225,11 +218,9 @@ def _unpack_texts(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def load_records(run_dir: str | Path) -> list[TokenRecord]:
     """All records of a run, ordered by (step, mini-batch); a clear error when there are none."""
-    folder = Path(run_dir) / RECORDS_DIR
-    found = sorted((int(m[1]), int(m[2] or 0), p) for p in folder.glob("step_*.pt")
-                   if (m := _NAME.match(p.name)))
+    found = token_record_paths(run_dir)
     if not found:
         raise FileNotFoundError(
-            f"no token records in {folder}: train with inspect.record_every=N (e.g. "
+            f"no token records in {Path(run_dir) / RECORDS_DIR}: train with inspect.record_every=N (e.g. "
             f"`stapo train CONFIG inspect.record_every=10`) to record token statistics")
-    return [read_token_record(p) for *_, p in found]
+    return [read_token_record(p) for p in found]

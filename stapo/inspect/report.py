@@ -20,6 +20,7 @@ from stapo.inspect.figures import (plot_grad_norm_by_class, plot_prob_entropy_pl
 from stapo.inspect.records import TokenRecord, load_records
 from stapo.inspect.tables import (silenced_table_html, silenced_table_markdown,
                                   silenced_token_table)
+from stapo.run_dir import INSPECT_DIR, METRICS_FILE
 
 _FIGURES = (("prob_entropy.png", "Probability–entropy plane (paper Fig. 2a)"),
             ("grad_norm_by_class.png", "Gradient norm by token class (paper Fig. 2b)"),
@@ -74,7 +75,7 @@ def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, *,
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
     records = load_records(run_dir)
-    out = Path(out_dir) if out_dir is not None else run_dir / "inspect"
+    out = Path(out_dir) if out_dir is not None else run_dir / INSPECT_DIR
     out.mkdir(parents=True, exist_ok=True)
 
     plot_prob_entropy_plane(records, out / "prob_entropy.png")
@@ -86,11 +87,11 @@ def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, *,
     plot_token_frequencies(*token_frequencies(records), out / "token_frequencies.png",
                            top=top_tokens)
     figures = list(_FIGURES[:4])
-    if (run_dir / "metrics.jsonl").exists():
+    if (run_dir / METRICS_FILE).exists():
         from stapo.plots import plot_training_curves
 
         try:
-            plot_training_curves(run_dir / "metrics.jsonl", out / "training_curves.png")
+            plot_training_curves(run_dir / METRICS_FILE, out / "training_curves.png")
             figures.append(_FIGURES[4])
         except ValueError:  # no plottable keys yet: the rest of the report still stands
             pass

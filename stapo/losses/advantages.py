@@ -1,4 +1,4 @@
-"""Group-relative advantages (paper Eq. 2; DESIGN.md §1 step 4).
+"""Group-relative advantages (paper Eq. 2; docs/losses.md).
 
 Every response ``y_i`` of a prompt's group of ``G`` samples gets one scalar advantage that all of
 its tokens share:

@@ -1,4 +1,4 @@
-"""Built-in mask strategies: STAPO's S2T mask, its ablations and the baselines (DESIGN.md §1).
+"""Built-in mask strategies: STAPO's S2T mask, its ablations and the baselines (docs/losses.md).
 
 With ``p = exp(logprob)``, ``H`` = entropy, ``A`` = advantage (silence = 0 in the paper):
 
@@ -15,7 +15,8 @@ name                       silences                                 paper role
 ``tau_p`` is absolute (Remark 3.5) and compared in log space, ``logprob < log(tau_p)``, so no
 ``exp`` underflow decides anything. ``tau_h`` is the ``entropy_quantile`` (q) quantile of the
 entropy over all valid tokens of the mini-batch (all ranks when distributed), so with the
-default q = 0.8 "low entropy" is the bottom 80%.
+default q = 0.8 "low entropy" is the bottom 80%. The paper counts from the top: its
+"tau_h = 20%" (§5.3) is q = 0.8, i.e. tau_h% = 1 - entropy_quantile.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ class NoMask(TokenMask):
 
 @register_mask("stapo")
 class STAPOMask(TokenMask):
-    """S2T: silence spurious tokens, A > 0 and p < tau_p and H < tau_h (Algorithm 1 line 10)."""
+    """S2T: silence spurious tokens, A > 0 and p < tau_p and H < tau_h (Algorithm 1 line 10).
+
+    ``entropy_quantile`` 0.8 is the paper's tau_h = 20% (tau_h% = 1 - entropy_quantile).
+    """
 
     tau_p: float = DEFAULT_TAU_P
     entropy_quantile: float = DEFAULT_ENTROPY_QUANTILE
@@ -108,7 +112,7 @@ class HighEntropyLowProbMask(TokenMask):
 
 @register_mask("entropy_top")
 class EntropyTopMask(TokenMask):
-    """20-Entropy: silence every token with H < tau_h, keeping the top 1 - q by entropy."""
+    """20-Entropy: silence every token with H < tau_h, keeping the top 1 - q by entropy (q = 0.8: 20%)."""
 
     entropy_quantile: float = DEFAULT_ENTROPY_QUANTILE
 

@@ -6,7 +6,7 @@ returning a bool ``(B, T)`` tensor of tokens to silence (optionally with a dict 
 it used). The base class turns that into ``keep = response_mask & ~silenced``, so no mask can ever
 keep padding, and ``apply`` reports what was silenced without storing state on the mask.
 
-One registry (a dict + decorator + getter, STYLE.md item 2) makes a strategy available to
+One registry (a dict + decorator + getter; unknown names list the valid ones) makes a strategy available to
 ``build_mask``, configs and ``stapo masks``. Adding your own takes ~10 lines::
 
     import math
@@ -52,7 +52,7 @@ __all__ = [
 
 @dataclass
 class TokenStats:
-    """What a mask may look at, for the current policy on one mini-batch (DESIGN.md §1 step 6)."""
+    """What a mask may look at, for the current policy on one mini-batch (Algorithm 1 lines 7-10; docs/losses.md)."""
 
     logprobs: torch.Tensor  # (B, T) log pi_theta(y_t), fp32
     entropy: torch.Tensor  # (B, T) entropy of pi_theta(. | y_<t)

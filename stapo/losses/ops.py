@@ -3,7 +3,7 @@
 Algorithm 1 lines 7-8 need ``p_{i,t}`` (the sampled token's probability) and ``h_{i,t}`` (the
 entropy of the next-token distribution), and Eq. 1 needs ``log pi_theta(y_{i,t})`` with gradients.
 For Qwen3 (V = 151,936) and 15k-token responses the naive full-logits path needs tens of GB, so
-``token_logprobs_and_entropy`` works from the final hidden states in token chunks (DESIGN.md §3),
+``token_logprobs_and_entropy`` works from the final hidden states in token chunks (docs/losses.md),
 inside a custom ``torch.autograd.Function``:
 
 * forward, per chunk of ``n`` tokens, in one reused fp32 ``(n, V)`` buffer: logits ``h W^T / T``,

@@ -1,4 +1,4 @@
-"""Masked reductions and their distributed versions (DESIGN.md §1 step 6, STYLE.md item 3).
+"""Masked reductions and their distributed versions (docs/losses.md, "Reductions").
 
 ``keep``/``mask`` always means "this element counts". Empty masks give well-defined values
 (0 for sums and means, ``+inf`` for quantiles), never NaN, so an all-silenced micro-batch or an
@@ -74,8 +74,8 @@ def masked_quantile(
     Linear interpolation between order statistics, the same definition as ``torch.quantile``'s
     default, but sort based so it has no 16M-element limit. When torch.distributed is
     initialized with several ranks the quantile is over the valid values of ALL ranks (gathered
-    with variable lengths), so it does not depend on how the data is sharded (DESIGN.md §1:
-    ``tau_h`` is a mini-batch-wide quantile).
+    with variable lengths), so it does not depend on how the data is sharded (``tau_h`` is a
+    mini-batch-wide quantile; docs/algorithm.md, "Why the update is exact").
 
     No valid value anywhere -> ``+inf``: "below the threshold" then holds for every (non-existent)
     value and "at or above" for none, which keeps masks defined without a NaN.

@@ -1,11 +1,11 @@
-"""Clipped policy-gradient surrogate and its aggregation (paper Eq. 1; DESIGN.md §1 step 6).
+"""Clipped policy-gradient surrogate and its aggregation (paper Eq. 1; docs/losses.md).
 
 Per token, with ``rho = exp(clamp(logprobs - old_logprobs, +-log_ratio_clamp))``::
 
     l_t = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A)          (PPO / clip-higher)
     l_t = min(l_t, -clip_c A)   if clip_c is set and A < 0              (dual-clip, verl / DAPO)
 
-``aggregate_loss`` is the ONE place that normalizes (STYLE.md item 3):
+``aggregate_loss`` is the ONE place that normalizes (a second normalizer would silently disagree):
 
 * ``token-mean`` (Eq. 1, default): ``sum keep * l / normalizer``; the normalizer defaults to
   ``keep.sum()``. Silenced tokens leave numerator and denominator: that is STAPO's

@@ -1,4 +1,4 @@
-"""Rule-based math reward (DESIGN §4): +1 for a correct final answer, -1 otherwise.
+"""Rule-based math reward (paper §2.1; docs/rewards.md): +1 for a correct final answer, -1 otherwise.
 
     from stapo.rewards import math_reward, MathVerifier
     math_reward("... so the answer is \\boxed{\\frac12}", "0.5")   # 1.0

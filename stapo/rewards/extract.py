@@ -1,4 +1,4 @@
-"""Final-answer extraction from a model response (DESIGN §4).
+"""Final-answer extraction from a model response (docs/rewards.md).
 
 The STAPO prompt asks the model to "put your final answer within \\boxed{}", so the last
 ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces is the primary marker; else the

@@ -1,4 +1,4 @@
-"""Answer normalization (Minerva / DAPO style, extended; DESIGN §4).
+"""Answer normalization (Minerva / DAPO style, extended; docs/rewards.md).
 
 ``normalize_answer`` maps the many spellings of one answer to one string so that the cheap
 string comparison decides most items: ``\\dfrac12`` -> ``\\frac{1}{2}``, ``34\\text{ cm}`` ->

@@ -1,4 +1,4 @@
-"""Killable sympy workers: a hard per-item wall-clock limit and memory cap (DESIGN §4).
+"""Killable sympy workers: a hard per-item wall-clock limit and memory cap (docs/rewards.md, "Hang-proofing").
 
 Signals (``SIGALRM``) only work on the main thread and some sympy hangs ignore them, so every
 symbolic comparison runs in a separate worker process that is killed when its item runs past

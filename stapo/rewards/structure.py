@@ -1,4 +1,4 @@
-"""Composite answers: tuples, intervals, sets, multiple answers and matrices (DESIGN §4).
+"""Composite answers: tuples, intervals, sets, multiple answers and matrices (docs/rewards.md).
 
 ``parse_structure`` turns a normalized answer into a small tree; ``match`` compares two trees
 element-wise with a caller-supplied scalar comparison, so the cheap in-process check and the

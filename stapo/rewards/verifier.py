@@ -1,4 +1,4 @@
-"""The math reward: +1 for a correct final answer, -1 otherwise (STAPO paper §2, DESIGN §4).
+"""The math reward: +1 for a correct final answer, -1 otherwise (STAPO paper §2; docs/rewards.md).
 
 ``MathVerifier.score`` is the batch API the trainer calls once per step. Per item, cheapest
 first: extract the final answer, normalize both sides, compare strings and exact numbers

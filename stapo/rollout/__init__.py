@@ -1,4 +1,4 @@
-"""Rollout engines: prompts (token ids) -> `Rollout` (DESIGN §2-3).
+"""Rollout engines: prompts (token ids) -> `Rollout` (docs/rollout.md).
 
     from stapo.rollout import HFEngine, VLLMEngine, Rollout, SamplingParams
 

@@ -1,4 +1,4 @@
-"""`Rollout`: the typed batch that every engine returns and the trainer consumes (DESIGN §2).
+"""`Rollout`: the typed batch that every engine returns and the trainer consumes (docs/rollout.md).
 
 P prompts × G samples give B = P·G rows; row i answers prompt i // G and is its sample i % G, so the
 groups are consecutive (the group advantages of paper §2.1 rely on that). Prompts are LEFT-padded

@@ -1,6 +1,6 @@
 """Sampling parameters and the pure tensor functions that turn logits into sampled tokens.
 
-The RL objective (paper Eq. 1, DESIGN §1) compares the current policy with the distribution the
+The RL objective (paper Eq. 1, docs/algorithm.md) compares the current policy with the distribution the
 response was *actually drawn from*, so every engine reports the log-probability of the sampled token
 under the **processed** distribution: logits / temperature, then top-k, then top-p, renormalized.
 The order and the top-p rule follow vLLM's sampler so that `HFEngine` and `VLLMEngine` agree:

@@ -1,6 +1,6 @@
 """`VLLMEngine`: vLLM colocated in the training process (one engine per rank), with sleep mode.
 
-The only module of stapo that imports vllm, and only inside `VLLMEngine.__init__` (DESIGN §2).
+The only module of stapo that imports vllm, and only inside `VLLMEngine.__init__`, so stapo imports on a CPU box (docs/rollout.md).
 
 Choices (checked against vLLM's V1 engine and TRL's colocate mode; see docs/rollout.md):
 - `logprobs_mode="processed_logprobs"`: vLLM's default returns logprobs of the RAW logits; the

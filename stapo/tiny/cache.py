@@ -1,7 +1,7 @@
 """Content-keyed, atomically written artifact directories for the tiny-model toolkit.
 
 A build writes into a temporary sibling directory and renames it into place, so a killed build
-never leaves a directory that looks complete (DESIGN §6: atomic artifacts). A directory that
+never leaves a directory that looks complete (the same rule as checkpoints, docs/distributed.md). A directory that
 exists under its final name is complete by construction.
 """
 

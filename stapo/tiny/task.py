@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from stapo.data import PAPER_INSTRUCTION
 
-#: The paper's prompt instruction (DESIGN §1); the data loader appends it to every question.
+#: The paper's prompt instruction (paper §5.1, docs/rollout.md); the data loader appends it to every question.
 CHAT_INSTRUCTION = PAPER_INSTRUCTION
 
 _OPS = ("+", "-", "*")

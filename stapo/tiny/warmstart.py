@@ -56,7 +56,7 @@ def with_bare_answers(problems: Sequence[ArithmeticProblem], fraction: float) ->
 
 
 def render_prompt(tokenizer, question: str, instruction: str = CHAT_INSTRUCTION) -> list[int]:
-    """Prompt ids exactly as the data loader builds them (DESIGN §2, ``stapo.data``)."""
+    """Prompt ids exactly as the data loader builds them (``stapo.data``, docs/rollout.md)."""
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": format_problem(question, instruction)}], add_generation_prompt=True,
         tokenize=False,

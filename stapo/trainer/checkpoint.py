@@ -1,4 +1,4 @@
-"""Atomic, resumable checkpoints and plain Hugging Face export (DESIGN §6).
+"""Atomic, resumable checkpoints and plain Hugging Face export (docs/distributed.md, "Resuming").
 
 Layout under ``output_dir/checkpoints/``::
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -28,45 +27,34 @@ from typing import Any
 import numpy as np
 import torch
 
-from stapo.inspect.records import RECORDS_DIR
+from stapo.run_dir import (CHECKPOINT_DIR, CLIENT_FILE, LATEST, PREVIOUS_RUNS_DIR, RUN_ARTIFACTS, checkpoint_name,
+                           complete_checkpoints, latest_checkpoint)
 from stapo.trainer.distributed import all_gather_object, barrier, get_rank, get_world_size
-from stapo.trainer.metrics import METRICS_FILE, SAMPLES_FILE
 from stapo.trainer.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
-CHECKPOINT_DIR = "checkpoints"
-LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 DS_TAG = "zero"
-CLIENT_FILE = "client_state.pt"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def capture_rng_state(generators: dict[str, torch.Generator] | None = None) -> dict[str, Any]:
-    """Python, NumPy, torch CPU (and CUDA) RNG states, plus named ``torch.Generator`` states."""
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU (and CUDA) RNG states of this process."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "generators": {name: gen.get_state() for name, gen in (generators or {}).items()},
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def restore_rng_state(state: dict[str, Any],
-                      generators: dict[str, torch.Generator] | None = None) -> None:
-    """Inverse of :func:`capture_rng_state`; ``generators`` are restored by name."""
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    for name, gen in (generators or {}).items():
-        if name not in state["generators"]:
-            saved = sorted(state["generators"])
-            raise KeyError(f"no saved RNG state for generator {name!r}; saved: {saved}")
-        gen.set_state(state["generators"][name])
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -105,41 +93,6 @@ def _json_or_none(obj: Any) -> Any:
         return obj
     except (TypeError, ValueError):
         return None
-
-
-def step_of(path: str | os.PathLike) -> int:
-    """The step number of a ``step_N`` checkpoint directory."""
-    match = _STEP_DIR.match(Path(path).name)
-    if not match:
-        raise ValueError(f"{path} is not a checkpoint directory named step_<N>")
-    return int(match.group(1))
-
-
-def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """``step_N`` directories that finished saving, oldest first."""
-    root = Path(output_dir) / CHECKPOINT_DIR
-    if not root.is_dir():
-        return []
-    done = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / CLIENT_FILE).is_file()]
-    return sorted(done, key=step_of)
-
-
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` names, else the newest complete one, else ``None``."""
-    root = Path(output_dir) / CHECKPOINT_DIR
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text(encoding="utf-8").strip()
-        if (named / CLIENT_FILE).is_file():
-            return named
-    done = complete_checkpoints(output_dir)
-    return done[-1] if done else None
-
-
-#: What a training run writes into its output_dir; a fresh start moves an earlier run's copies aside.
-RUN_ARTIFACTS = ("config.yaml", METRICS_FILE, SAMPLES_FILE, "tensorboard", RECORDS_DIR, CHECKPOINT_DIR, "final",
-                 "curves.png", "inspect")
-PREVIOUS_RUNS_DIR = "previous_runs"
 
 
 def archive_previous_run(output_dir: str | os.PathLike) -> Path | None:
@@ -186,10 +139,9 @@ class CheckpointManager:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         return stale
 
-    def save(self, engine, step: int, client_state: dict[str, Any],
-             generators: dict[str, torch.Generator] | None = None) -> Path:
+    def save(self, engine, step: int, client_state: dict[str, Any]) -> Path:
         """Write checkpoint ``step_<step>``; returns its path once it is complete on all ranks."""
-        final = self.root / f"step_{step}"
+        final = self.root / checkpoint_name(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
         if get_rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -197,7 +149,7 @@ class CheckpointManager:
             tmp.mkdir()
         barrier()
         engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state={}, save_latest=False)
-        rng_states = all_gather_object(capture_rng_state(generators))  # [rank] -> state
+        rng_states = all_gather_object(capture_rng_state())  # [rank] -> state
         if get_rank() == 0:
             payload = {"step": step, "world_size": get_world_size(), "client_state": client_state,
                        "rng": rng_states}
@@ -219,8 +171,7 @@ class CheckpointManager:
             if path != keep:
                 shutil.rmtree(path)
 
-    def load(self, engine, path: str | os.PathLike | None = None, *, restore_rng: bool = True,
-             generators: dict[str, torch.Generator] | None = None) -> dict[str, Any]:
+    def load(self, engine, path: str | os.PathLike | None = None, *, restore_rng: bool = True) -> dict[str, Any]:
         """Restore module, optimizer and lr schedule (and this rank's RNG); return the client state.
 
         ``path=None`` loads :func:`latest_checkpoint`.
@@ -237,7 +188,7 @@ class CheckpointManager:
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path / DS_TAG}")
         if restore_rng:
-            restore_rng_state(payload["rng"][get_rank()], generators)
+            restore_rng_state(payload["rng"][get_rank()])
         return payload["client_state"]
 
 

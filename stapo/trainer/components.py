@@ -1,4 +1,4 @@
-"""The one place where a :class:`~stapo.config.STAPOConfig` becomes components (STYLE.md item 5).
+"""The one place where a :class:`~stapo.config.STAPOConfig` becomes components (CONTRIBUTING.md).
 
 Components take flat arguments; this module reads the config and builds them: the policy model
 path (building the tiny demo model when asked), tokenizer, DeepSpeed engine, rollout engine,
@@ -163,6 +163,7 @@ def update_options(cfg: STAPOConfig) -> UpdateOptions:
         clip_c=cfg.loss.clip_c,
         agg=cfg.loss.agg,
         log_ratio_clamp=cfg.loss.log_ratio_clamp,
+        chunk_size=cfg.loss.chunk_size,
         temperature=cfg.rollout.temperature,
         max_response_length=cfg.rollout.max_response_length,
         kl_coef=cfg.loss.kl_coef,

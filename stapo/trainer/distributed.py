@@ -1,4 +1,4 @@
-"""Process-group setup and the few collectives the trainer needs (DESIGN §3).
+"""Process-group setup and the few collectives the trainer needs (docs/distributed.md).
 
 One code path for every launch mode:
 
@@ -123,24 +123,10 @@ def get_world_size() -> int:
     return world_size()
 
 
-def is_main_process() -> bool:
-    """True on global rank 0, and in a process with no process group."""
-    return get_rank() == 0
-
-
 def barrier() -> None:
     """Wait for every rank (no-op without a process group)."""
     if _active():
         dist.barrier()
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Return ``src``'s ``obj`` on every rank (picklable objects only)."""
-    if not _active():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def all_gather_object(obj: Any) -> list[Any]:

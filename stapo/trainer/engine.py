@@ -1,6 +1,6 @@
 """DeepSpeed engine: AdamW, warm-up-then-constant lr, global-norm clipping, exact gradient sums.
 
-Gradient convention (DESIGN §1 step 6). The trainer's per-micro-batch losses are already
+Gradient convention (docs/algorithm.md, "Why the update is exact"). The trainer's per-micro-batch losses are already
 normalized by a GLOBAL count (kept tokens of the whole mini-batch on all ranks), so the gradient
 we want is the plain sum ``Σ_ranks Σ_micro ∇loss``. DeepSpeed by default divides each backward by
 ``gradient_accumulation_steps`` (``engine.backward(scale_wrt_gas=True)``) and ZeRO's
@@ -336,21 +336,3 @@ class GradientAccumulation:
 def current_lr(engine) -> float:
     """lr of the first param group, as used by the *next* step."""
     return float(engine.get_lr()[0])
-
-
-def gather_full_grads(engine) -> dict[str, torch.Tensor]:
-    """Full (unpartitioned) fp32 gradients by HF parameter name; collective under ZeRO-3.
-
-    Valid between the last :func:`backward_sum` of a mini-batch and :func:`optimizer_step`
-    (ZeRO frees them at the step). Every rank must call it; every rank gets all gradients.
-    """
-    from deepspeed.utils import safe_get_full_grad
-
-    from stapo.trainer.weight_sync import hf_name
-
-    grads = {}
-    for name, param in engine.module.named_parameters():
-        grad = safe_get_full_grad(param)  # all-gathers the partitions of this parameter
-        if grad is not None:
-            grads[hf_name(name)] = grad.detach().float().cpu().clone()
-    return grads

@@ -1,9 +1,11 @@
 """Metric sinks for training runs: JSONL (always), TensorBoard and W&B (optional), console.
 
-DESIGN.md §6: every step the trainer logs one flat ``dict[str, float]``. ``metrics.jsonl`` is the
-source of truth (plots, the inspector and resumption read it); each line is flushed and fsync'd so a
-killed run loses at most the line being written, and :meth:`MetricsLogger.truncate_after` drops the
-steps a resumed checkpoint does not contain. Only the main process writes anything.
+Every step the trainer logs one flat ``dict[str, float]`` (docs/algorithm.md, "Metrics that follow
+the paper"). ``metrics.jsonl`` is the source of truth (plots, the inspector and resumption read it
+with :func:`stapo.run_dir.read_metrics`); each line is flushed and fsync'd so a killed run loses at
+most the line being written, and :meth:`MetricsLogger.truncate_after` drops the steps a resumed
+checkpoint does not contain. Only the main process writes anything; the console view is
+:mod:`stapo.trainer.console`.
 
 THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every one is logged):
 
@@ -28,7 +30,8 @@ Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean``
 ``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``).
 
 Non-finite values (a skipped step's loss) are stored as the strings ``"NaN"``, ``"Infinity"``,
-``"-Infinity"`` so every line stays valid JSON; :func:`read_metrics` turns them back into floats.
+``"-Infinity"`` so every line stays valid JSON; :func:`stapo.run_dir.read_metrics` turns them back
+into floats.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ import logging
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from stapo.run_dir import METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR, read_metrics, restore_nonfinite
+from stapo.trainer.console import ConsoleView
 
 STEP_METRIC_KEYS: tuple[str, ...] = (
     "step", "epoch",
@@ -54,16 +59,7 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
 )
 OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "kl")
 
-METRICS_FILE = "metrics.jsonl"
-SAMPLES_FILE = "samples.jsonl"
-
 logger = logging.getLogger(__name__)
-
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-# (key, label, format) shown on the progress bar / plain log lines, in this order.
-_SHOWN = (("reward_mean", "reward", "num"), ("accuracy", "acc", "num"),
-          ("entropy_mean", "entropy", "num"), ("silenced_frac", "silenced", "pct"),
-          ("time_step", "step_time", "sec"))
 
 
 def _json_value(key: str, value: Any) -> Any:
@@ -81,45 +77,6 @@ def _json_value(key: str, value: Any) -> Any:
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     raise TypeError(f"metric {key!r} has unsupported type {type(value).__name__}; "
                     "log numbers (int/float), bool, str or None")
-
-
-def _restore(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: (_NONFINITE[v] if isinstance(v, str) and v in _NONFINITE else v)
-            for k, v in record.items()}
-
-
-def _fmt(kind: str, value: Any) -> str:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return str(value)
-    if kind == "pct":
-        return f"{100 * value:.3f}%"
-    if kind == "sec":
-        return f"{value:.2f}s"
-    return f"{value:.4g}"
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a ``metrics.jsonl`` (or of a run dir's), non-finite strings restored to floats.
-
-    A truncated last line (the run was killed mid-write) is skipped with a warning; a corrupt line
-    anywhere else raises ``ValueError`` naming the file and line number.
-    """
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    lines = path.read_text(encoding="utf-8").split("\n")
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(_restore(json.loads(line)))
-        except json.JSONDecodeError as err:
-            if i == len(lines) - 1:  # no trailing newline: the line being written when killed
-                logger.warning("%s: ignoring truncated last line %d", path, i + 1)
-                continue
-            raise ValueError(f"{path}: line {i + 1} is not valid JSON ({err})") from err
-    return rows
 
 
 def _truncate_jsonl(path: Path, step: int) -> int:
@@ -155,17 +112,12 @@ class MetricsLogger:
         self.is_main = is_main
         self.total_steps = total_steps
         self._tb_enabled = tensorboard
-        self._stream = stream if stream is not None else sys.stdout
-        self._progress_enabled = progress
-        self._plain_interval_s = plain_interval_s
-        self._tty = bool(getattr(self._stream, "isatty", lambda: False)())
+        self._console = ConsoleView(stream if stream is not None else sys.stdout, progress=progress,
+                                    total_steps=total_steps, plain_interval_s=plain_interval_s)
         self._file: TextIO | None = None
         self._tb = None
         self._purge_step: int | None = None
         self._wandb = None
-        self._bar = None  # (rich Progress, task id) once started
-        self._console = None
-        self._last_plain = -math.inf
         self._closed = False
         if is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -208,7 +160,7 @@ class MetricsLogger:
                 logger.warning("tensorboard is not installed; TensorBoard logging is off")
                 self._tb_enabled = False
                 return None
-            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"),
+            self._tb = SummaryWriter(str(self.output_dir / TENSORBOARD_DIR),
                                      purge_step=self._purge_step)
         return self._tb
 
@@ -224,7 +176,8 @@ class MetricsLogger:
         if not self.is_main:
             return
         self._write_line(self._file, row)
-        numeric = {k: v for k, v in _restore(row).items()
+        restored = restore_nonfinite(row)
+        numeric = {k: v for k, v in restored.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         tb = self._tensorboard()
         if tb is not None:
@@ -233,7 +186,7 @@ class MetricsLogger:
             tb.flush()
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
-        self._show(step, row)
+        self._console.show_step(step, restored)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Append samples to ``samples.jsonl``; print the first with silenced tokens marked.
@@ -253,7 +206,7 @@ class MetricsLogger:
             for s in samples:
                 row = {k: (v if isinstance(v, list) else _json_value(k, v)) for k, v in s.items()}
                 self._write_line(f, {"step": int(step), **row})
-        self._print(self._render_sample(step, samples[0]))
+        self._console.show_sample(step, samples[0])
 
     def truncate_after(self, step: int) -> int:
         """Drop lines with step > ``step`` (resume); returns how many metric lines were dropped.
@@ -278,8 +231,7 @@ class MetricsLogger:
         if self._closed:
             return
         self._closed = True
-        if self._bar is not None:
-            self._bar[0].stop()
+        self._console.close()
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
@@ -293,70 +245,8 @@ class MetricsLogger:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- console
     @staticmethod
     def _write_line(f: TextIO, row: dict[str, Any]) -> None:
         f.write(json.dumps(row, allow_nan=False, ensure_ascii=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-    def _summary(self, row: dict[str, Any]) -> str:
-        return " | ".join(f"{label} {_fmt(kind, _restore(row)[key])}"
-                          for key, label, kind in _SHOWN if key in row)
-
-    def _show(self, step: int, row: dict[str, Any]) -> None:
-        if not self._progress_enabled:
-            return
-        if self._tty:
-            bar, task = self._progress_bar()
-            bar.update(task, completed=step, stats=self._summary(row))
-            return
-        now = time.monotonic()
-        last = self.total_steps is not None and step >= self.total_steps
-        if now - self._last_plain >= self._plain_interval_s or last:
-            self._last_plain = now
-            total = f"/{self.total_steps}" if self.total_steps else ""
-            self._print(f"step {step}{total} | {self._summary(row)}")
-
-    def _progress_bar(self):
-        if self._bar is None:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeRemainingColumn)
-
-            bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                           TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
-                           console=self._rich_console())
-            task = bar.add_task("train", total=self.total_steps, stats="")
-            bar.start()
-            self._bar = (bar, task)
-        return self._bar
-
-    def _rich_console(self):
-        if self._console is None:
-            from rich.console import Console
-
-            self._console = Console(file=self._stream, force_terminal=True)
-        return self._console
-
-    def _print(self, text: str) -> None:
-        if self._tty:
-            self._rich_console().print(text, highlight=False)  # above a live bar
-        else:
-            print(text, file=self._stream, flush=True)
-
-    def _render_sample(self, step: int, sample: dict[str, Any]) -> str:
-        """Rich markup on a TTY (silenced tokens highlighted), ``[[token]]`` brackets otherwise."""
-        if self._tty:
-            from rich.markup import escape
-        else:
-            escape = str
-        if "tokens" in sample:
-            silenced = sample.get("silenced", [False] * len(sample["tokens"]))
-            mark = "[bold black on yellow]{}[/]" if self._tty else "[[{}]]"
-            response = "".join(mark.format(escape(t)) if s else escape(t)
-                               for t, s in zip(sample["tokens"], silenced))
-        else:
-            response = escape(str(sample["response"]))
-        head = (f"sample @ step {step} | reward {sample['reward']} | "
-                f"ground truth {sample['ground_truth']}")
-        return f"{escape(head)}\nprompt: {escape(str(sample['prompt']))}\nresponse: {response}"

@@ -1,4 +1,4 @@
-"""Model FLOPs utilization (MFU) and tokens/s per training phase (DESIGN §7, docs/benchmarks.md).
+"""Model FLOPs utilization (MFU) and tokens/s per training phase (docs/benchmarks.md).
 
 MFU = model FLOPs actually needed by the real (non-padding) tokens / (seconds x peak dense bf16 FLOP/s).
 Model FLOPs come from the transformers config, never from a profiler, so padding, recomputation

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from stapo.inspect.collect import build_token_record
-from stapo.inspect.records import token_record_path, write_token_record
+from stapo.inspect.records import write_token_record
+from stapo.run_dir import token_record_path
 from stapo.trainer.microbatch import MicroBatches
 from stapo.trainer.policy import response_token_topk
 

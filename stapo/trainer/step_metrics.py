@@ -1,4 +1,4 @@
-"""Per-step metrics (DESIGN.md §6): tensors until the end of the step, one reduction across ranks.
+"""Per-step metrics (docs/algorithm.md, "Metrics that follow the paper"): tensors until the end of the step, one reduction across ranks.
 
 Every quantity is first a per-rank SUM (or count); :func:`reduce_metrics` adds them over ranks in
 one all-reduce and the ratios are formed afterwards, so the figures do not depend on how the

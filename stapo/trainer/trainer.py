@@ -24,7 +24,8 @@ from stapo.config import STAPOConfig
 from stapo.losses import TokenMask, TokenStats, build_mask, group_advantages, registered_name
 from stapo.rollout import Rollout, SamplingParams
 from stapo.trainer import components as build
-from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_hf, latest_checkpoint
+from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, latest_checkpoint, read_metrics
+from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_hf
 from stapo.trainer.distributed import barrier, init_distributed
 from stapo.trainer.metrics import MetricsLogger
 from stapo.trainer.recording import TokenRecorder
@@ -93,7 +94,7 @@ class STAPOTrainer:
         self.skipped_steps = 0
         self._consecutive_skips = 0
         if self.dist.is_main:
-            cfg.to_yaml(self.output_dir / "config.yaml")
+            cfg.to_yaml(self.output_dir / CONFIG_FILE)
         if resume_from is not None:
             self._resume(resume_from)
 
@@ -214,13 +215,11 @@ class STAPOTrainer:
 
     def _finish(self, before: dict, after: dict, seconds: float) -> dict[str, float]:
         from stapo.plots import plot_training_curves
-        from stapo.trainer.metrics import read_metrics
-
         if self.config.trainer.export_hf:
-            export_hf(self.engine, self.tokenizer, self.output_dir / "final")
+            export_hf(self.engine, self.tokenizer, self.output_dir / FINAL_DIR)
         if self.dist.is_main and self.config.logging.plot:
-            plot_training_curves(self.output_dir / "metrics.jsonl", self.output_dir / "curves.png")
-        rows = [r for r in read_metrics(self.output_dir / "metrics.jsonl") if "silenced_frac" in r]
+            plot_training_curves(self.output_dir / METRICS_FILE, self.output_dir / CURVES_FILE)
+        rows = [r for r in read_metrics(self.output_dir / METRICS_FILE) if "silenced_frac" in r]
         summary = {
             "steps": self.step_count,
             "accuracy_before": before.get("eval_accuracy", float("nan")),
@@ -297,8 +296,8 @@ class STAPOTrainer:
     def from_checkpoint(cls, path: str | Path, **kwargs) -> "STAPOTrainer":
         """Rebuild the trainer from a run directory or checkpoint and continue where it stopped."""
         path = Path(path)
-        run_dir = path if (path / "config.yaml").exists() else path.parent.parent
-        config = STAPOConfig.from_yaml(run_dir / "config.yaml",
+        run_dir = path if (path / CONFIG_FILE).exists() else path.parent.parent
+        config = STAPOConfig.from_yaml(run_dir / CONFIG_FILE,
                                        overrides=[f"trainer.resume={'auto' if path == run_dir else path}",
                                                   f"trainer.output_dir={run_dir}"])
         return cls(config, **kwargs)

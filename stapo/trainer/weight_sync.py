@@ -1,4 +1,4 @@
-"""Weight sync ZeRO-3 → rollout engine, one all-gather per bucket (DESIGN §1 step 1, §3).
+"""Weight sync ZeRO-3 → rollout engine, one all-gather per bucket (Algorithm 1 line 3; docs/distributed.md).
 
 Under ZeRO-3 each rank holds ``1/world_size`` of every parameter. Gathering one parameter at a
 time (the slow path in TRL and OpenRLHF) pays one collective per tensor — hundreds per model —

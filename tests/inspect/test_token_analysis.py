@@ -11,7 +11,8 @@ from stapo.inspect.analysis import (CLASS_NAMES, SPURIOUS_CLASS, display_token,
                                     grad_norm_by_class, grad_norm_proxy,
                                     silenced_ratio_over_training, spurious_mask, token_classes,
                                     token_frequencies)
-from stapo.inspect.records import token_record_path, write_token_record
+from stapo.inspect.records import write_token_record
+from stapo.run_dir import token_record_path
 
 
 def test_classes_follow_table_1(record):

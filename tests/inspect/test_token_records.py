@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from stapo.inspect.collect import build_token_record, topk_and_collision
-from stapo.inspect.records import (load_records, read_token_record, token_record_path,
-                                   write_token_record)
+from stapo.inspect.collect import build_token_record
+from stapo.inspect.records import load_records, read_token_record, write_token_record
+from stapo.run_dir import token_record_path
 
 
 def _same(a, b):
@@ -72,19 +72,6 @@ def test_corrupt_file_is_named(tmp_path):
     bad.write_bytes(b"not a pickle")
     with pytest.raises(ValueError, match="step_000001.pt"):
         load_records(tmp_path)
-
-
-def test_topk_and_collision_by_hand():
-    # row 0: logits [0, ln 3] -> p = [1/4, 3/4]; Σp² = 1/16 + 9/16 = 0.625
-    # row 1: uniform over 2 -> Σp² = 0.5; at temperature 2 row 0 becomes [1, √3]/(1+√3)
-    logits = torch.tensor([[0.0, math.log(3.0)], [1.0, 1.0]])
-    ids, probs, coll = topk_and_collision(logits, k=1, chunk_size=1)
-    assert ids.tolist() == [[1], [0]]
-    assert probs[:, 0].tolist() == pytest.approx([0.75, 0.5])
-    assert coll.tolist() == pytest.approx([0.625, 0.5])
-    p = torch.tensor([1.0, math.sqrt(3.0)]) / (1 + math.sqrt(3.0))
-    _, _, coll_t = topk_and_collision(logits[:1], k=2, temperature=2.0)
-    assert coll_t.item() == pytest.approx(float(p.square().sum()))
 
 
 def test_build_token_record_flattens_valid_tokens():

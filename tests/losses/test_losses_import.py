@@ -1,4 +1,4 @@
-"""``import stapo.losses`` must stay light: torch only (STYLE.md item 9)."""
+"""``import stapo.losses`` must stay light: torch only (CONTRIBUTING.md)."""
 
 import subprocess
 import sys

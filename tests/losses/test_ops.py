@@ -132,6 +132,20 @@ def test_token_topk_and_lemma_a1_gradient_norm():
     torch.testing.assert_close(grad.pow(2).sum(-1), 1 - 2 * p_y + top.collision.double(), atol=1e-5, rtol=1e-5)
 
 
+def test_token_topk_by_hand():
+    # identity lm_head: the hidden states are the logits
+    # row 0: logits [0, ln 3] -> p = [1/4, 3/4]; sum p^2 = 1/16 + 9/16 = 0.625
+    # row 1: uniform over 2 -> sum p^2 = 0.5; at temperature 2 row 0 becomes [1, sqrt 3] / (1 + sqrt 3)
+    logits = torch.tensor([[0.0, math.log(3.0)], [1.0, 1.0]])
+    top = token_topk(logits, torch.eye(2), k=1, chunk_size=1)
+    assert top.ids.tolist() == [[1], [0]]
+    assert top.probs[:, 0].tolist() == pytest.approx([0.75, 0.5])
+    assert top.collision.tolist() == pytest.approx([0.625, 0.5])
+    p = torch.tensor([1.0, math.sqrt(3.0)]) / (1 + math.sqrt(3.0))
+    hot = token_topk(logits[:1], torch.eye(2), k=2, temperature=2.0)
+    assert hot.collision.item() == pytest.approx(float(p.square().sum()))
+
+
 def test_masked_sum_mean():
     x = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 6.0]])
     m = torch.tensor([[True, True, False], [True, False, False]])

@@ -1,4 +1,4 @@
-"""Extraction rules of ``extract_answer`` (DESIGN §4): boxed, Answer line, final answer."""
+"""Extraction rules of ``extract_answer`` (docs/rewards.md): boxed, Answer line, final answer."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Hang-proofing (DESIGN §4): adversarial answers score -1 within the per-item limit, from any
+"""Hang-proofing (docs/rewards.md): adversarial answers score -1 within the per-item limit, from any
 thread; a hung item never stalls its batch; workers are killed, replaced and never leaked."""
 
 import os

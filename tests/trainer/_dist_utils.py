@@ -141,3 +141,21 @@ def tiny_qwen3(seed: int = 0, vocab_size: int = 64, hidden_size: int = 16, layer
                          tie_word_embeddings=True, attn_implementation="eager")
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(config).float()
+
+
+def gather_full_grads(engine) -> dict[str, torch.Tensor]:
+    """Full (unpartitioned) fp32 gradients by HF parameter name; collective under ZeRO-3.
+
+    Valid between the last ``backward_sum`` of a mini-batch and ``optimizer_step`` (ZeRO frees
+    them at the step). Every rank must call it; every rank gets all gradients.
+    """
+    from deepspeed.utils import safe_get_full_grad
+
+    from stapo.trainer.weight_sync import hf_name
+
+    grads = {}
+    for name, param in engine.module.named_parameters():
+        grad = safe_get_full_grad(param)  # all-gathers the partitions of this parameter
+        if grad is not None:
+            grads[hf_name(name)] = grad.detach().float().cpu().clone()
+    return grads

@@ -4,8 +4,9 @@ import re
 
 import pytest
 
-from stapo.config import STAPOConfig
-from stapo.trainer.components import build_datasets
+from stapo.config import ConfigError, STAPOConfig
+from stapo.losses.ops import DEFAULT_CHUNK_SIZE
+from stapo.trainer.components import build_datasets, update_options
 
 
 @pytest.mark.parametrize("terms", [3, 5])
@@ -19,3 +20,13 @@ def test_builtin_task_follows_tiny_terms(terms, tiny_tokenizer, tmp_path):
         expression = re.fullmatch(r"Compute (.+)\.", example.problem).group(1)
         assert len(re.findall(r"\d+", expression)) == terms, example.problem
         assert int(example.ground_truth) == eval(expression)  # + and - only: left to right = Python's order
+
+
+def test_update_options_take_the_configured_chunk_size():
+    # loss.chunk_size reaches the logprob/entropy op; its default is the tuned op default (128),
+    # not a second constant of the update path
+    assert STAPOConfig().loss.chunk_size == DEFAULT_CHUNK_SIZE
+    assert update_options(STAPOConfig()).chunk_size == DEFAULT_CHUNK_SIZE
+    assert update_options(STAPOConfig.from_yaml(None, ["loss.chunk_size=77"])).chunk_size == 77
+    with pytest.raises(ConfigError, match="loss.chunk_size must be >= 1, got 0"):
+        STAPOConfig.from_yaml(None, ["loss.chunk_size=0"])

@@ -41,9 +41,9 @@ def _weights(model):
 
 
 def _engine_worker(out_dir, **_):
-    from stapo.trainer.distributed import (barrier, broadcast_object, init_distributed,
-                                           is_main_process, reduce_metrics)
-    from stapo.trainer.engine import GradientAccumulation, build_engine, current_lr, gather_full_grads
+    from _dist_utils import gather_full_grads
+    from stapo.trainer.distributed import barrier, init_distributed, reduce_metrics
+    from stapo.trainer.engine import GradientAccumulation, build_engine, current_lr
 
     info = init_distributed()
     with pytest.raises(ValueError, match="initial weights differ across ranks"):
@@ -52,7 +52,7 @@ def _engine_worker(out_dir, **_):
                           grad_accum_steps=2, bf16=False)
     ids, masks = _data()
     mine = [2 * info.rank, 2 * info.rank + 1]  # rank 0: micro 0, 1; rank 1: micro 2, 3
-    out = {"info": info, "main": is_main_process()}
+    out = {"info": info}
     out["partition"] = [(n, p.ds_numel, p.ds_tensor.numel()) for n, p in engine.module.named_parameters()]
     out["w0"] = _weights(engine)
 
@@ -72,7 +72,6 @@ def _engine_worker(out_dir, **_):
     with pytest.raises(RuntimeError, match="step called after 0 of 2 micro-batch backwards"):
         GradientAccumulation(engine, 2).step()
     out["metrics"] = reduce_metrics({"reward_sum": torch.tensor(info.rank + 1.0), "count": 2})
-    out["bcast"] = broadcast_object({"seed": 123} if info.rank == 0 else None)
     barrier()
     return out
 
@@ -105,10 +104,9 @@ def two_ranks(tmp_path_factory):
 def test_dist_info_and_collectives(two_ranks):
     assert [r["info"].rank for r in two_ranks] == [0, 1]
     assert {r["info"].world_size for r in two_ranks} == {2}
-    assert [r["main"] for r in two_ranks] == [True, False]
+    assert [r["info"].is_main for r in two_ranks] == [True, False]
     # reward sums 1 + 2 = 3, counts 2 + 2 = 4, identical on both ranks
     assert [r["metrics"] for r in two_ranks] == [{"reward_sum": 3.0, "count": 4.0}] * 2
-    assert [r["bcast"] for r in two_ranks] == [{"seed": 123}] * 2
 
 
 @pytest.mark.distributed
@@ -170,7 +168,8 @@ def test_non_finite_loss_skips_the_step(two_ranks):
 
 def _single_process_worker(out_dir, **_):
     from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import GradientAccumulation, backward_sum, build_engine, gather_full_grads
+    from _dist_utils import gather_full_grads
+    from stapo.trainer.engine import GradientAccumulation, backward_sum, build_engine
     from stapo.trainer.weight_sync import iter_weight_buckets
 
     info = init_distributed()

@@ -10,8 +10,8 @@ import types
 import pytest
 
 from stapo.trainer import metrics as metrics_mod
-from stapo.trainer.metrics import (OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS, MetricsLogger,
-                                   read_metrics)
+from stapo.run_dir import read_metrics
+from stapo.trainer.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS, MetricsLogger
 
 ANSI = re.compile(r"\x1b\[")
 

@@ -1,4 +1,4 @@
-"""Kill test (DESIGN §6): a run SIGKILLed mid-training and resumed with ``resume: auto`` logs the
+"""Kill test (docs/distributed.md, "Resuming"): a run SIGKILLed mid-training and resumed with ``resume: auto`` logs the
 same per-step metrics as an uninterrupted run with the same seed (same data order, sampling seeds,
 optimizer state). That a kill *during* a checkpoint write leaves ``latest`` on the previous complete
 checkpoint is tested in test_checkpoint.py."""
@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from stapo.config import STAPOConfig
-from stapo.trainer.checkpoint import latest_checkpoint, step_of
-from stapo.trainer.metrics import read_metrics
+from stapo.run_dir import latest_checkpoint, read_metrics, step_of
 
 pytestmark = pytest.mark.slow
 

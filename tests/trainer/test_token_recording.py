@@ -67,14 +67,19 @@ def test_stapo_inspect_writes_the_report(recorded_run, capsys):
     assert "inspector report" in capsys.readouterr().out
 
 
-def test_topk_comes_from_the_same_theta_as_p_and_h(recorded_run):
+def test_topk_comes_from_the_same_theta_as_p_and_h(tmp_path, tiny_model_dir, arithmetic_jsonl):
     # The record is taken before the first mini-batch's update: wherever the sampled token is among
     # the top-5 alternatives, its top-k probability IS exp(logprob) the mask saw (after an update it
-    # would have moved by far more than float rounding at lr 1e-3).
+    # would have moved by far more than float rounding at lr 1e-2). Temperature 0.1 sharpens the
+    # random tiny model so that sampled tokens are often among the top 5.
+    from stapo import STAPOTrainer
     from stapo.inspect import load_records
 
+    cfg = tiny_config(tmp_path, tiny_model_dir, arithmetic_jsonl, "inspect.record_every=1", "rollout.temperature=0.1",
+                      "optim.lr=1e-2")
+    STAPOTrainer(cfg, reward_fn=length_parity_reward).train()
     matched = 0
-    for rec in load_records(recorded_run):
+    for rec in load_records(tmp_path / "run"):
         hit = rec.topk_ids == rec.token_id[:, None]  # (N, K)
         rows = hit.any(dim=1)
         got = (rec.topk_probs * hit).sum(dim=1)[rows]

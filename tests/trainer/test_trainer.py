@@ -15,7 +15,8 @@ import torch
 
 from stapo.config import STAPOConfig
 from stapo.losses import available_masks
-from stapo.trainer.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS, read_metrics
+from stapo.run_dir import read_metrics
+from stapo.trainer.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +171,7 @@ def test_a_fresh_start_moves_an_earlier_run_aside(resume, tmp_path, tiny_model_d
     # The earlier run's rows must neither be appended to nor lost. With resume=auto a fresh start
     # happens when the earlier run left no complete checkpoint (killed before its first save).
     from stapo import STAPOTrainer
-    from stapo.trainer.checkpoint import PREVIOUS_RUNS_DIR
+    from stapo.run_dir import PREVIOUS_RUNS_DIR
 
     first = STAPOTrainer(tiny_config(tmp_path, tiny_model_dir, arithmetic_jsonl, "trainer.total_steps=1"),
                          reward_fn=digit_one_reward)
