@@ -30,7 +30,7 @@ setup(
         "pyarrow>=14.0",
     ],
     extras_require={
-        "vllm": ["vllm>=0.10"],
+        "vllm": ["vllm>=0.10.2"],
         "test": ["pytest>=8.0", "hypothesis>=6.100", "pytest-timeout>=2.3"],
         "bench": ["math-verify==0.8.0", "trl==1.16.0", "psutil>=5.9"],
     },

@@ -88,8 +88,9 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "auto"
-    """Rollout engine: ``hf`` (transformers, CPU or GPU), ``vllm`` (colocated, GPU) or ``auto``
-    (vLLM when a GPU and vllm are available, else HF)."""
+    """Rollout engine from the registry (``stapo.rollout.registry``): ``hf`` (transformers, CPU or
+    GPU), ``vllm`` (colocated, GPU), a user-registered one, or ``auto`` (vLLM when a GPU and vllm are
+    available, else HF)."""
     group_size: int = 8
     """G: responses sampled per prompt (paper: 8)."""
     temperature: float = 1.0
@@ -103,7 +104,12 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take while awake (colocated with training)."""
     tensor_parallel_size: int = 1
-    """vLLM tensor-parallel size (external-launcher mode across training ranks)."""
+    """vLLM tensor-parallel size; only 1 is supported (each rank runs its own engine on its own
+    prompts, see docs/gpu.md)."""
+    seed_per_request: bool = False
+    """vLLM: give every prompt its own seed (its samples depend only on the seed and the prompt)
+    instead of reseeding the engine once per rollout; slower (vLLM's per-request sampling path).
+    Either way a resumed run reseeds each step the same way (docs/gpu.md)."""
     sync_bucket_mb: int = 256
     """Size of the buckets in which ZeRO-3 shards are gathered and pushed into the engine."""
     max_batch_size: int = 256
@@ -160,6 +166,10 @@ class LossConfig:
     """Response tokens per chunk of the logprob/entropy op: peak extra memory is one
     ``(chunk_size, vocab)`` fp32 buffer; the default is tuned in ``bench/token_stats.py``
     (docs/losses.md)."""
+    tis_cap: Union[float, None] = None
+    """Truncated importance sampling: weight each token's surrogate by ``min(pi_old / pi_sampler, tis_cap)``
+    to correct the rollout engine's numerics (verl / Yao et al. 2025; docs/losses.md). None (the
+    paper) disables; 2 is usual."""
 
 
 @dataclass
@@ -357,7 +367,6 @@ class STAPOConfig:
 
 _CHOICES = {
     "model.dtype": ("auto", "bf16", "fp32"),
-    "rollout.engine": ("auto", "hf", "vllm"),
     "mask.stats_source": ("fresh", "old"),
     "reward.mode": ("math", "dapo", "dapo_boxed"),
     "loss.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
@@ -423,4 +432,15 @@ def validate(cfg: STAPOConfig) -> None:
            f"zero.max_live_parameters ({z.max_live_parameters}) must be >= zero.prefetch_bucket_size "
            f"({z.prefetch_bucket_size}): prefetched parameters count as live")
     _check(lo.chunk_size >= 1, f"loss.chunk_size must be >= 1, got {lo.chunk_size}")
+    from stapo.rollout.registry import engine_choices  # the live registry: user-registered engines count
+
+    _check(r.engine in engine_choices(), f"rollout.engine must be one of {list(engine_choices())}, got {r.engine!r}")
+    _check(r.tensor_parallel_size == 1,
+           f"rollout.tensor_parallel_size must be 1, got {r.tensor_parallel_size}: every rank samples its own "
+           "prompts with its own engine, while vLLM tensor parallelism needs all ranks of a group to pass the "
+           "same prompts. Use data parallelism instead (more ranks: torchrun --nproc_per_node N), a smaller "
+           "model, or lower rollout.gpu_memory_utilization / rollout.max_response_length (docs/gpu.md)")
+    _check(lo.tis_cap is None or lo.tis_cap > 0,
+           f"loss.tis_cap (truncated importance sampling cap) must be > 0 or null, got {lo.tis_cap} "
+           "(values >= 1 are usual: 2 in verl)")
 

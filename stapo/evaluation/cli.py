@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from stapo.evaluation.benchmarks import BENCHMARKS, SETTING_GROUPS, get_benchmark, local_benchmark
-from stapo.evaluation.runner import DEFAULT_PASS_K, ENGINES, check_model_dir, evaluate_model
+from stapo.evaluation.runner import DEFAULT_PASS_K, check_model_dir, evaluate_model
 
 __all__ = ["add_arguments", "run_cli"]
 
@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settings", choices=sorted(SETTING_GROUPS), default="paper",
                         help="decoding: train (T=1.0, top-p=1.0), justrl (T=0.7, top-p=0.9), paper (both)")
     parser.add_argument("--max-new-tokens", type=int, default=20480, metavar="N", help="default: 20480 (paper)")
-    parser.add_argument("--engine", choices=ENGINES, default="auto",
+    from stapo.rollout.registry import engine_choices  # the registry: user-registered engines count
+
+    parser.add_argument("--engine", choices=engine_choices(), default="auto",
                         help="auto: vLLM on a GPU when installed, else the HF engine")
     parser.add_argument("--pass-k", type=int, nargs="+", default=list(DEFAULT_PASS_K), metavar="K",
                         help=f"k of pass@k to report (default: {' '.join(map(str, DEFAULT_PASS_K))}; k > N skipped)")

@@ -26,11 +26,10 @@ from stapo.evaluation.benchmarks import (PAPER_SETTINGS, BenchmarkPreset, Decodi
                                          load_benchmark)
 from stapo.evaluation.report import BenchmarkResult, EvalReport
 
-__all__ = ["ENGINES", "build_engine", "check_model_dir", "evaluate_model", "sample_benchmark"]
+__all__ = ["build_engine", "check_model_dir", "evaluate_model", "sample_benchmark"]
 
 logger = logging.getLogger("stapo.evaluation")
 
-ENGINES = ("auto", "hf", "vllm")
 DEFAULT_PASS_K = (1, 4, 32)
 
 
@@ -132,34 +131,18 @@ def sample_benchmark(engine, verifier, dataset: PromptDataset, *, name: str, set
 
 
 def build_engine(engine, model_path: str | Path, tokenizer, *, max_model_len: int, seed: int = 0):
-    """`(name, engine)`: a ready engine is used as given; "auto" picks vLLM on a GPU when installed."""
+    """`(name, engine)`: a ready engine is used as given; a name goes through the rollout-engine
+    registry ("auto" picks vLLM on a GPU when installed)."""
     if not isinstance(engine, str):
         return type(engine).__name__, engine
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     import torch
 
+    from stapo.rollout.registry import EngineOptions, build_engine as build_registered
+
     cuda = torch.cuda.is_available()
-    if engine == "auto":
-        engine = "vllm" if cuda and _vllm_installed() else "hf"
-    if engine == "vllm":
-        if not cuda or not _vllm_installed():
-            raise ValueError("--engine vllm needs a CUDA GPU and vLLM (pip install 'stapo[vllm]'); "
-                             f"{'no GPU is visible' if not cuda else 'vllm is not installed'} (use --engine hf)")
-        from stapo.rollout import VLLMEngine
-
-        return "vllm", VLLMEngine(model_path, gpu_memory_utilization=0.9, enable_sleep_mode=False,
-                                  max_model_len=max_model_len, seed=seed)
-    from stapo.rollout import HFEngine
-
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    return "hf", HFEngine(model_path, tokenizer, device=device, dtype=dtype, max_batch_size=64)
-
-
-def _vllm_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
+    opts = EngineOptions(dtype=torch.bfloat16 if cuda else torch.float32, max_model_len=max_model_len, seed=seed,
+                         max_batch_size=64, gpu_memory_utilization=0.9, enable_sleep_mode=False)
+    return build_registered(engine, model_path, tokenizer, opts)
 
 
 def _load_tokenizer(model_path: str | Path):

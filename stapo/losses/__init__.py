@@ -31,6 +31,7 @@ from stapo.losses.builtin_masks import (
     ProbOnlyMask,
     STAPOMask,
 )
+from stapo.losses.mismatch import mismatch_sums, tis_weights
 from stapo.losses.surrogate import AGG_MODES, aggregate_loss, clipped_surrogate_loss
 
 __all__ = [
@@ -65,4 +66,7 @@ __all__ = [
     "clipped_surrogate_loss",
     "aggregate_loss",
     "AGG_MODES",
+    # rollout-trainer mismatch and truncated importance sampling
+    "mismatch_sums",
+    "tis_weights",
 ]

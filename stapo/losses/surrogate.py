@@ -4,6 +4,7 @@ Per token, with ``rho = exp(clamp(logprobs - old_logprobs, +-log_ratio_clamp))``
 
     l_t = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A)          (PPO / clip-higher)
     l_t = min(l_t, -clip_c A)   if clip_c is set and A < 0              (dual-clip, verl / DAPO)
+    l_t = w_t * l_t             if is_weights are given                 (TIS, stapo.losses.mismatch)
 
 ``aggregate_loss`` is the ONE place that normalizes (a second normalizer would silently disagree):
 
@@ -97,6 +98,7 @@ def clipped_surrogate_loss(
     ref_logprobs: Optional[torch.Tensor] = None,
     kl_coef: float = 0.0,
     log_ratio_clamp: float = 20.0,
+    is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Negative clipped surrogate over kept tokens (Eq. 1 with ``agg="token-mean"``).
 
@@ -104,6 +106,11 @@ def clipped_surrogate_loss(
     ``advantages``: ``(B,)`` or ``(B, T)``. Returns ``(loss, metrics)``; with a keep-all mask and
     ``token-mean`` it is DAPO's token-mean loss. ``ref_logprobs`` + ``kl_coef`` add
     ``kl_coef * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1`` aggregated the same way.
+
+    ``is_weights`` ``(B, T)``: truncated importance-sampling weights (verl's / Yao et al.'s TIS,
+    :func:`stapo.losses.tis_weights`) multiplying each token's surrogate, after clipping and the
+    dual-clip cap, before aggregation; treated as constants (detached). The KL term is not
+    reweighted. ``pg_loss_sum`` reports the weighted loss.
 
     ``metrics`` (0-dim, detached; sums and counts, so they add across micro-batches and ranks):
 
@@ -117,6 +124,8 @@ def clipped_surrogate_loss(
     * ``kl_sum``         sum of k3(ref vs new) over kept tokens (fp32; only with ``ref_logprobs``)
     """
     _check_inputs(logprobs, old_logprobs, advantages, keep, ref_logprobs, clip_low, clip_high, clip_c, kl_coef)
+    if is_weights is not None and is_weights.shape != logprobs.shape:
+        raise ValueError(f"is_weights shape {tuple(is_weights.shape)} != logprobs shape {tuple(logprobs.shape)}")
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
     adv = advantages.float()
     adv = torch.where(keep, adv[:, None] if adv.dim() == 1 else adv, zero)  # (B, T)
@@ -132,6 +141,8 @@ def clipped_surrogate_loss(
         cap = -clip_c * adv  # > 0 where A < 0
         dual = keep & (adv < 0) & (pg > cap)
         pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
+    if is_weights is not None:  # TIS: a constant per-token factor (no gradient through the weight)
+        pg = pg * torch.where(keep, is_weights.detach().float(), zero)
     loss = aggregate_loss(pg, keep, agg, normalizer, max_response_length)
 
     with torch.no_grad():

@@ -10,7 +10,9 @@ token under the processed sampling distribution (temperature, top-k, top-p).
 from stapo.rollout.batch import Rollout
 from stapo.rollout.engine import RolloutEngine
 from stapo.rollout.hf_engine import HFEngine
+from stapo.rollout.registry import EngineOptions, available_engines, build_engine, register_engine
 from stapo.rollout.sampling import SamplingParams
 from stapo.rollout.vllm_engine import VLLMEngine
 
-__all__ = ["HFEngine", "Rollout", "RolloutEngine", "SamplingParams", "VLLMEngine"]
+__all__ = ["EngineOptions", "HFEngine", "Rollout", "RolloutEngine", "SamplingParams", "VLLMEngine",
+           "available_engines", "build_engine", "register_engine"]

@@ -1,27 +1,38 @@
 """`VLLMEngine`: vLLM colocated in the training process (one engine per rank), with sleep mode.
 
-The only module of stapo that imports vllm, and only inside `VLLMEngine.__init__`, so stapo imports on a CPU box (docs/rollout.md).
+Only `stapo/rollout/vllm*.py` import vllm, and only inside `VLLMEngine.__init__`, so stapo imports on a CPU box
+(docs/rollout.md).
 
-Choices (checked against vLLM's V1 engine and TRL's colocate mode; see docs/rollout.md):
+Choices (checked against vLLM 0.26's V1 engine and TRL's colocate mode; see docs/rollout.md and
+docs/gpu.md):
 - `logprobs_mode="processed_logprobs"`: vLLM's default returns logprobs of the RAW logits; the
   trainer needs the distribution the token was drawn from (after temperature / top-k / top-p).
-- Under torchrun / DeepSpeed (world size > 1) or tensor parallelism,
-  `distributed_executor_backend="external_launcher"` keeps vLLM's worker in this process, so
-  `load_weights` copies tensors straight into the running model (no serialization).
-- Sampling with a seed: one derived seed per prompt (vLLM gives the i-th of the n children of a
-  request `seed + i`), so different prompts never share random streams.
+- Executor (`plan_executor`): inside a process group (the trainer always has one, even in a
+  plain one-process run) vLLM uses `distributed_executor_backend="external_launcher"`, which
+  keeps its worker in this process and joins the existing group. That executor reads torchrun's
+  `RANK` / `LOCAL_RANK` (vllm/v1/executor/uniproc_executor.py); when no launcher set them, they
+  are derived from the live group and provided ONLY while `vllm.LLM` is built, then removed, so
+  the environment afterwards is exactly the user's. Without a group, vLLM picks its own executor.
+- Weights go through `llm.collective_rpc` into `stapo.rollout.vllm_worker` (a worker extension):
+  tensors as they are when the worker is in this process, one packed byte string per bucket
+  when it runs in vLLM's engine-core process. No lambdas, no pickle.
+- Seeds (`seed_per_request`): by default one engine reseed per `generate` call, then vLLM's
+  batched sampling (requests carry no seed); `seed_per_request=True` gives each prompt its own
+  seed (vLLM's per-request generator path, slower). docs/gpu.md says what each reproduces.
 - `sleep()` is `llm.sleep(level=1)` (weights offloaded to CPU, KV cache freed); `load_weights`
   wakes only the weights, `generate` wakes the KV cache.
 
-Launch (2 GPUs, one engine per rank): `torchrun --nproc_per_node 2 your_train.py`; torchrun sets the
-RANK / WORLD_SIZE / MASTER_ADDR variables vLLM's external launcher reads.
+Launch: `stapo train CONFIG rollout.engine=vllm` (one process) or
+`torchrun --nproc_per_node N -m stapo.cli train CONFIG` (one engine per rank).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Iterable, Sequence
+import socket
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -29,16 +40,102 @@ import torch
 from stapo.rollout.batch import Rollout, left_pad, right_pad
 from stapo.rollout.engine import check_prompts
 from stapo.rollout.sampling import SamplingParams
+from stapo.rollout.vllm_worker import WORKER_EXTENSION, pack_bucket
 
-__all__ = ["VLLMEngine", "choose_executor_backend", "rollout_from_vllm_outputs"]
+__all__ = ["VLLMEngine", "ExecutorPlan", "GroupFacts", "plan_executor", "vllm_sampling_kwargs",
+           "rollout_from_vllm_outputs"]
+
+EXTERNAL_LAUNCHER = "external_launcher"
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def choose_executor_backend(tensor_parallel_size: int, world_size: int, dist_initialized: bool) -> str | None:
-    """`"external_launcher"` when vLLM must live inside an already-distributed process, else None
-    (vLLM's default executor)."""
-    if tensor_parallel_size > 1 or world_size > 1 or dist_initialized:
-        return "external_launcher"
-    return None
+@dataclasses.dataclass(frozen=True)
+class GroupFacts:
+    """This process in the live default process group; ``local_rank`` is its CUDA device index."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorPlan:
+    """How to build `vllm.LLM`: its executor backend and the launcher variables to provide."""
+
+    backend: str | None  # distributed_executor_backend; None: vLLM's own choice
+    env: dict[str, str]  # variables missing from the environment, set while vllm.LLM is built
+
+
+def plan_executor(tensor_parallel_size: int, env: Mapping[str, str], group: GroupFacts | None,
+                  spare_port: int = 29500) -> ExecutorPlan:
+    """Pure decision: executor backend + launcher variables vLLM needs (see the module doc).
+
+    ``group`` is None when no process group exists. ``spare_port`` fills ``MASTER_PORT`` when no
+    launcher set it (vLLM joins the existing group and never rendezvouses on it).
+    """
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if group is None:
+        if "RANK" not in env and "WORLD_SIZE" not in env:
+            return ExecutorPlan(None, {})  # standalone engine: vLLM's uni/mp executor
+        missing = [name for name in _LAUNCHER_VARS if name not in env]
+        if missing:  # vLLM would rendezvous on env:// itself and fail with a bare KeyError
+            raise ValueError(f"incomplete launcher environment for vLLM's external launcher: {missing} "
+                             "unset; launch with torchrun / deepspeed / accelerate, or unset RANK and "
+                             "WORLD_SIZE for a single process")
+        return ExecutorPlan(EXTERNAL_LAUNCHER, {})
+    if group.world_size % tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}) must divide the number of "
+                         f"ranks ({group.world_size})")
+    for name, fact in (("RANK", group.rank), ("WORLD_SIZE", group.world_size)):
+        if name in env and env[name] != str(fact):
+            raise ValueError(f"{name}={env[name]} in the environment, but the process group says "
+                             f"{name.lower()} {fact}; vLLM would join the wrong rank")
+    wanted = {"RANK": str(group.rank), "WORLD_SIZE": str(group.world_size),
+              "LOCAL_RANK": str(group.local_rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spare_port)}
+    return ExecutorPlan(EXTERNAL_LAUNCHER, {k: v for k, v in wanted.items() if k not in env})
+
+
+@contextlib.contextmanager
+def _provided_env(extra: Mapping[str, str]) -> Iterator[None]:
+    """Set the missing launcher variables ``extra`` for the duration of the block, then remove them."""
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for name in extra:
+            os.environ.pop(name, None)
+
+
+def _group_facts() -> GroupFacts | None:
+    from stapo.losses.reduce import distributed_on
+
+    dist = torch.distributed
+    if not distributed_on():
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+    return GroupFacts(dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+def _spare_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def vllm_sampling_kwargs(sampling: SamplingParams, n: int, num_prompts: int,
+                         seed_per_request: bool) -> tuple[dict, list[int] | None]:
+    """``(kwargs of vllm.SamplingParams, per-prompt seeds or None)`` for one `generate` call.
+
+    Per-prompt seeds are derived reproducibly from ``sampling.seed`` (vLLM gives the i-th of the
+    ``n`` children of a request ``seed + i``), only with ``seed_per_request`` and a seed."""
+    base = dict(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+                stop_token_ids=list(sampling.stop_token_ids), logprobs=0, skip_special_tokens=True)
+    if sampling.seed is None or not seed_per_request:
+        return base, None
+    gen = torch.Generator().manual_seed(sampling.seed)
+    return base, torch.randint(0, 2**31 - 1, (num_prompts,), generator=gen).tolist()
 
 
 def _import_vllm():
@@ -49,9 +146,9 @@ def _import_vllm():
     if not torch.cuda.is_available():
         raise RuntimeError("VLLMEngine needs a CUDA GPU; none is visible (use HFEngine on CPU)")
     fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
-    if "logprobs_mode" not in fields:
+    if "logprobs_mode" not in fields or "worker_extension_cls" not in fields:
         raise ImportError(f"vLLM {vllm.__version__} is too old: VLLMEngine needs EngineArgs.logprobs_mode "
-                          "(vllm>=0.10.2) to report processed sampling logprobs")
+                          "and worker_extension_cls (vllm>=0.10.2)")
     return vllm
 
 
@@ -61,30 +158,39 @@ class VLLMEngine:
     Args:
         model_path: HF model directory (or hub name) vLLM loads its own copy from.
         gpu_memory_utilization: fraction of the GPU vLLM may take (weights + KV cache).
-        tensor_parallel_size: GPUs per engine (ranks of one TP group must pass the same seed).
+        tensor_parallel_size: GPUs per engine; every rank of a TP group must then pass the SAME
+            prompts and seed (the trainer does not: `rollout.tensor_parallel_size` must be 1).
         enable_sleep_mode: allow `sleep()` to free GPU memory during training.
         dtype: vLLM weight dtype.
         max_model_len: longest prompt + response.
         seed: the engine's global seed (used when `SamplingParams.seed` is None).
-        **llm_kwargs: passed to `vllm.LLM` (override any of the above, e.g. `logprobs_mode`).
+        seed_per_request: give each prompt its own seed (vLLM's slower per-request sampling path)
+            instead of one engine reseed per `generate` call.
+        **llm_kwargs: passed to `vllm.LLM` (override any of the above, e.g. `enforce_eager`).
     """
 
     def __init__(self, model_path: str | Path, *, gpu_memory_utilization: float = 0.5,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = True, dtype: str = "bfloat16",
-                 max_model_len: int = 4096, seed: int = 0, **llm_kwargs) -> None:
+                 max_model_len: int = 4096, seed: int = 0, seed_per_request: bool = False,
+                 **llm_kwargs) -> None:
         vllm = _import_vllm()
         self._vllm = vllm
         kwargs = dict(model=str(model_path), gpu_memory_utilization=gpu_memory_utilization,
                       tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode,
-                      dtype=dtype, max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs")
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
-        backend = choose_executor_backend(tensor_parallel_size, world_size, dist_on)
-        if backend is not None:
-            kwargs["distributed_executor_backend"] = backend
+                      dtype=dtype, max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
+                      worker_extension_cls=WORKER_EXTENSION)
+        group = _group_facts()
+        plan = plan_executor(tensor_parallel_size, os.environ, group,
+                             _spare_port() if group is not None and "MASTER_PORT" not in os.environ else 29500)
+        if plan.backend is not None:
+            kwargs["distributed_executor_backend"] = plan.backend
         kwargs.update(llm_kwargs)
-        self.llm = vllm.LLM(**kwargs)
+        with _provided_env(plan.env):
+            self.llm = vllm.LLM(**kwargs)
         self.enable_sleep_mode = enable_sleep_mode
+        self.seed_per_request = seed_per_request
+        # the worker lives in this process unless vLLM runs its engine core in a child process
+        self.in_process = getattr(self.llm.llm_engine, "model_executor", None) is not None
         self.tokenizer = self.llm.get_tokenizer()
         eos = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (eos or 0)
@@ -95,40 +201,37 @@ class VLLMEngine:
         """Sample `n` responses per prompt with vLLM; rows grouped per prompt (see `Rollout`)."""
         prompts = check_prompts(prompt_ids, n)
         self.wake()
-        base = dict(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                    top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
-                    stop_token_ids=list(sampling.stop_token_ids), logprobs=0, skip_special_tokens=True)
-        if sampling.seed is None:
+        base, seeds = vllm_sampling_kwargs(sampling, n, len(prompts), self.seed_per_request)
+        if seeds is None:
             params = self._vllm.SamplingParams(**base)
-        else:  # one seed per prompt, derived reproducibly from sampling.seed
-            gen = torch.Generator().manual_seed(sampling.seed)
-            seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=gen).tolist()
+        else:
             params = [self._vllm.SamplingParams(**base, seed=s) for s in seeds]
         requests = [{"prompt_token_ids": p} for p in prompts]
-        outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
+        with self._engine_seed(None if seeds is not None else sampling.seed):
+            outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         return rollout_from_vllm_outputs(outputs, prompts, n, self.pad_token_id)
+
+    @contextlib.contextmanager
+    def _engine_seed(self, seed: int | None) -> Iterator[None]:
+        """Reseed vLLM's sampler RNG for one call; in-process, the caller's RNG state is restored."""
+        if seed is None:
+            yield
+            return
+        devices = list(range(torch.cuda.device_count())) if self.in_process else []
+        with torch.random.fork_rng(devices=devices, enabled=self.in_process):
+            self.llm.collective_rpc("stapo_reseed", args=(int(seed),))
+            yield
 
     # ------------------------------------------------------------ weight sync
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load one bucket of full tensors (HF names) into the running model, then drop the prefix
-        cache (its KV entries were computed with the old weights)."""
+        """Load one bucket of full tensors (HF names) into the running model (one RPC), then drop
+        the prefix cache (its KV entries were computed with the old weights)."""
         bucket = list(weights)
         if "weights" in self._sleeping:  # writing into offloaded weights would be lost / crash
             self.llm.wake_up(tags=["weights"])
             self._sleeping.discard("weights")
-        model = _local_model(self.llm)
-        # vLLM's own loader maps HF names onto its fused layers (q/k/v -> qkv_proj, ...) and its TP
-        # shards, and raises on names it does not know.
-        if model is not None:
-            model.load_weights(bucket)
-        else:  # vLLM runs its worker in another process: ship the bucket through an RPC
-            try:
-                self.llm.apply_model(lambda m: m.load_weights(bucket))
-            except Exception as err:
-                raise RuntimeError(
-                    "VLLMEngine.load_weights: vLLM's worker runs in another process and the weight RPC "
-                    "failed; run under torchrun (external_launcher keeps it in-process) or set "
-                    "VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the engine") from err
+        payload = bucket if self.in_process else pack_bucket(bucket)
+        self.llm.collective_rpc("stapo_load_weights", args=(payload,))
         self.llm.reset_prefix_cache()
 
     # ------------------------------------------------------------ memory
@@ -143,18 +246,6 @@ class VLLMEngine:
         if self._sleeping:
             self.llm.wake_up(tags=sorted(self._sleeping))
             self._sleeping = set()
-
-
-def _local_model(llm) -> torch.nn.Module | None:
-    """The vLLM model object when the worker lives in this process (external launcher / uniproc)."""
-    executor = getattr(llm.llm_engine, "model_executor", None)
-    worker = getattr(executor, "driver_worker", None)
-    for candidate in (getattr(worker, "worker", None), worker):  # V1 wraps the worker; V0 does not
-        runner = getattr(candidate, "model_runner", None)
-        model = getattr(runner, "model", None)
-        if model is not None and hasattr(model, "load_weights"):
-            return model
-    return None
 
 
 def rollout_from_vllm_outputs(outputs: Sequence, prompts: Sequence[Sequence[int]], n: int,

@@ -126,29 +126,17 @@ def build_reference(cfg: STAPOConfig, model_path: str):
 
 
 def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer):
-    from stapo.rollout import HFEngine, VLLMEngine
+    """The configured engine from the registry (``rollout.engine``; ``auto``: vLLM on a GPU with vllm)."""
+    from stapo.rollout.registry import EngineOptions, build_engine
 
-    kind = cfg.rollout.engine
-    if kind == "auto":
-        kind = "vllm" if torch.cuda.is_available() and _vllm_installed() else "hf"
-    if kind == "vllm":
-        return VLLMEngine(
-            model_path,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-            dtype="bfloat16" if policy_dtype(cfg) == torch.bfloat16 else "float32",
-            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-            seed=cfg.trainer.seed,
-        )
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return HFEngine(model_path, tokenizer, device=device, dtype=policy_dtype(cfg),
-                    max_batch_size=cfg.rollout.max_batch_size)
-
-
-def _vllm_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
+    r = cfg.rollout
+    opts = EngineOptions(dtype=policy_dtype(cfg), max_model_len=cfg.data.max_prompt_length + r.max_response_length,
+                         seed=cfg.trainer.seed, max_batch_size=r.max_batch_size,
+                         gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
+                         seed_per_request=r.seed_per_request)
+    name, engine = build_engine(r.engine, model_path, tokenizer, opts)
+    log.info("rollout engine: %s", name)
+    return engine
 
 
 # Attention kernels whose cost follows the real packed sequences (no dense block-diagonal mask):
@@ -167,6 +155,7 @@ def update_options(cfg: STAPOConfig) -> UpdateOptions:
         temperature=cfg.rollout.temperature,
         max_response_length=cfg.rollout.max_response_length,
         kl_coef=cfg.loss.kl_coef,
+        tis_cap=cfg.loss.tis_cap,
         packing=cfg.trainer.packing,
         pack_one_row=cfg.model.attn_implementation in ONE_ROW_ATTENTION,
         micro_batch_size=cfg.trainer.micro_batch_size,

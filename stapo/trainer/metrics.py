@@ -20,6 +20,9 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
   whatever mask is active), ``keep_frac``, ``mask_tau_h`` (the active mask's entropy threshold; NaN
   for a mask without one), ``probe_tau_h`` (the S2T probe's)
 - ``clip_frac_low``, ``clip_frac_high``, ``approx_kl``, ``loss``, ``grad_norm``, ``lr``
+- ``mismatch_logp_abs_mean``, ``mismatch_logp_abs_max``, ``mismatch_kl`` (rollout engine vs trainer:
+  |log pi_sampler - log pi_old| over valid response tokens, its max, and the k3 estimate of
+  KL(sampler || trainer); the trainer's theta_old recompute, so ~1e-6 in fp32 with the HF engine)
 - ``zero_std_group_frac`` (groups whose rewards are all equal, hence A = 0), ``skipped_updates`` (mini-batch
   updates skipped this step for a non-finite loss or gradient norm), ``skipped_steps`` (steps skipped
   so far, cumulative)
@@ -53,6 +56,7 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "response_length_mean", "response_length_max", "response_clip_ratio",
     "entropy_mean", "silenced_frac", "spurious_frac", "keep_frac", "mask_tau_h", "probe_tau_h",
     "clip_frac_low", "clip_frac_high", "approx_kl", "loss", "grad_norm", "lr",
+    "mismatch_logp_abs_mean", "mismatch_logp_abs_max", "mismatch_kl",
     "zero_std_group_frac", "skipped_updates", "skipped_steps",
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step", "sync_mb",
     "tokens_per_s",

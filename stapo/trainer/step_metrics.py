@@ -99,6 +99,7 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
                  rollout, rewards: torch.Tensor, sums: StepSums, timer: PhaseTimer) -> dict[str, float]:
     """The documented per-step metrics from plain values, reduced once across ranks."""
     local = {**_rollout_sums(rollout, rewards, group_size), **sums}
+    mismatch_max = all_reduce_max(float(local.pop("mismatch_abs_max")))  # a max, not a sum
     s = reduce_metrics(local)
     minibatches = s["minibatches"] / world_size
     for key in _GLOBAL:  # identical on every rank: undo the sum over ranks
@@ -126,6 +127,9 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "clip_frac_low": s.get("clip_low_count", 0.0) / kept,
         "clip_frac_high": s.get("clip_high_count", 0.0) / kept,
         "approx_kl": s.get("approx_kl_sum", 0.0) / kept,
+        "mismatch_logp_abs_mean": s["mismatch_abs_sum"] / max(s["mismatch_tokens"], 1.0),
+        "mismatch_logp_abs_max": mismatch_max,
+        "mismatch_kl": s["mismatch_k3_sum"] / max(s["mismatch_tokens"], 1.0),
         "loss": s["loss"] / minibatches,
         "grad_norm": s["grad_norm"] / max(applied, 1.0),
         "lr": lr,

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from stapo.config import STAPOConfig
-from stapo.losses import TokenMask, TokenStats, build_mask, group_advantages, registered_name
+from stapo.losses import TokenMask, TokenStats, build_mask, group_advantages, mismatch_sums, registered_name
 from stapo.rollout import Rollout, SamplingParams
 from stapo.trainer import components as build
 from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, latest_checkpoint, read_metrics
@@ -111,6 +111,8 @@ class STAPOTrainer:
         with timer("stats"):
             batch = self._train_batch(rollout, advantages)  # theta_old's logprobs and entropy (line 8)
         sums = StepSums()
+        for key, value in mismatch_sums(batch.sampling_logprobs, batch.old_logprobs, batch.response_mask).items():
+            sums.add_value(key, value)  # rollout engine vs trainer at theta_old (docs/losses.md)
         for k, rows in enumerate(self._mini_batches(len(batch))):  # line 6
             mini = batch.rows(rows)
             with timer("stats"):

@@ -1,7 +1,7 @@
 """The no-grad stats pass and one policy update on one mini-batch (Algorithm 1 lines 7-12, Eq. 1).
 
 The update must not depend on how the mini-batch is cut into micro-batches or spread over ranks
-(docs/algorithm.md). Three things make that exact:
+(docs/algorithm.md, "Why the update is exact"). Three things make that exact:
 
 1. the keep mask is computed once per mini-batch by the caller, with quantile thresholds over the
    valid tokens of the whole mini-batch on all ranks (``masked_quantile`` all-gathers);
@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from stapo.losses import all_reduce_sum_, clipped_surrogate_loss
+from stapo.losses import all_reduce_sum_, clipped_surrogate_loss, tis_weights
 from stapo.losses.ops import DEFAULT_CHUNK_SIZE
 from stapo.trainer.engine import GradientAccumulation
 from stapo.trainer.microbatch import MicroBatches
@@ -124,12 +124,16 @@ def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
         t_len = logprobs.shape[1]
         part = batch.rows(rows)
         old = part.old_logprobs[:, :t_len].to(device)
+        micro_keep = keep[rows, :t_len].to(device)
         ref = part.ref_logprobs[:, :t_len].to(device) if part.ref_logprobs is not None else None
+        weights = None  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
+        if opts.tis_cap is not None and part.sampling_logprobs is not None:
+            weights = tis_weights(old, part.sampling_logprobs[:, :t_len].to(device), opts.tis_cap, micro_keep)
         loss, metrics = clipped_surrogate_loss(
-            logprobs, old, part.advantages.to(device), keep[rows, :t_len].to(device),
+            logprobs, old, part.advantages.to(device), micro_keep,
             clip_low=opts.clip_low, clip_high=opts.clip_high, clip_c=opts.clip_c, agg=opts.agg,
             normalizer=normalizer.to(device), max_response_length=opts.max_response_length,
-            log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef,
+            log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef, is_weights=weights,
         )
         accumulation.backward(loss)
         _accumulate(sums, {"loss": loss.detach(), **metrics})

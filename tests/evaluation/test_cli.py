@@ -92,5 +92,5 @@ def test_vllm_engine_without_gpu_is_a_clear_error(tiny_model_dir, arithmetic_fil
         pytest.skip("a GPU is visible: --engine vllm is valid here")
     args = parse([str(tiny_model_dir), "--data", arithmetic_file, "--engine", "vllm", "--out", str(tmp_path),
                   "--cache-dir", str(tmp_path / "hf")])
-    with pytest.raises(ValueError, match="--engine vllm needs a CUDA GPU"):
+    with pytest.raises(ValueError, match="vllm rollout engine needs a CUDA GPU"):
         run_cli(args)

@@ -127,16 +127,51 @@ def test_killed_worker_is_replaced_and_pool_keeps_working(verifier):
     assert len(worker_children()) <= 2
 
 
-def test_memory_cap_kills_the_item_not_the_batch(verifier):
-    # A true identity whose check needs fresh memory (expansion of a 20th power).
-    item = (boxed("((x+1)(y+1))^{20}"), "(xy+x+y+1)^{20}")
-    assert verifier.score([item[0]], [item[1]]) == [1.0]  # uncapped (1 GB): correct
-    # 32 MB of address space is below what the worker already maps (~130 MB): its first
-    # new allocation fails, the worker exits, the item scores -1 and cheap items still score.
-    with MathVerifier(timeout_s=5.0, memory_mb=32, num_workers=1) as v:
+def _address_space_mb(pid: int) -> int:
+    """VmSize of `pid` in MB: what RLIMIT_AS (the worker's memory cap) counts."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) // 1024
+    raise RuntimeError(f"no VmSize for pid {pid}")
+
+
+def test_memory_cap_kills_the_item_not_the_batch():
+    # A true identity whose check needs fresh memory (expansion of a 50th power).
+    item = (boxed("((x+1)(y+1))^{50}"), "(xy+x+y+1)^{50}")
+    # Measure on THIS machine, in an uncapped warm worker: its address space at rest and the
+    # most the item maps on top of it (memory a warm worker already holds is reused first, so
+    # a fixed cap means different things on different machines and allocators).
+    with MathVerifier(timeout_s=60.0, memory_mb=0, num_workers=1) as free:
+        free.pool.warmup()
+        (pid,) = free.pool.pids()
+        baseline = peak = _address_space_mb(pid)
+        done = threading.Event()
+
+        def watch() -> None:
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, _address_space_mb(pid))
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            assert free.score([item[0]], [item[1]]) == [1.0]  # uncapped: correct
+        finally:
+            done.set()
+            watcher.join()
+    need = peak - baseline
+    if need < 4:
+        pytest.skip(f"the item mapped only {need} MB beyond the worker's {baseline} MB here: too "
+                    "little fresh memory to exercise the cap on this machine")
+    # Cap halfway through the item's need: the worker starts (the cap is set after warm-up),
+    # then its item fails to allocate, the worker exits, the item scores -1, cheap items score.
+    with MathVerifier(timeout_s=60.0, memory_mb=baseline + need // 2, num_workers=1) as v:
+        start = time.monotonic()
         scores = v.score([item[0], boxed("34")], [item[1], "34"])
         assert v.pool.pids() == []  # the worker died and nothing was left pending to replace it
     assert scores == [-1.0, 1.0]
+    assert time.monotonic() - start < 30.0  # died of memory, long before the 60 s time limit
 
 
 def test_closed_verifier_refuses_symbolic_work_and_context_manager_cleans_up():

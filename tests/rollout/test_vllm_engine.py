@@ -1,5 +1,6 @@
-"""VLLMEngine: CPU tests of the pure parts (output conversion, executor choice, lazy import), and
-GPU tests (marked `gpu`, skipped without CUDA + vLLM) of generate, weight loading and sleep/wake."""
+"""VLLMEngine: CPU tests of the pure parts (output conversion, executor plan, sampling kwargs,
+weight-bucket packing, lazy import), and GPU tests (marked `gpu`, skipped without CUDA + vLLM) of
+generate, weight loading and sleep/wake."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 from _rollout_utils import assert_matches_teacher_forced
 
 from stapo.rollout import Rollout, SamplingParams, VLLMEngine
-from stapo.rollout.vllm_engine import choose_executor_backend, rollout_from_vllm_outputs
+from stapo.rollout.vllm_engine import (EXTERNAL_LAUNCHER, ExecutorPlan, GroupFacts, plan_executor,
+                                       rollout_from_vllm_outputs, vllm_sampling_kwargs)
+from stapo.rollout.vllm_worker import pack_bucket, unpack_bucket
 
 
 def completion(index, token_ids, logprobs, reason="stop", text=""):
@@ -59,12 +62,88 @@ def test_rollout_from_vllm_outputs_errors():
         rollout_from_vllm_outputs([SimpleNamespace(outputs=[completion(0, [5], [-1.0], "abort")])], [[1]], 1, 0)
 
 
-@pytest.mark.parametrize("tp,world,dist_on,expected", [
-    (1, 1, False, None), (2, 1, False, "external_launcher"), (1, 4, False, "external_launcher"),
-    (1, 1, True, "external_launcher"),
-])
-def test_choose_executor_backend(tp, world, dist_on, expected):
-    assert choose_executor_backend(tp, world, dist_on) == expected
+TORCHRUN_ENV = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
+
+
+def test_plain_process_with_a_group_gets_the_launcher_variables_derived_from_it():
+    # `stapo train` in one process: a 1-rank tcp:// group, only LOCAL_RANK=0 set (issue #12's
+    # KeyError: 'RANK'); vLLM's external launcher reads RANK and LOCAL_RANK
+    plan = plan_executor(1, {"LOCAL_RANK": "0"}, GroupFacts(rank=0, world_size=1, local_rank=0), spare_port=4321)
+    assert plan == ExecutorPlan(EXTERNAL_LAUNCHER, {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                                    "MASTER_PORT": "4321"})
+    # no LOCAL_RANK at all: the device index the trainer chose
+    assert plan_executor(1, {}, GroupFacts(0, 1, 3)).env["LOCAL_RANK"] == "3"
+
+
+def test_launched_process_gets_nothing_added():
+    for launcher in ("torchrun", "deepspeed", "accelerate"):  # all export the same five variables
+        plan = plan_executor(1, TORCHRUN_ENV, GroupFacts(rank=1, world_size=2, local_rank=1))
+        assert plan == ExecutorPlan(EXTERNAL_LAUNCHER, {}), launcher
+    # tensor parallel inside a launched group is the external launcher too
+    assert plan_executor(2, TORCHRUN_ENV, GroupFacts(1, 2, 1)).backend == EXTERNAL_LAUNCHER
+
+
+def test_partial_environment_is_completed_and_contradictions_are_refused():
+    # MPI-style launch: ranks known to the group, MASTER_* set, RANK/WORLD_SIZE not exported
+    plan = plan_executor(1, {"MASTER_ADDR": "h", "MASTER_PORT": "1"}, GroupFacts(2, 4, 0))
+    assert plan.env == {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}
+    with pytest.raises(ValueError, match="RANK=1 in the environment"):
+        plan_executor(1, TORCHRUN_ENV, GroupFacts(rank=0, world_size=2, local_rank=0))
+    with pytest.raises(ValueError, match="must divide"):
+        plan_executor(2, TORCHRUN_ENV | {"WORLD_SIZE": "3"}, GroupFacts(1, 3, 1))
+
+
+def test_no_group_standalone_or_launched():
+    assert plan_executor(1, {}, None) == ExecutorPlan(None, {})  # evaluation: vLLM's own executor
+    assert plan_executor(4, {"LOCAL_RANK": "0"}, None) == ExecutorPlan(None, {})  # vLLM spawns TP workers
+    assert plan_executor(1, TORCHRUN_ENV, None) == ExecutorPlan(EXTERNAL_LAUNCHER, {})  # vLLM joins env://
+    with pytest.raises(ValueError, match=r"\['LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT'\]"):
+        plan_executor(1, {"RANK": "0", "WORLD_SIZE": "1"}, None)
+
+
+def test_sampling_kwargs_seed_per_request_or_engine_seed():
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=5, seed=11, stop_token_ids=(2,))
+    base, seeds = vllm_sampling_kwargs(sp, n=4, num_prompts=3, seed_per_request=False)
+    assert seeds is None  # the engine is reseeded once per call instead: vLLM's batched sampling path
+    assert base == dict(n=4, temperature=0.7, top_p=0.9, top_k=-1, max_tokens=5, stop_token_ids=[2],
+                        logprobs=0, skip_special_tokens=True)
+    _, seeds = vllm_sampling_kwargs(sp, n=4, num_prompts=3, seed_per_request=True)
+    assert len(seeds) == 3 and len(set(seeds)) == 3 and all(0 <= s < 2**31 - 1 for s in seeds)
+    assert vllm_sampling_kwargs(sp, 4, 3, True)[1] == seeds  # derived reproducibly from sp.seed
+    assert vllm_sampling_kwargs(SamplingParams(seed=None), 1, 3, True)[1] is None
+
+
+def test_weight_bucket_round_trips_through_msgpack_native_values():
+    gen = torch.Generator().manual_seed(0)
+    bucket = [("model.embed_tokens.weight", torch.randn(5, 3, generator=gen).to(torch.bfloat16)),
+              ("model.norm.weight", torch.randn(3, generator=gen)),  # fp32 after 30 bf16 bytes: aligned
+              ("lm_head.weight", torch.randn(4, 6, generator=gen).half().t()),  # non-contiguous view
+              ("scalar", torch.tensor(2.5, dtype=torch.float64))]
+    packed = pack_bucket(bucket)
+    assert set(packed) == {"names", "dtypes", "shapes", "offsets", "data"} and isinstance(packed["data"], bytes)
+    assert packed["dtypes"] == ["bfloat16", "float32", "float16", "float64"]
+    assert packed["shapes"] == [[5, 3], [3], [6, 4], []]
+    # 30 bytes of bf16 -> next tensor at 32; 12 bytes fp32 -> 44 -> 48; 48 bytes fp16 -> 96
+    assert packed["offsets"] == [0, 32, 48, 96] and len(packed["data"]) == 104
+    native = (str, int, list, bytes)
+    assert all(isinstance(x, native) for v in packed.values() for x in (v if isinstance(v, list) else [v]))
+    out = unpack_bucket(packed)
+    assert [n for n, _ in out] == [n for n, _ in bucket]
+    for (_, want), (_, got) in zip(bucket, out):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    assert unpack_bucket(pack_bucket([])) == []
+
+
+def test_unpack_bucket_errors_name_the_problem():
+    packed = pack_bucket([("w", torch.ones(4))])
+    with pytest.raises(ValueError, match="outside"):
+        unpack_bucket({**packed, "data": packed["data"][:8]})
+    with pytest.raises(ValueError, match="unknown dtype 'float99'"):
+        unpack_bucket({**packed, "dtypes": ["float99"]})
+    with pytest.raises(ValueError, match=r"lacks \['offsets'\]"):
+        unpack_bucket({k: v for k, v in packed.items() if k != "offsets"})
+    with pytest.raises(TypeError, match="'w' is a list"):
+        pack_bucket([("w", [1.0])])
 
 
 def test_importing_stapo_rollout_never_imports_vllm():

@@ -105,3 +105,28 @@ def test_spurious_probe_follows_the_configured_thresholds(tmp_path, tiny_model_d
     # the probe IS the active criterion here, so it flags exactly what the mask silenced
     assert metrics["spurious_frac"] == metrics["silenced_frac"] > 0
     assert metrics["probe_tau_h"] == pytest.approx(metrics["mask_tau_h"])
+
+
+@pytest.mark.parametrize("tis_cap, factor", [(None, 1.0), (2.0, 2.0), (8.0, 4.0)])
+def test_tis_weights_scale_the_surrogate(tis_cap, factor, tiny_model_dir):
+    # the sampler gave every token a quarter of the trainer's probability: pi_old / pi_sampler = 4,
+    # truncated at the cap. At theta_old rho = 1, so each kept token's loss is -A * w and the
+    # token-mean loss is -w * sum(A) / N = factor times the loss without TIS.
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from stapo.trainer.distributed import init_distributed
+    from stapo.trainer.engine import build_engine
+    from stapo.trainer.update import update_minibatch
+
+    init_distributed()
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    engine = build_engine(model, lr=1e-3, warmup_steps=0, grad_accum_steps=2, zero_stage=0, bf16=False)
+    batch, opts = _batch_with_reference(engine.module, 0.0)
+    advantages = torch.tensor([1.0, -1.0, 1.0, 1.0])  # tokens: 6 + 3 + 5 + 2 = 16, sum(A) = 6 - 3 + 5 + 2 = 10
+    sampling = torch.where(batch.response_mask, batch.old_logprobs - math.log(4.0), 0.0)
+    batch = dataclasses.replace(batch, advantages=advantages, sampling_logprobs=sampling, ref_logprobs=None)
+    sums = update_minibatch(engine, engine.module, batch, batch.response_mask,
+                            dataclasses.replace(opts, tis_cap=tis_cap))
+    assert float(sums["loss"]) == pytest.approx(-factor * 10 / 16, abs=1e-5)

@@ -25,6 +25,19 @@ def digit_one_reward(response: str, ground_truth: str) -> float:
     return 1.0 if "1" in response else -1.0
 
 
+def alternating_reward():
+    """+1, -1, +1, ... in call order, whatever was sampled: with an even group size every group
+    has mixed rewards, so every update has non-zero advantages and a non-zero gradient on any
+    device (greedy-ish GPU sampling can make "has the digit 1" equal across a whole group)."""
+    calls = {"n": 0}
+
+    def reward(response: str, ground_truth: str) -> float:
+        calls["n"] += 1
+        return 1.0 if calls["n"] % 2 else -1.0
+
+    return reward
+
+
 def tiny_config(tmp_path, model_dir, data, *extra: str) -> STAPOConfig:
     return STAPOConfig.from_yaml(None, [
         f"model.path={model_dir}", f"data.source={data}", f"trainer.output_dir={tmp_path / 'run'}",
@@ -121,7 +134,7 @@ def test_non_finite_loss_skips_the_update_and_training_continues(
     # one mini-batch per step: the first step's only update is the poisoned one
     cfg = tiny_config(tmp_path, tiny_model_dir, arithmetic_jsonl, "trainer.mini_batch_size=4",
                       f"trainer.zero_stage={zero_stage}")
-    trainer = STAPOTrainer(cfg, reward_fn=digit_one_reward)
+    trainer = STAPOTrainer(cfg, reward_fn=alternating_reward())  # group_size 4: [+1, -1, +1, -1]
     before = _params(trainer)
     first = trainer.step()
     assert first["skipped_updates"] == 1.0 and first["skipped_steps"] == 1.0

@@ -1,0 +1,74 @@
+"""Rollout-trainer mismatch: how far the sampler's token logprobs are from the trainer's.
+
+The rollout engine (vLLM kernels, bf16, its own copy of the weights) and the trainer (ZeRO-3
+module, teacher-forced) compute ``log pi(y_t | ...)`` of the same token under the same weights
+with different numerics; a weight sync that silently failed shows up here first. We log, per
+valid token, ``d = trainer - sampler``:
+
+* ``mismatch_abs_sum`` / ``mismatch_tokens``: mean |d| (``mismatch_logp_abs_mean``);
+* ``mismatch_abs_max``: max |d| (``mismatch_logp_abs_max``; reduce with max, not sum);
+* ``mismatch_k3_sum``: k3 estimator of KL(sampler || trainer) on tokens drawn from the sampler,
+  ``k3 = exp(d) - d - 1 >= 0`` (``mismatch_kl`` = k3_sum / tokens).
+
+``tis_weights`` is truncated importance sampling (Yao et al., "Your efficient RL framework
+secretly brings you off-policy RL training", 2025; verl's ``rollout_is``): the surrogate's
+gradient is an expectation under theta_old, but tokens were drawn from the sampler, so each token
+is reweighted by ``min(pi_old / pi_sampler, cap)`` (docs/losses.md). Pure tensor functions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["mismatch_sums", "tis_weights"]
+
+
+def _check(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, mask: torch.Tensor) -> None:
+    if a.shape != b.shape or a.shape != mask.shape:
+        raise ValueError(f"{name_a} {tuple(a.shape)}, {name_b} {tuple(b.shape)} and mask "
+                         f"{tuple(mask.shape)} must have the same (B, T) shape")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool (B, T) tensor, got {mask.dtype}")
+
+
+@torch.no_grad()
+def mismatch_sums(sampling_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor,
+                  mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """0-dim fp32 sums over the valid tokens of ``mask`` (see the module doc); all (B, T).
+
+    Sums add over micro-batches and ranks, except ``mismatch_abs_max`` (take the max). With no
+    valid token every value is 0.
+    """
+    _check("sampling_logprobs", sampling_logprobs, "trainer_logprobs", trainer_logprobs, mask)
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    # where BEFORE arithmetic: padding may hold anything (inf, NaN) and must not leak into a sum
+    d = torch.where(mask, trainer_logprobs.float() - sampling_logprobs.float(), zero)  # (B, T)
+    abs_d = d.abs()
+    return {
+        "mismatch_abs_sum": abs_d.sum(),
+        "mismatch_abs_max": abs_d.max() if abs_d.numel() else zero,
+        "mismatch_k3_sum": torch.where(mask, d.exp() - d - 1.0, zero).sum(),
+        "mismatch_tokens": mask.sum().float(),
+    }
+
+
+@torch.no_grad()
+def tis_weights(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, cap: float,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``min(exp(old - sampling), cap)`` per token, (B, T) fp32, detached; 1 where ``mask`` is false.
+
+    ``cap`` > 0 bounds the variance (verl / Yao et al. use 2); ``mask`` defaults to all valid.
+    """
+    if not cap > 0:
+        raise ValueError(f"cap (loss.tis_cap) must be > 0, got {cap}")
+    if mask is None:
+        mask = torch.ones(old_logprobs.shape, dtype=torch.bool, device=old_logprobs.device)
+    _check("old_logprobs", old_logprobs, "sampling_logprobs", sampling_logprobs, mask)
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    log_w = torch.where(mask, old_logprobs.float() - sampling_logprobs.float(), zero)
+    # clamp the log weight first (exp of a large difference overflows to inf), then the weight
+    # itself, so that a capped token weighs exactly `cap`
+    weights = log_w.clamp(max=math.log(cap)).exp().clamp(max=cap)
+    return torch.where(mask, weights, torch.ones_like(weights))

@@ -1,0 +1,111 @@
+"""Rollout-engine registry: one name -> factory table for the trainer and `stapo eval`.
+
+    @register_engine("my_engine")
+    def build_my_engine(model_path, tokenizer, opts: EngineOptions) -> RolloutEngine: ...
+
+`build_engine(name, model_path, tokenizer, opts)` builds one; ``"auto"`` resolves to ``vllm`` when a
+CUDA GPU is visible and vllm is importable, else ``hf`` (`resolve_engine`). The config's
+``rollout.engine`` accepts ``auto`` and every registered name (`engine_choices`). Factories import
+their engine lazily, so registering costs nothing (vllm is imported only by `VLLMEngine`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stapo.rollout.engine import RolloutEngine
+
+__all__ = ["AUTO", "EngineOptions", "available_engines", "build_engine", "engine_choices", "register_engine",
+           "resolve_engine", "vllm_available"]
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Flat settings every factory may read (each takes what applies to it)."""
+
+    dtype: torch.dtype = torch.float32  # weights; bf16 on GPU in training
+    max_model_len: int = 4096  # longest prompt + response
+    seed: int = 0  # engine-level seed
+    device: str | None = None  # HF engine; None: cuda when available, else cpu
+    max_batch_size: int = 256  # HF engine: sequences decoded together
+    gpu_memory_utilization: float = 0.5  # vLLM: fraction of the GPU while awake
+    tensor_parallel_size: int = 1  # vLLM
+    enable_sleep_mode: bool = True  # vLLM: free GPU memory between rollouts
+    seed_per_request: bool = False  # vLLM: per-prompt seeds (slower sampling path)
+
+
+EngineFactory = Callable[[str, object, EngineOptions], RolloutEngine]
+_ENGINES: dict[str, EngineFactory] = {}
+
+
+def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
+    """Decorator: register ``factory(model_path, tokenizer, opts) -> RolloutEngine`` under ``name``."""
+    if not isinstance(name, str) or not name or name == AUTO:
+        raise ValueError(f"engine name must be a non-empty string other than {AUTO!r}, got {name!r}")
+
+    def decorate(factory: EngineFactory) -> EngineFactory:
+        if name in _ENGINES and _ENGINES[name] is not factory:
+            raise ValueError(f"rollout engine {name!r} is already registered")
+        _ENGINES[name] = factory
+        return factory
+
+    return decorate
+
+
+def available_engines() -> list[str]:
+    return sorted(_ENGINES)
+
+
+def engine_choices() -> tuple[str, ...]:
+    """Valid values of ``rollout.engine`` / ``stapo eval --engine``."""
+    return (AUTO, *available_engines())
+
+
+def vllm_available() -> bool:
+    """A CUDA GPU is visible and vllm is importable (without importing it)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+
+
+def resolve_engine(name: str) -> str:
+    """``auto`` -> ``vllm`` (GPU + vllm) or ``hf``; any other name is checked against the registry."""
+    if name == AUTO:
+        return "vllm" if "vllm" in _ENGINES and vllm_available() else "hf"
+    if name not in _ENGINES:
+        raise ValueError(f"unknown rollout engine {name!r}; choose one of {list(engine_choices())}")
+    return name
+
+
+def build_engine(name: str, model_path: str | Path, tokenizer, opts: EngineOptions = EngineOptions()
+                 ) -> tuple[str, RolloutEngine]:
+    """``(resolved name, engine)``."""
+    resolved = resolve_engine(name)
+    return resolved, _ENGINES[resolved](str(model_path), tokenizer, opts)
+
+
+@register_engine("hf")
+def _build_hf(model_path: str, tokenizer, opts: EngineOptions) -> RolloutEngine:
+    from stapo.rollout.hf_engine import HFEngine
+
+    device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return HFEngine(model_path, tokenizer, device=device, dtype=opts.dtype, max_batch_size=opts.max_batch_size)
+
+
+@register_engine("vllm")
+def _build_vllm(model_path: str, tokenizer, opts: EngineOptions) -> RolloutEngine:
+    if not vllm_available():
+        raise ValueError("the vllm rollout engine needs a CUDA GPU and vLLM (pip install 'stapo[vllm]'); "
+                         f"{'no GPU is visible' if not torch.cuda.is_available() else 'vllm is not installed'}"
+                         " (use the hf engine)")
+    from stapo.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(model_path, gpu_memory_utilization=opts.gpu_memory_utilization,
+                      tensor_parallel_size=opts.tensor_parallel_size, enable_sleep_mode=opts.enable_sleep_mode,
+                      dtype=str(opts.dtype).removeprefix("torch."), max_model_len=opts.max_model_len,
+                      seed=opts.seed, seed_per_request=opts.seed_per_request)

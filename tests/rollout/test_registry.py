@@ -1,0 +1,75 @@
+"""Rollout-engine registry: names, auto resolution, user engines, config choices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stapo.config import STAPOConfig
+from stapo.config_loading import ConfigError
+from stapo.rollout import HFEngine, registry
+from stapo.rollout.registry import EngineOptions, build_engine, engine_choices, register_engine, resolve_engine
+
+
+def test_builtin_names_and_auto(monkeypatch):
+    assert {"hf", "vllm"} <= set(registry.available_engines())
+    assert engine_choices()[0] == "auto"
+    monkeypatch.setattr(registry, "vllm_available", lambda: False)
+    assert resolve_engine("auto") == "hf"
+    monkeypatch.setattr(registry, "vllm_available", lambda: True)
+    assert resolve_engine("auto") == "vllm"
+    with pytest.raises(ValueError, match=r"unknown rollout engine 'sglang'.*'auto', .*'hf'"):
+        resolve_engine("sglang")
+
+
+def test_hf_engine_is_built_from_options(tiny_model_dir, tiny_tokenizer):
+    name, engine = build_engine("hf", tiny_model_dir, tiny_tokenizer, EngineOptions(device="cpu", max_batch_size=3))
+    assert name == "hf" and isinstance(engine, HFEngine)
+
+
+def test_vllm_without_a_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(registry, "vllm_available", lambda: False)
+    with pytest.raises(ValueError, match="vllm rollout engine needs a CUDA GPU"):
+        build_engine("vllm", "unused", None)
+
+
+def test_user_engine_registers_once_and_becomes_a_config_choice(monkeypatch):
+    monkeypatch.setattr(registry, "_ENGINES", dict(registry._ENGINES))  # leave the real table alone
+    seen = {}
+
+    @register_engine("echo")
+    def build_echo(model_path, tokenizer, opts):
+        seen.update(path=model_path, seed=opts.seed)
+        return "an engine"
+
+    assert build_engine("echo", "m", None, EngineOptions(seed=7)) == ("echo", "an engine")
+    assert seen == {"path": "m", "seed": 7}
+    assert STAPOConfig.from_dict({}, ["rollout.engine=echo"]).rollout.engine == "echo"
+    with pytest.raises(ValueError, match="already registered"):
+        register_engine("echo")(lambda *a: None)
+    with pytest.raises(ValueError, match="other than 'auto'"):
+        register_engine("auto")
+
+
+def test_config_rejects_unknown_engine_tp_and_bad_tis_cap():
+    with pytest.raises(ConfigError, match=r"rollout.engine must be one of \['auto', .*'hf'"):
+        STAPOConfig.from_dict({}, ["rollout.engine=sglang"])
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be 1, got 2.*torchrun --nproc_per_node"):
+        STAPOConfig.from_dict({}, ["rollout.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match="loss.tis_cap .* must be > 0"):
+        STAPOConfig.from_dict({}, ["loss.tis_cap=0"])
+    assert STAPOConfig.from_dict({}, ["loss.tis_cap=2"]).loss.tis_cap == 2.0
+
+
+def test_trainer_builds_its_engine_through_the_registry(monkeypatch):
+    from stapo.trainer.components import build_rollout_engine
+
+    monkeypatch.setattr(registry, "_ENGINES", dict(registry._ENGINES))
+    got = {}
+    registry._ENGINES["vllm"] = lambda path, tok, opts: got.setdefault("opts", opts)
+    cfg = STAPOConfig.from_dict({}, ["rollout.engine=vllm", "rollout.seed_per_request=true", "trainer.seed=5",
+                                     "data.max_prompt_length=100", "rollout.max_response_length=28",
+                                     "rollout.gpu_memory_utilization=0.3", "model.dtype=bf16"])
+    build_rollout_engine(cfg, "path", None)
+    assert got["opts"] == EngineOptions(dtype=torch.bfloat16, max_model_len=128, seed=5, max_batch_size=256,
+                                        gpu_memory_utilization=0.3, tensor_parallel_size=1, seed_per_request=True)
