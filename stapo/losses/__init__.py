@@ -32,6 +32,7 @@ from stapo.losses.builtin_masks import (
     STAPOMask,
 )
 from stapo.losses.surrogate import AGG_MODES, aggregate_loss, clipped_surrogate_loss
+from stapo.losses.truncation import truncated_keep, truncated_rows
 
 __all__ = [
     # advantages (Eq. 2)
@@ -65,4 +66,7 @@ __all__ = [
     "clipped_surrogate_loss",
     "aggregate_loss",
     "AGG_MODES",
+    # overlong filtering (DAPO §3.4)
+    "truncated_keep",
+    "truncated_rows",
 ]

@@ -11,6 +11,8 @@ See docs/rewards.md for the extraction, normalization and equivalence rules.
 
 from stapo.rewards.extract import extract_answer
 from stapo.rewards.normalize import normalize_answer
+from stapo.rewards.overlong import overlong_penalty
 from stapo.rewards.verifier import MODES, MathVerifier, math_reward, verify
 
-__all__ = ["MODES", "MathVerifier", "extract_answer", "math_reward", "normalize_answer", "verify"]
+__all__ = ["MODES", "MathVerifier", "extract_answer", "math_reward", "normalize_answer", "overlong_penalty",
+           "verify"]
