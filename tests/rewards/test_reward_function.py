@@ -206,5 +206,9 @@ def test_config_and_cli_override_parse_the_function(reward_file):
     cfg = STAPOConfig.from_dict({}, [f"reward.function={reward_file}:exact", "reward.function_batched=false",
                                      "reward.failure_value=-0.5"])
     assert cfg.reward.function == f"{reward_file}:exact" and cfg.reward.scorer_mode == "function"
-    cfg = STAPOConfig.from_dict({}, ["reward.function=pkg.mod:fn"])
-    assert cfg.reward.function == "pkg.mod:fn"
+    # `stapo train reward.function=pkg.mod:fn`: the CLI splits the argument off and loads the recipe with it
+    from stapo.cli import build_parser, builtin_recipe
+
+    args = build_parser().parse_args(["train", "reward.function=pkg.mod:fn", "reward.function_batched=true"])
+    cfg = STAPOConfig.from_yaml(builtin_recipe(), overrides=[args.config, *args.overrides])
+    assert (cfg.reward.function, cfg.reward.function_batched) == ("pkg.mod:fn", True)
