@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -212,3 +213,11 @@ def test_config_and_cli_override_parse_the_function(reward_file):
     args = build_parser().parse_args(["train", "reward.function=pkg.mod:fn", "reward.function_batched=true"])
     cfg = STAPOConfig.from_yaml(builtin_recipe(), overrides=[args.config, *args.overrides])
     assert (cfg.reward.function, cfg.reward.function_batched) == ("pkg.mod:fn", True)
+
+
+def test_the_documented_example_function():
+    example = Path(__file__).resolve().parents[2] / "examples" / "reward_function.py"
+    with FunctionScorer(f"{example}:boxed_with_level", timeout_s=5.0, num_workers=1) as s:
+        # right at level 5: 1 + 5/5 = 2; right without a level column: 1 + 1/5 = 1.2; wrong: -1
+        got = s.score(["so \\boxed{7}", "\\boxed{7}", "\\boxed{8}"], ["7", "7", "7"], [{"level": 5}, {}, {"level": 2}])
+    assert got == pytest.approx([2.0, 1.2, -1.0])
