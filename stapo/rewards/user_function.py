@@ -101,7 +101,7 @@ def call_function(fn: Callable[..., Any], batched: bool, payload: list) -> Any:
     names = list(dict.fromkeys(k for row in rows for k in row))  # union of columns, first-seen order
     columns = {k: [row.get(k) for row in rows] for k in accepted_fields(fn, names)}
     values = fn(list(responses), list(ground_truths), **columns)
-    if not hasattr(values, "__len__") or len(values) != len(responses):
-        raise ValueError(f"the batched reward function returned {len(values) if hasattr(values, '__len__') else values!r}"
-                         f" values for {len(responses)} responses")
+    count = len(values) if hasattr(values, "__len__") else repr(values)[:80]
+    if count != len(responses):
+        raise ValueError(f"the batched reward function returned {count} values for {len(responses)} responses")
     return [_number(v, "the batched reward function") for v in values]

@@ -130,7 +130,8 @@ def test_preset_n_is_the_default_and_samples_override(scripted, tiny_model_dir, 
 def test_a_user_reward_function_judges_with_extra_columns(tiny_tokenizer, tiny_model_dir, tmp_path):
     from stapo.tiny import arithmetic_problems
 
-    rows = [{"problem": p.question, "answer": p.answer, "level": i} for i, p in enumerate(arithmetic_problems(4, seed=3))]
+    problems = arithmetic_problems(4, seed=3)
+    rows = [{"problem": p.question, "answer": p.answer, "level": i} for i, p in enumerate(problems)]
     data = tmp_path / "levels.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     preset = local_benchmark(str(data), name="levels")

@@ -93,3 +93,17 @@ def test_bonus_gradient_reaches_hidden_states_through_the_chunked_op():
     loss2.backward()
     torch.testing.assert_close(h1.grad, h2.grad, atol=1e-6, rtol=1e-5)
     assert h1.grad[2].abs().sum() == 0  # the silenced token (row 0, t = 2) gets no gradient at all
+
+
+@pytest.mark.parametrize("needs", ["hidden", "weight"])
+def test_entropy_only_gradient_for_one_input(needs):
+    # logprobs unused (their incoming gradient is zero): only the entropy term flows back
+    hidden, weight, labels, _, b = make(9, seed=11)
+    hidden.requires_grad_(needs == "hidden")
+    weight.requires_grad_(needs == "weight")
+    _, ent = token_logprobs_and_entropy(hidden, weight, labels, 0.8, chunk_size=4, entropy_grad=True)
+    (grad,) = torch.autograd.grad((b * ent).sum(), hidden if needs == "hidden" else weight)
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    _, ent_ref = logprobs_and_entropy_from_logits(h2 @ w2.T, labels, 0.8, entropy_grad=True)
+    ref = torch.autograd.grad((b * ent_ref).sum(), h2 if needs == "hidden" else w2)[0]
+    torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-5)
