@@ -15,6 +15,7 @@ names the closest valid key, and values are type-checked and validated.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
@@ -24,6 +25,8 @@ import yaml
 from stapo.config_loading import ConfigError, apply_overrides, build_dataclass
 from stapo.data import PAPER_INSTRUCTION  # the default of data.instruction; re-exported
 from stapo.losses.ops import DEFAULT_CHUNK_SIZE
+from stapo.rewards.modes import REWARD_MODES
+from stapo.rewards.user_function import parse_function_spec
 
 
 @dataclass
@@ -114,6 +117,13 @@ class RolloutConfig:
     """Size of the buckets in which ZeRO-3 shards are gathered and pushed into the engine."""
     max_batch_size: int = 256
     """HF engine: sequences decoded together."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling ("filter groups"): drop groups whose G rewards are all equal and
+    generate more prompts until the batch holds ``trainer.train_batch_size`` informative groups (off
+    in the paper: "not applied to any of the baselines"; docs/grpo_options.md)."""
+    max_sampling_rounds: int = 3
+    """Dynamic sampling: generation rounds per step at most; then the step trains on the informative
+    groups every rank could fill (a warning and the ``sampling_capped`` metric)."""
 
 
 @dataclass
@@ -123,7 +133,26 @@ class RewardConfig:
     original verifier: last ``Answer:`` line, exact string match) or ``dapo_boxed`` (verl's later DAPO
     verifier with a ``\\boxed{}`` fallback, the one that suits the paper's boxed prompt)."""
     timeout_s: float = 5.0
-    """Hard wall-clock limit per answer for symbolic comparison (a timeout scores -1)."""
+    """Hard wall-clock limit per answer for symbolic comparison (a timeout scores -1); for
+    ``reward.function``, per call (per item, or per batch when batched)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (Eq. 13), L_cache in tokens: responses longer than
+    ``rollout.max_response_length - overlong_buffer`` lose up to ``overlong_penalty``, linearly; 0 = off."""
+    overlong_penalty: float = 1.0
+    """Largest soft overlong penalty (reached at ``rollout.max_response_length``), added to the score."""
+    function: Union[str, None] = None
+    """User reward function, ``pkg.module:callable`` or ``path/to/file.py:callable``, run in killable
+    worker processes; it replaces the verifier (``reward.mode`` then reads ``function`` or stays ``math``)."""
+    function_batched: bool = False
+    """``reward.function`` takes the whole batch: ``(responses, ground_truths, **columns) -> list[float]``;
+    otherwise one call per item: ``(response, ground_truth, **fields) -> float``."""
+    failure_value: float = -1.0
+    """Reward of an item whose ``reward.function`` call raised, hung past ``timeout_s`` or crashed."""
+
+    @property
+    def scorer_mode(self) -> str:
+        """The registry mode that scores: ``function`` whenever ``reward.function`` is set."""
+        return "function" if self.function else self.mode
 
 
 @dataclass
@@ -170,6 +199,12 @@ class LossConfig:
     """Truncated importance sampling: weight each token's surrogate by ``min(pi_old / pi_sampler, tis_cap)``
     to correct the rollout engine's numerics (verl / Yao et al. 2025; docs/losses.md). None (the
     paper) disables; 2 is usual."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: responses cut at ``rollout.max_response_length`` (finish reason
+    ``length``) leave the loss and its normalizer."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: ``loss -= entropy_coef * token-mean entropy of the kept tokens`` (PPO's entropy
+    term, verl's ``entropy_coeff``; the paper uses none)."""
 
 
 @dataclass
@@ -368,7 +403,7 @@ class STAPOConfig:
 _CHOICES = {
     "model.dtype": ("auto", "bf16", "fp32"),
     "mask.stats_source": ("fresh", "old"),
-    "reward.mode": ("math", "dapo", "dapo_boxed"),
+    "reward.mode": REWARD_MODES,  # the registry itself: modes registered later are valid too
     "loss.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "loss.advantage_scale": ("group", "none"),
     "trainer.zero_stage": (0, 1, 2, 3),
@@ -433,7 +468,6 @@ def validate(cfg: STAPOConfig) -> None:
            f"({z.prefetch_bucket_size}): prefetched parameters count as live")
     _check(lo.chunk_size >= 1, f"loss.chunk_size must be >= 1, got {lo.chunk_size}")
     from stapo.rollout.registry import engine_choices  # the live registry: user-registered engines count
-
     _check(r.engine in engine_choices(), f"rollout.engine must be one of {list(engine_choices())}, got {r.engine!r}")
     _check(r.tensor_parallel_size == 1,
            f"rollout.tensor_parallel_size must be 1, got {r.tensor_parallel_size}: every rank samples its own "
@@ -443,4 +477,28 @@ def validate(cfg: STAPOConfig) -> None:
     _check(lo.tis_cap is None or lo.tis_cap > 0,
            f"loss.tis_cap (truncated importance sampling cap) must be > 0 or null, got {lo.tis_cap} "
            "(values >= 1 are usual: 2 in verl)")
+    rw = cfg.reward
+    _check(r.max_sampling_rounds >= 1, f"rollout.max_sampling_rounds must be >= 1, got {r.max_sampling_rounds}")
+    _check(0 <= rw.overlong_buffer <= r.max_response_length,
+           f"reward.overlong_buffer must be in [0, rollout.max_response_length={r.max_response_length}], "
+           f"got {rw.overlong_buffer}")
+    _check(rw.overlong_penalty >= 0, f"reward.overlong_penalty must be >= 0, got {rw.overlong_penalty}")
+    _check(math.isfinite(rw.failure_value), f"reward.failure_value must be finite, got {rw.failure_value}")
+    _check(rw.mode != "function" or bool(rw.function),
+           "reward.mode 'function' needs reward.function ('pkg.module:callable' or 'path/to/file.py:callable')")
+    _check(not rw.function or rw.mode in ("math", "function"),
+           f"reward.function replaces the verifier: leave reward.mode at 'math' or set 'function', got {rw.mode!r}")
+    spec_error = _spec_error(rw.function) if rw.function else None
+    _check(spec_error is None, str(spec_error))
+    _check(math.isfinite(lo.entropy_coef), f"loss.entropy_coef must be finite, got {lo.entropy_coef}")
+
+
+def _spec_error(spec: str) -> str | None:
+    """Why ``reward.function`` is malformed, or None (the file itself is checked when scoring starts)."""
+    try:
+        parse_function_spec(spec, check_file=False)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +66,15 @@ PRESETS: dict[str, DatasetPreset] = {
 
 @dataclass(frozen=True)
 class PromptExample:
-    """One prompt: `index` is the row in the source split (before filtering)."""
+    """One prompt: `index` is the row in the source split (before filtering); `fields` holds the
+    row's other columns (all but the prompt and answer columns), for user reward functions."""
 
     index: int
     problem: str
     prompt_text: str
     prompt_ids: list[int]
     ground_truth: str
+    fields: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -130,7 +132,8 @@ def prompt_dataset_from_records(records: Iterable[dict], *, prompt_field: str = 
         prompt_field = p.prompt_field if prompt_field == "prompt" else prompt_field
         answer_field = p.answer_field if answer_field == "answer" else answer_field
         clean = p.clean_problem
-    messages, problems, answers = [], [], []
+    messages, problems, answers, extras = [], [], [], []
+    used = {prompt_field.split(".")[0], answer_field.split(".")[0]}  # top-level columns of the mapping
     for i, row in enumerate(records):
         chat, problem = _prompt_messages(_field(row, prompt_field, i), i, prompt_field, clean)
         chat[-1] = {**chat[-1], "content": format_problem(problem, instruction)}
@@ -140,10 +143,11 @@ def prompt_dataset_from_records(records: Iterable[dict], *, prompt_field: str = 
         messages.append(chat)
         problems.append(problem)
         answers.append(str(answer).strip())
+        extras.append({k: v for k, v in row.items() if k not in used})
     texts = [_render(tokenizer, m) for m in messages]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    examples = [PromptExample(i, problems[i], texts[i], list(ids[i]), answers[i]) for i in range(len(texts))
-                if max_prompt_length is None or len(ids[i]) <= max_prompt_length]
+    examples = [PromptExample(i, problems[i], texts[i], list(ids[i]), answers[i], extras[i])
+                for i in range(len(texts)) if max_prompt_length is None or len(ids[i]) <= max_prompt_length]
     dropped = len(texts) - len(examples)
     if max_prompt_length is not None:
         logger.info("filtered %d of %d prompts longer than %d tokens", dropped, len(texts), max_prompt_length)

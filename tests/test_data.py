@@ -188,3 +188,22 @@ def test_sampler_rejects_bad_sizes():
         PromptSampler(4, 8, seed=0)
     with pytest.raises(ValueError, match=">= 1"):
         PromptSampler(0, 1, seed=0)
+
+
+def test_rows_carry_their_other_columns_for_reward_functions(tok):
+    import datasets
+
+    rows = [{"prompt": "Compute 1+2.", "answer": "3", "level": 1, "source": "gsm8k"},
+            {"prompt": "Compute 2*5.", "answer": "10", "level": 4, "source": "math"}]
+    for records in (rows, datasets.Dataset.from_list(rows)):
+        ds = prompt_dataset_from_records(records, tokenizer=tok)
+        assert [e.fields for e in ds] == [{"level": 1, "source": "gsm8k"}, {"level": 4, "source": "math"}]
+    # dotted answer field: its top-level column (reward_model) is the answer's, the rest are extra
+    dapo = prompt_dataset_from_records([dapo_row("What is 2+2?", "4", "a1")], preset="dapo_math_17k", tokenizer=tok)
+    assert dapo[0].fields == {"data_source": "math_dapo", "ability": "MATH", "extra_info": {"index": "a1"}}
+    # what the trainer hands a reward function: one dict per response row (G rows per prompt)
+    from stapo.rewards import CallableScorer
+
+    by_level = CallableScorer(lambda response, answer, level: float(level))
+    row_fields = [e.fields for e in ds for _ in range(2)]
+    assert by_level.score(["r"] * 4, ["a"] * 4, row_fields) == [1.0, 1.0, 4.0, 4.0]

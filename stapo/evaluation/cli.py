@@ -4,6 +4,7 @@
     stapo eval MODEL --benchmark aime24 --benchmark math500 --settings train
     stapo eval MODEL --data math500=MATH-500-test.parquet        # a preset from a local file (offline)
     stapo eval MODEL --data my.jsonl --prompt-field question --answer-field answer --samples 8
+    stapo eval MODEL --data my.jsonl --reward-function my_rewards.py:score   # correct = reward > 0
 
 User mistakes raise FileNotFoundError / ValueError with one line; the CLI prints it.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from stapo.evaluation.benchmarks import BENCHMARKS, SETTING_GROUPS, get_benchmark, local_benchmark
 from stapo.evaluation.runner import DEFAULT_PASS_K, check_model_dir, evaluate_model
+from stapo.rewards import available_reward_modes
 
 __all__ = ["add_arguments", "run_cli"]
 
@@ -47,18 +49,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-samples", action="store_true", help="do not write the responses (samples.jsonl)")
     parser.add_argument("--cache-dir", metavar="DIR", help="datasets cache directory (default: HF's own)")
+    parser.add_argument("--reward-mode", default="math", choices=available_reward_modes(),
+                        help="judge (as reward.mode; default: math); a response is correct when its reward is > 0")
+    parser.add_argument("--reward-function", metavar="SPEC",
+                        help="user reward function 'pkg.module:fn' or 'file.py:fn' (as reward.function)")
+    parser.add_argument("--reward-function-batched", action="store_true",
+                        help="the function takes the whole batch (as reward.function_batched)")
+    parser.add_argument("--reward-timeout", type=float, default=5.0, metavar="S",
+                        help="limit per verifier item / function call in seconds (as reward.timeout_s)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run `stapo eval`: evaluate, print the table, write results.md / results.json / samples.jsonl."""
     model = check_model_dir(args.model)
+    if args.reward_function_batched and not args.reward_function:
+        raise ValueError("--reward-function-batched needs --reward-function")
+    if args.reward_timeout <= 0:
+        raise ValueError(f"--reward-timeout must be > 0, got {args.reward_timeout}")
     for name, value in (("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     report = evaluate_model(model, _benchmarks(args), settings=SETTING_GROUPS[args.settings],
                             num_samples=args.samples, max_new_tokens=args.max_new_tokens, engine=args.engine,
                             seed=args.seed, pass_k=tuple(args.pass_k), keep_responses=not args.no_samples,
-                            cache_dir=args.cache_dir)
+                            cache_dir=args.cache_dir, reward_mode=args.reward_mode,
+                            reward_function=args.reward_function,
+                            reward_function_batched=args.reward_function_batched,
+                            reward_timeout_s=args.reward_timeout)
     paths = report.write(Path(args.out) if args.out else model / "eval")
     print(report.markdown())
     print("written: " + ", ".join(str(p) for p in paths.values()))

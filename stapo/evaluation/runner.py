@@ -1,7 +1,8 @@
 """`evaluate_model`: the paper's evaluation protocol (STAPO §5.1) on any HF model directory.
 
 For each benchmark and decoding setting: sample N responses per problem (vLLM on a GPU when it is
-installed, the HF engine otherwise), judge them with the rule-based math verifier, and report
+installed, the HF engine otherwise), judge them with the rule-based math verifier (or another
+``reward_mode`` / a ``reward_function``: a response counts as correct when its reward is > 0), and report
 avg@N, unbiased pass@k and per-problem correct counts. All datasets are loaded before any
 generation, so a missing file or field fails in seconds, not after an hour of sampling.
 
@@ -49,7 +50,9 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
                    max_new_tokens: int = 20480, engine="auto", seed: int = 0,
                    pass_k: Sequence[int] = DEFAULT_PASS_K, batch_rows: int = 1024,
                    instruction: str | None = PAPER_INSTRUCTION, keep_responses: bool = True,
-                   cache_dir: str | Path | None = None) -> EvalReport:
+                   cache_dir: str | Path | None = None, reward_mode: str = "math",
+                   reward_function: str | None = None, reward_function_batched: bool = False,
+                   reward_timeout_s: float = 5.0) -> EvalReport:
     """Evaluate a model on `benchmarks` (preset names or `BenchmarkPreset`s) under `settings`.
 
     Args:
@@ -61,6 +64,9 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
         batch_rows: most prompt × sample rows per `generate` call (also the progress granularity).
         keep_responses: keep the response texts in the report (written to samples.jsonl).
         cache_dir: the `datasets` cache (default: its own).
+        reward_mode: a `stapo.rewards.REWARD_MODES` name (`math`, `dapo`, `dapo_boxed`, ...).
+        reward_function: `"pkg.mod:fn"` or `"file.py:fn"` (as `reward.function`; implies mode
+            `function`), `reward_function_batched` its batch form; `reward_timeout_s` per call.
     """
     if num_samples is not None and num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -84,25 +90,30 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
     engine_name, engine = build_engine(engine, model_path, tokenizer, max_model_len=longest_prompt + max_new_tokens,
                                        seed=seed)
 
-    from stapo.rewards import MathVerifier
+    from stapo.rewards import build_scorer
 
+    scorer = build_scorer("function" if reward_function else reward_mode, timeout_s=reward_timeout_s,
+                          function=reward_function, function_batched=reward_function_batched)
     results = []
-    with MathVerifier(mode="math") as verifier:
+    try:
         for preset, ds in zip(presets, datasets, strict=True):
             for setting in settings:
-                results.append(sample_benchmark(engine, verifier, ds, name=preset.name, setting=setting,
+                results.append(sample_benchmark(engine, scorer, ds, name=preset.name, setting=setting,
                                                 num_samples=num_samples or preset.num_samples,
                                                 max_new_tokens=max_new_tokens, seed=seed, pass_k=tuple(pass_k),
                                                 batch_rows=batch_rows, keep_responses=keep_responses))
+    finally:
+        scorer.close()
     return EvalReport(model_path=str(model_path), engine=engine_name, benchmarks=presets, settings=tuple(settings),
                       max_new_tokens=max_new_tokens, seed=seed, results=results,
                       seconds=time.perf_counter() - start)
 
 
-def sample_benchmark(engine, verifier, dataset: PromptDataset, *, name: str, setting: DecodingSetting,
+def sample_benchmark(engine, scorer, dataset: PromptDataset, *, name: str, setting: DecodingSetting,
                      num_samples: int, max_new_tokens: int, seed: int, pass_k: tuple[int, ...] = DEFAULT_PASS_K,
                      batch_rows: int = 1024, keep_responses: bool = True) -> BenchmarkResult:
-    """N samples per problem of `dataset` under `setting`, judged by `verifier` (`.verdicts`)."""
+    """N samples per problem of `dataset` under `setting`, judged by `scorer` (`.score(responses,
+    answers, row_fields)`, e.g. a `MathVerifier`): a response is correct when its reward is > 0."""
     from stapo.rollout import SamplingParams
 
     n, examples = num_samples, list(dataset)
@@ -115,7 +126,8 @@ def sample_benchmark(engine, verifier, dataset: PromptDataset, *, name: str, set
                                   max_new_tokens=max_new_tokens, seed=_chunk_seed(seed, first))
         rollout = engine.generate([e.prompt_ids for e in chunk], n, sampling)  # rows: prompt i // n
         answers = [e.ground_truth for e in chunk for _ in range(n)]
-        verdicts = verifier.verdicts(rollout.response_text, answers)
+        fields = [e.fields for e in chunk for _ in range(n)]
+        verdicts = [r > 0 for r in scorer.score(rollout.response_text, answers, fields)]
         correct.append(np.asarray(verdicts, dtype=bool).reshape(len(chunk), n))  # (p, N)
         lengths.append(rollout.response_lengths.numpy().reshape(len(chunk), n))  # (p, N)
         truncated.append(np.asarray([r == "length" for r in rollout.finish_reason]).reshape(len(chunk), n))

@@ -33,6 +33,7 @@ from stapo.losses.builtin_masks import (
 )
 from stapo.losses.mismatch import mismatch_sums, tis_weights
 from stapo.losses.surrogate import AGG_MODES, aggregate_loss, clipped_surrogate_loss
+from stapo.losses.truncation import truncated_keep, truncated_rows
 
 __all__ = [
     # advantages (Eq. 2)
@@ -69,4 +70,7 @@ __all__ = [
     # rollout-trainer mismatch and truncated importance sampling
     "mismatch_sums",
     "tis_weights",
+    # overlong filtering (DAPO §3.4)
+    "truncated_keep",
+    "truncated_rows",
 ]

@@ -13,6 +13,11 @@ inside a custom ``torch.autograd.Function``:
   is RECOMPUTED from the saved log-partition, one buffer-sized vocabulary slice at a time, and
   ``grad_W = (g/T (onehot - p))^T h`` is written slice by slice. Nothing ``(N, V)``-sized is held.
 
+With ``entropy_grad=True`` the entropy is differentiable too (the entropy bonus, docs/losses.md):
+``dH/dz = -p (log p + H)`` per row (``z`` the tempered logits), so the forward also keeps
+``dH/dh = -(p (log p + H)) @ W / T`` (another ``(N, H)``) and the weight-grad recompute adds that
+term per vocabulary slice. Still nothing ``(N, V)``-sized is held.
+
 Without grad mode (the no-grad stats pass) only the forward chunk loop runs, without Jacobian.
 Masked reductions and the distributed quantile live in ``reduce.py`` and are re-exported here.
 """
@@ -39,13 +44,14 @@ __all__ = [
 DEFAULT_CHUNK_SIZE = 128  # tuned in bench/token_stats.py (docs/losses.md has the figures)
 
 
-def _chunk_stats(h_scaled, w32, y, buf, want_jac):
-    """One chunk: ``(logprob, entropy, lse, jac | None)``, in ONE reused ``(n, V)`` buffer.
+def _chunk_stats(h_scaled, w32, y, buf, want_jac, want_ent_jac=False):
+    """One chunk: ``(logprob, entropy, lse, jac | None, ent_jac | None)``, in ONE reused ``(n, V)`` buffer.
 
     With ``z`` the logits shifted by their row max ``m``, ``e = exp(z)``, ``s = sum e``:
     ``lse = m + log s``, ``logprob = z[y] - log s``, ``H = log s - sum(e log e) / s`` (shifted, so
     no cancellation at large logits; ``e log e`` is formed in place with ``xlogy``, which is 0 where
-    ``e`` underflowed) and ``d logprob / d h = (W[y] - (e @ W) / s) / T``.
+    ``e`` underflowed) and ``d logprob / d h = (W[y] - (e @ W) / s) / T``. The entropy's
+    ``dH / dh = -sum_v p_v (log p_v + H) W_v / T = -((e z) @ W / s - (sum e z / s) (e @ W) / s) / T``.
     """
     z = torch.mm(h_scaled, w32.t(), out=buf)  # (n, V) logits / T (mm: matmul's out= copies)
     m = z.amax(dim=-1)  # (n,)
@@ -54,32 +60,41 @@ def _chunk_stats(h_scaled, w32, y, buf, want_jac):
     e = z.exp_()  # (n, V) unnormalized probabilities, in place
     s = e.sum(dim=-1)  # (n,)
     log_s = s.log()
-    jac = (w32[y] - (e @ w32) / s[:, None]) if want_jac else None  # (n, H), times 1/T by caller
-    e_log_e = e.xlogy_(e).sum(dim=-1)  # sum_v e z, in place (e is not needed after this)
-    return z_y - log_s, log_s - e_log_e / s, m + log_s, jac
+    p_w = (e @ w32) / s[:, None] if want_jac else None  # (n, H) softmax @ W
+    jac = (w32[y] - p_w) if want_jac else None  # (n, H), times 1/T by caller
+    e_z = e.xlogy_(e)  # (n, V) e z, in place (e is not needed after this)
+    mean_z = e_z.sum(dim=-1) / s  # (n,) sum_v p_v z_v
+    ent_jac = None
+    if want_ent_jac:  # log p + H = z - mean_z, so dH/dh = -(sum_v p_v z_v W_v - mean_z p_w) / T
+        ent_jac = (e_z @ w32).div_(s[:, None]).sub_(mean_z[:, None] * p_w).neg_()  # (n, H)
+    return z_y - log_s, log_s - mean_z, m + log_s, jac, ent_jac
 
 
-def _forward_chunks(hidden, weight, labels, temperature, chunk_size, want_jac):
-    """Chunk loop of the forward pass; returns ``(logprobs, entropy, lse, jac | None)``, fp32."""
+def _forward_chunks(hidden, weight, labels, temperature, chunk_size, want_jac, want_ent_jac=False):
+    """Chunk loop of the forward pass; returns ``(logprobs, entropy, lse, jac | None, ent_jac | None)``."""
     n_tok, vocab = hidden.shape[0], weight.shape[0]
     inv_t = 1.0 / temperature
     w32 = weight.float()  # (V, H); no copy when already fp32
     f32 = dict(dtype=torch.float32, device=hidden.device)
     logprobs, entropy, lse = (torch.empty(n_tok, **f32) for _ in range(3))
     jac = torch.empty(hidden.shape, **f32) if want_jac else None  # (N, H) d logprob / d hidden
+    ent_jac = torch.empty(hidden.shape, **f32) if want_ent_jac else None  # (N, H) d entropy / d hidden
     buf = torch.empty(min(chunk_size, n_tok), vocab, **f32)
     for start in range(0, n_tok, chunk_size):
         sl = slice(start, start + chunk_size)
         n = labels[sl].numel()
-        out = _chunk_stats(hidden[sl].float() * inv_t, w32, labels[sl], buf[:n], want_jac)
+        out = _chunk_stats(hidden[sl].float() * inv_t, w32, labels[sl], buf[:n], want_jac, want_ent_jac)
         logprobs[sl], entropy[sl], lse[sl] = out[:3]
         if want_jac:
             jac[sl] = out[3].mul_(inv_t)
-    return logprobs, entropy, lse, jac
+        if want_ent_jac:
+            ent_jac[sl] = out[4].mul_(inv_t)
+    return logprobs, entropy, lse, jac, ent_jac
 
 
-def _weight_grad(hidden, weight, labels, lse, g, inv_t, chunk_size):
-    """``grad_W = sum_i g_i / T (onehot(y_i) - p_i)^T h_i``, recomputing p in vocabulary slices.
+def _weight_grad(hidden, weight, labels, lse, g, inv_t, chunk_size, g_ent=None, entropy=None):
+    """``grad_W = sum_i (g_i (onehot(y_i) - p_i) - g_ent_i p_i (log p_i + H_i))^T h_i / T``,
+    recomputing p in vocabulary slices (the entropy term only when ``g_ent`` is given).
 
     Slicing the vocabulary (all N tokens x ``chunk_size * V / N`` ids, the same buffer size as a
     token chunk) writes every row of the ``(V, H)`` gradient once instead of accumulating into all
@@ -93,14 +108,21 @@ def _weight_grad(hidden, weight, labels, lse, g, inv_t, chunk_size):
     h32 = hidden.float()
     gh = (g * inv_t)[:, None] * h32  # (N, H)
     h_scaled = h32 * inv_t
-    width = max(1, min(vocab, chunk_size * vocab // n_tok))
+    # the entropy term needs p and log p at once: two slice buffers, so half the width
+    width = max(1, min(vocab, chunk_size * vocab // n_tok // (1 if g_ent is None else 2)))
     flat = torch.empty(n_tok * width, dtype=torch.float32, device=w32.device)
     for start in range(0, vocab, width):
         vs = slice(start, start + width)
         n_ids = w32[vs].shape[0]
-        p = torch.mm(h_scaled, w32[vs].t(), out=flat[: n_tok * n_ids].view(n_tok, n_ids))  # (N, v)
-        p.sub_(lse[:, None]).exp_()  # softmax columns of this slice, recomputed
-        torch.mm(p.t(), gh, out=grad_w[vs]).neg_()  # -p part
+        z = torch.mm(h_scaled, w32[vs].t(), out=flat[: n_tok * n_ids].view(n_tok, n_ids))  # (N, v)
+        if g_ent is None:
+            p = z.sub_(lse[:, None]).exp_()  # softmax columns of this slice, recomputed
+            torch.mm(p.t(), gh, out=grad_w[vs]).neg_()  # -p part
+            continue
+        log_p = z.sub_(lse[:, None])  # (N, v)
+        p = log_p.exp()
+        q = log_p.add_(entropy[:, None]).mul_(g_ent[:, None]).add_(g[:, None]).mul_(p)  # p (g + g_ent (log p + H))
+        torch.mm(q.t(), h_scaled, out=grad_w[vs]).neg_()
     grad_w.index_add_(0, labels, gh)  # onehot part
     return grad_w.to(weight.dtype)
 
@@ -109,21 +131,30 @@ class _ChunkedTokenStats(torch.autograd.Function):
     """Chunked ``log softmax(hW^T/T)[y]`` + entropy; backward recomputes for ``grad_W``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, chunk_size):
+    def forward(ctx, hidden, weight, labels, temperature, chunk_size, entropy_grad):
         want_jac = ctx.needs_input_grad[0]
-        logprobs, entropy, lse, jac = _forward_chunks(hidden, weight, labels, temperature, chunk_size, want_jac)
-        ctx.mark_non_differentiable(entropy)
-        ctx.save_for_backward(hidden, weight, labels, lse, jac)
-        ctx.inv_t, ctx.chunk_size = 1.0 / temperature, chunk_size
+        logprobs, entropy, lse, jac, ent_jac = _forward_chunks(
+            hidden, weight, labels, temperature, chunk_size, want_jac, want_jac and entropy_grad)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, weight, labels, lse, jac, ent_jac, entropy if entropy_grad else None)
+        ctx.inv_t, ctx.chunk_size, ctx.entropy_grad = 1.0 / temperature, chunk_size, entropy_grad
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, weight, labels, lse, jac = ctx.saved_tensors
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, labels, lse, jac, ent_jac, entropy = ctx.saved_tensors
         g = grad_logprobs.float()  # (N,)
-        grad_h = (g[:, None] * jac).to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = _weight_grad(hidden, weight, labels, lse, g, ctx.inv_t, ctx.chunk_size) if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None, None, None
+        g_ent = grad_entropy.float() if ctx.entropy_grad and grad_entropy is not None else None  # (N,)
+        grad_h = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_h = g[:, None] * jac
+            if g_ent is not None:
+                grad_h = grad_h.add_(g_ent[:, None] * ent_jac)
+            grad_h = grad_h.to(hidden.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = _weight_grad(hidden, weight, labels, lse, g, ctx.inv_t, ctx.chunk_size, g_ent, entropy)
+        return grad_h, grad_w, None, None, None, None
 
 
 def _check_token_inputs(hidden, weight, labels, temperature, chunk_size):
@@ -152,6 +183,7 @@ def token_logprobs_and_entropy(
     labels: torch.Tensor,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy)``, both ``(N,)`` fp32, of ``labels`` under ``softmax(hidden @ W.T / T)``.
 
@@ -159,23 +191,25 @@ def token_logprobs_and_entropy(
     ids). Peak extra memory is one ``(chunk_size, V)`` fp32 buffer (plus, on CPU, MKL's gemm
     workspace of the same size) and an ``(N, H)`` fp32 Jacobian, instead of several ``(N, V)``.
     ``logprobs`` is differentiable w.r.t. ``hidden`` and ``lm_head_weight`` (gradients in their
-    own dtypes); ``entropy`` is detached (only masks read it). Under ZeRO-3 pass the gathered
-    lm_head weight.
+    own dtypes); ``entropy`` is detached (only masks read it) unless ``entropy_grad=True`` (the
+    entropy bonus, ``loss.entropy_coef``), which costs one more ``(N, H)`` fp32 Jacobian and one
+    more matmul per chunk. Under ZeRO-3 pass the gathered lm_head weight.
     """
     _check_token_inputs(hidden, lm_head_weight, labels, temperature, chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
-        return _ChunkedTokenStats.apply(hidden, lm_head_weight, labels, float(temperature), chunk_size)
-    logprobs, entropy, _, _ = _forward_chunks(hidden, lm_head_weight, labels, temperature, chunk_size, False)
+        return _ChunkedTokenStats.apply(hidden, lm_head_weight, labels, float(temperature), chunk_size,
+                                        bool(entropy_grad))
+    logprobs, entropy, *_ = _forward_chunks(hidden, lm_head_weight, labels, temperature, chunk_size, False)
     return logprobs, entropy
 
 
 def logprobs_and_entropy_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain logits-level version: ``logits (..., V)``, ``labels (...)`` -> two fp32 ``(...)``.
 
     For callers that already hold logits (small models, tests). ``logprobs`` is differentiable,
-    ``entropy`` detached.
+    ``entropy`` detached unless ``entropy_grad=True`` (then plain autograd through ``-(p log p).sum``).
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] {tuple(logits.shape[:-1])}")
@@ -183,6 +217,8 @@ def logprobs_and_entropy_from_logits(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (..., V)
     logprobs = logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    if entropy_grad:
+        return logprobs, -(logp.exp() * logp).sum(dim=-1)
     with torch.no_grad():
         entropy = torch.linalg.vecdot(logp.exp(), logp).neg_()
     return logprobs, entropy

@@ -20,6 +20,11 @@ Per token, with ``rho = exp(clamp(logprobs - old_logprobs, +-log_ratio_clamp))``
 Silenced tokens get EXACTLY zero gradient even when their logprobs are inf/NaN: inputs are
 selected with ``torch.where(keep, x, 0)`` before any arithmetic (never multiplied by the mask).
 A zero normalizer (nothing kept anywhere) gives a loss of exactly 0, never NaN.
+
+Entropy bonus (PPO's entropy term, verl's ``entropy_coeff``; off in the paper): with ``entropy``
+(differentiable, see ``token_logprobs_and_entropy(..., entropy_grad=True)``) and ``entropy_coef``,
+``loss -= entropy_coef * aggregate_loss(entropy, keep, agg, normalizer, ...)``, i.e. the entropy of
+the KEPT tokens with the surrogate's own normalizer (docs/losses.md).
 """
 
 from __future__ import annotations
@@ -65,11 +70,13 @@ def aggregate_loss(
     return rows.sum() / _denominator(per_token.shape[0] if normalizer is None else normalizer, x)
 
 
-def _check_inputs(logprobs, old_logprobs, advantages, keep, ref_logprobs, clip_low, clip_high, clip_c, kl_coef):
+def _check_inputs(logprobs, old_logprobs, advantages, keep, ref_logprobs, clip_low, clip_high, clip_c, kl_coef,
+                  entropy=None):
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be (B, T), got {tuple(logprobs.shape)}")
     shape = logprobs.shape
-    for name, t in (("old_logprobs", old_logprobs), ("keep", keep), ("ref_logprobs", ref_logprobs)):
+    for name, t in (("old_logprobs", old_logprobs), ("keep", keep), ("ref_logprobs", ref_logprobs),
+                    ("entropy", entropy)):
         if t is not None and t.shape != shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(shape)}")
     if keep.dtype != torch.bool:
@@ -99,6 +106,8 @@ def clipped_surrogate_loss(
     kl_coef: float = 0.0,
     log_ratio_clamp: float = 20.0,
     is_weights: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Negative clipped surrogate over kept tokens (Eq. 1 with ``agg="token-mean"``).
 
@@ -106,6 +115,8 @@ def clipped_surrogate_loss(
     ``advantages``: ``(B,)`` or ``(B, T)``. Returns ``(loss, metrics)``; with a keep-all mask and
     ``token-mean`` it is DAPO's token-mean loss. ``ref_logprobs`` + ``kl_coef`` add
     ``kl_coef * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1`` aggregated the same way.
+    ``entropy`` ``(B, T)`` + ``entropy_coef`` subtract ``entropy_coef * H`` aggregated the same way
+    (the entropy bonus; ``entropy`` must carry a gradient for it to act).
 
     ``is_weights`` ``(B, T)``: truncated importance-sampling weights (verl's / Yao et al.'s TIS,
     :func:`stapo.losses.tis_weights`) multiplying each token's surrogate, after clipping and the
@@ -122,8 +133,11 @@ def clipped_surrogate_loss(
     * ``approx_kl_sum``  sum of k3(old vs new) = exp(old - new) - (old - new) - 1 (fp32)
     * ``ratio_sum``      sum of rho over kept tokens (fp32)
     * ``kl_sum``         sum of k3(ref vs new) over kept tokens (fp32; only with ``ref_logprobs``)
+    * ``entropy_bonus_sum``  sum of the entropy over kept tokens (fp32; only with ``entropy``); the
+      bonus subtracted from the loss is ``entropy_coef * entropy_bonus_sum / normalizer`` (token-mean)
     """
-    _check_inputs(logprobs, old_logprobs, advantages, keep, ref_logprobs, clip_low, clip_high, clip_c, kl_coef)
+    _check_inputs(logprobs, old_logprobs, advantages, keep, ref_logprobs, clip_low, clip_high, clip_c, kl_coef,
+                  entropy)
     if is_weights is not None and is_weights.shape != logprobs.shape:
         raise ValueError(f"is_weights shape {tuple(is_weights.shape)} != logprobs shape {tuple(logprobs.shape)}")
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
@@ -163,4 +177,9 @@ def clipped_surrogate_loss(
         if kl_coef != 0.0:
             loss = loss + kl_coef * aggregate_loss(k3, keep, agg, normalizer, max_response_length)
         metrics["kl_sum"] = torch.where(keep, k3.detach(), zero).sum()
+    if entropy is not None:
+        ent = torch.where(keep, entropy.float(), zero)  # (B, T); where, not *, as for logprobs
+        if entropy_coef != 0.0:
+            loss = loss - entropy_coef * aggregate_loss(ent, keep, agg, normalizer, max_response_length)
+        metrics["entropy_bonus_sum"] = ent.detach().sum()
     return loss, metrics

@@ -1,7 +1,11 @@
-"""Entry point of one sympy worker process: ``python -m stapo.rewards._worker --memory-mb N``.
+"""Entry point of one reward worker process: ``python -m stapo.rewards._worker --memory-mb N``.
 
 Protocol (JSON lines): the worker prints ``"ready"`` once sympy is imported, then answers
-each ``[task_id, pred, gt]`` line on stdin with ``[task_id, verdict]``. It caps its own
+each ``[task_id, [pred, gt]]`` line on stdin with ``[task_id, verdict]``. With
+``--function SPEC [--batched]`` it loads that user reward function instead (printing
+``["error", message]`` and exiting if it cannot), answers ``[task_id, payload]`` with
+``[task_id, value]`` or ``[task_id, null, "Error: message"]`` when the call raised, and sends
+the function's own prints to stderr so they cannot corrupt the protocol. It caps its own
 address space (RLIMIT_AS), exits on MemoryError (the parent scores the item -1 and starts a
 replacement), exits when stdin closes, and exits when its parent process disappears (a
 watchdog thread polls the parent pid, so a SIGKILLed trainer leaves no orphans).
@@ -40,9 +44,14 @@ def _limit_memory(memory_mb: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--memory-mb", type=int, default=1024)
+    parser.add_argument("--function", default=None)
+    parser.add_argument("--batched", action="store_true")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    if args.function is not None:
+        _serve_function(args.function, args.batched, args.memory_mb)
+        return
 
     from stapo.rewards.symbolic import symbolic_verdict
 
@@ -52,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     out.write('"ready"\n')
     out.flush()
     for line in sys.stdin:
-        task_id, pred, gt = json.loads(line)
+        task_id, (pred, gt) = json.loads(line)
         try:
             verdict = bool(symbolic_verdict(pred, gt))
         except MemoryError:
@@ -60,6 +69,34 @@ def main(argv: list[str] | None = None) -> None:
         except Exception:  # noqa: BLE001 - RecursionError etc.: a mismatch, keep serving
             verdict = False
         out.write(json.dumps([task_id, verdict]) + "\n")
+        out.flush()
+
+
+def _serve_function(spec: str, batched: bool, memory_mb: int) -> None:
+    """Serve calls of a user reward function (see ``user_function.py``)."""
+    out = os.fdopen(os.dup(1), "w")  # the protocol channel; fd 1 itself now points at stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    from stapo.rewards.user_function import call_function, load_function
+
+    try:
+        fn = load_function(spec)
+    except BaseException as exc:  # noqa: BLE001 - ImportError, SyntaxError, SystemExit, ...
+        out.write(json.dumps(["error", f"{type(exc).__name__}: {exc}"]) + "\n")
+        out.flush()
+        os._exit(2)
+    _limit_memory(memory_mb)
+    out.write('"ready"\n')
+    out.flush()
+    for line in sys.stdin:
+        task_id, payload = json.loads(line)
+        try:
+            reply = [task_id, call_function(fn, batched, payload)]
+        except MemoryError:
+            os._exit(3)
+        except BaseException as exc:  # noqa: BLE001 - a user error scores failure_value, keep serving
+            reply = [task_id, None, f"{type(exc).__name__}: {str(exc)[:500]}"]
+        out.write(json.dumps(reply) + "\n")
         out.flush()
 
 

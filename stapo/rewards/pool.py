@@ -1,4 +1,4 @@
-"""Killable sympy workers: a hard per-item wall-clock limit and memory cap (docs/rewards.md, "Hang-proofing").
+"""Killable reward workers: a hard per-item wall-clock limit and memory cap (docs/rewards.md, "Hang-proofing").
 
 Signals (``SIGALRM``) only work on the main thread and some sympy hangs ignore them, so every
 symbolic comparison runs in a separate worker process that is killed when its item runs past
@@ -11,6 +11,10 @@ would re-import the user's training script, torch included, in every worker). Th
 lazily on the first item that needs sympy and then persist. They die with the parent:
 ``close()``, the context manager, a finalizer at interpreter exit, stdin EOF, and a
 parent-pid watchdog inside the worker for a SIGKILLed parent.
+
+The same pool runs user reward functions (``function="pkg.mod:fn"``, see ``user_function.py``):
+then each task is one call of that function, and a timed-out, crashing or raising call is
+reported in ``run_tasks``' error map (the caller scores it ``reward.failure_value``).
 """
 
 from __future__ import annotations
@@ -68,14 +72,18 @@ def _shutdown(workers: list[_Worker], owner_pid: int) -> None:
 
 
 class WorkerPool:
-    """Persistent, lazily started sympy workers; ``run`` scores a batch of answer pairs."""
+    """Persistent, lazily started workers; ``run`` scores a batch of answer pairs with sympy, or,
+    with ``function``, ``run_tasks`` calls that user reward function (``batched``: its batch form).
+    ``startup_error`` holds the message of a worker that could not load the function."""
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, memory_mb: int = 1024,
-                 startup_timeout_s: float = 120.0):
+                 startup_timeout_s: float = 120.0, function: Optional[str] = None, batched: bool = False):
         if num_workers < 1 or timeout_s <= 0:
             raise ValueError(f"need num_workers >= 1 and timeout_s > 0, got {num_workers}, {timeout_s}")
         self.num_workers, self.timeout_s, self.memory_mb = num_workers, timeout_s, memory_mb
         self.startup_timeout_s = startup_timeout_s
+        self.function, self.batched = function, batched
+        self.startup_error: Optional[str] = None
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -85,12 +93,16 @@ class WorkerPool:
     # -- lifecycle ---------------------------------------------------------------------------
     def _spawn(self) -> _Worker:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_ROOT, env.get("PYTHONPATH")) if p)
+        paths = [_PKG_ROOT, env.get("PYTHONPATH")]
+        cmd = [sys.executable, "-m", "stapo.rewards._worker", "--memory-mb", str(self.memory_mb)]
+        if self.function is not None:  # the user's module must import as it does in this process
+            paths += [os.getcwd(), *(p for p in sys.path if p and os.path.isdir(p))]
+            cmd += ["--function", self.function] + (["--batched"] if self.batched else [])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         env.update(MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "stapo.rewards._worker", "--memory-mb", str(self.memory_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=env, close_fds=True)
+        proc = subprocess.Popen(  # user functions may print: their stderr stays visible
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=None if self.function is not None else subprocess.DEVNULL, env=env, close_fds=True)
         worker = _Worker(proc=proc, started=time.monotonic())
         self._workers.append(worker)
         return worker
@@ -125,7 +137,7 @@ class WorkerPool:
                     sel.register(w.proc.stdout, selectors.EVENT_READ, w)
                 while not all(w.ready for w in self._workers) and time.monotonic() < deadline:
                     for key, _ in sel.select(timeout=0.5):
-                        self._read(key.data, [], sel)
+                        self._read(key.data, [], {}, sel)
 
     def _adopt(self) -> None:
         """After a fork, the inherited workers belong to the parent: forget them, start afresh."""
@@ -137,19 +149,24 @@ class WorkerPool:
     # -- batch execution ---------------------------------------------------------------------
     def run(self, items: Sequence[tuple[str, str]]) -> list[bool]:
         """Symbolic verdicts for ``(pred, gt)`` pairs; a timed-out or crashed item is False."""
-        results = [False] * len(items)
-        if not items:
-            return results
+        values, _ = self.run_tasks([[pred, gt] for pred, gt in items], default=False)
+        return [bool(v) for v in values]
+
+    def run_tasks(self, payloads: Sequence[object], default: object) -> tuple[list, dict[int, str]]:
+        """``(results, errors)``: each JSON ``payload`` run by a worker; a task that timed out, crashed
+        or raised keeps ``default`` and gets its reason in ``errors`` (keyed by position)."""
+        results, errors = [default] * len(payloads), {}
+        if not payloads:
+            return results, errors
         with self._lock:
             if self._closed:
-                raise RuntimeError("WorkerPool is closed (MathVerifier.close() was called); "
-                                   "create a new MathVerifier")
+                raise RuntimeError("WorkerPool is closed (close() was called); create a new scorer")
             self._adopt()
             with selectors.DefaultSelector() as sel:
-                self._run_locked(items, results, sel)
-        return results
+                self._run_locked(payloads, results, errors, sel)
+        return results, errors
 
-    def _run_locked(self, items: Sequence[tuple[str, str]], results: list[bool], sel) -> None:
+    def _run_locked(self, items: Sequence[object], results: list, errors: dict[int, str], sel) -> None:
         pending = deque(range(len(items)))
         remaining, failures = len(items), 0
         want = min(self.num_workers, len(items))
@@ -159,6 +176,8 @@ class WorkerPool:
             while len(self._workers) < min(want, len(pending) + self._busy()) and failures <= 2 * want:
                 sel.register(self._spawn().proc.stdout, selectors.EVENT_READ, self._workers[-1])
             if not self._workers:  # workers cannot even start: everything left is a mismatch
+                why = f"reward worker could not start{': ' + self.startup_error if self.startup_error else ''}"
+                errors.update((i, why) for i in pending)
                 return
             for w in list(self._workers):
                 if w.ready and w.task is None and pending:
@@ -172,10 +191,11 @@ class WorkerPool:
                        + [w.started + self.startup_timeout_s for w in self._workers if not w.ready]
                        + [now + 1.0])
             for key, _ in sel.select(max(0.0, wake - now)):
-                remaining -= self._read(key.data, results, sel)
+                remaining -= self._read(key.data, results, errors, sel)
             now = time.monotonic()
             for w in list(self._workers):
                 if w.task is not None and now > w.deadline:  # over the item limit: kill it
+                    errors[w.task] = f"timed out after {self.timeout_s:g} s"
                     remaining -= 1
                     self._retire(w, sel)
                 elif not w.ready and now > w.started + self.startup_timeout_s:
@@ -188,25 +208,27 @@ class WorkerPool:
     def _busy(self) -> int:
         return sum(w.task is not None for w in self._workers)
 
-    def _send(self, w: _Worker, idx: int, item: tuple[str, str]) -> bool:
-        try:
-            w.proc.stdin.write((json.dumps([idx, item[0], item[1]]) + "\n").encode())
+    def _send(self, w: _Worker, idx: int, payload: object) -> bool:
+        try:  # default=str: odd dataset values (dates, numpy scalars) reach user functions as text
+            w.proc.stdin.write((json.dumps([idx, payload], default=str) + "\n").encode())
             w.proc.stdin.flush()
         except (BrokenPipeError, OSError, ValueError):
             return False
         w.task, w.deadline = idx, time.monotonic() + self.timeout_s
         return True
 
-    def _read(self, w: _Worker, results: list[bool], sel) -> int:
+    def _read(self, w: _Worker, results: list, errors: dict[int, str], sel) -> int:
         """Consume a worker's output; returns how many items it finished (incl. by dying)."""
         try:
             chunk = os.read(w.fd, 1 << 16)
         except OSError:
             chunk = b""
         if not chunk:  # EOF: the worker died (memory cap, crash); its item is a mismatch
-            finished = int(w.task is not None)
+            task = w.task
             self._retire(w, sel)
-            return finished
+            if task is not None:
+                errors[task] = f"reward worker died (exit code {w.proc.returncode})"
+            return int(task is not None)
         w.buf += chunk
         finished = 0
         while b"\n" in w.buf:
@@ -217,8 +239,13 @@ class WorkerPool:
                 continue
             if msg == "ready":
                 w.ready = True
-            elif isinstance(msg, list) and msg[0] == w.task:
-                results[w.task] = bool(msg[1])
+            elif isinstance(msg, list) and len(msg) == 2 and msg[0] == "error" and not w.ready:
+                self.startup_error = str(msg[1])  # the user function could not be loaded
+            elif isinstance(msg, list) and len(msg) >= 2 and msg[0] == w.task and w.task is not None:
+                if len(msg) > 2:  # [task, null, "error"]: the call raised
+                    errors[w.task] = str(msg[2])
+                else:
+                    results[w.task] = msg[1]
                 w.task, w.deadline = None, math.inf
                 finished += 1
         return finished

@@ -66,6 +66,7 @@ class MathVerifier:
         self.tail_chars = tail_chars
         workers = num_workers if num_workers is not None else max(1, min(4, os.cpu_count() or 1))
         self.pool = WorkerPool(num_workers=workers, timeout_s=timeout_s, memory_mb=memory_mb)
+        self.failures = 0  # symbolic items of the last call that timed out or crashed (scored -1)
 
     def __enter__(self) -> "MathVerifier":
         return self
@@ -111,14 +112,21 @@ class MathVerifier:
             if verdict is None:
                 symbolic.append((pred_n, gt_n))
             verdicts.append(verdict)
+        self.failures = 0
         if symbolic:
-            resolved = iter(self.pool.run(symbolic))
-            verdicts = [next(resolved) if v is None else v for v in verdicts]
+            values, errors = self.pool.run_tasks([list(pair) for pair in symbolic], default=False)
+            self.failures = len(errors)
+            resolved = iter(values)
+            verdicts = [bool(next(resolved)) if v is None else v for v in verdicts]
         return [bool(v) for v in verdicts]
 
-    def score(self, responses: Sequence[object], answers: Sequence[object]) -> list[float]:
-        """+1.0 / -1.0 reward per response (the trainer's per-step call)."""
+    def score(self, responses: Sequence[object], answers: Sequence[object],
+              row_fields: Optional[Sequence[dict]] = None) -> list[float]:
+        """+1.0 / -1.0 reward per response (the trainer's per-step call). ``row_fields`` (extra
+        dataset columns) is accepted for the common scorer interface (``modes.Scorer``) and unused."""
         return [CORRECT if ok else WRONG for ok in self.verdicts(responses, answers)]
+
+    __call__ = score
 
 
 _DEFAULTS: dict[str, MathVerifier] = {}

@@ -156,6 +156,7 @@ def update_options(cfg: STAPOConfig) -> UpdateOptions:
         max_response_length=cfg.rollout.max_response_length,
         kl_coef=cfg.loss.kl_coef,
         tis_cap=cfg.loss.tis_cap,
+        entropy_coef=cfg.loss.entropy_coef,
         packing=cfg.trainer.packing,
         pack_one_row=cfg.model.attn_implementation in ONE_ROW_ATTENTION,
         micro_batch_size=cfg.trainer.micro_batch_size,
@@ -169,13 +170,22 @@ BatchScorer = Callable[[Sequence[str], Sequence[str]], list[float]]
 
 
 def build_scorer(cfg: STAPOConfig, reward_fn: RewardFn | None) -> tuple[BatchScorer, Callable[[], None]]:
-    """``(score(responses, answers) -> rewards, close)``: the batch verifier or a user function."""
-    if reward_fn is None:
-        from stapo.rewards import MathVerifier
+    """``(scorer, close)``: ``reward_fn`` in-process when given, else the ``reward.mode`` registry's
+    scorer (the verifier, or ``reward.function`` in killable workers; stapo/rewards/modes.py).
 
-        verifier = MathVerifier(mode=cfg.reward.mode, timeout_s=cfg.reward.timeout_s)
-        return verifier.score, verifier.close
-    return (lambda responses, answers: [float(reward_fn(r, a)) for r, a in zip(responses, answers)]), (lambda: None)
+    The scorer is callable as ``score(responses, answers, row_fields=None) -> rewards`` and has
+    ``.failures`` (items of the last call scored ``reward.failure_value``: metric ``reward_failures``).
+    """
+    from stapo.rewards import CallableScorer
+    from stapo.rewards import build_scorer as build_reward_scorer
+
+    r = cfg.reward
+    if reward_fn is not None:
+        scorer = CallableScorer(reward_fn, failure_value=r.failure_value)
+    else:
+        scorer = build_reward_scorer(r.scorer_mode, timeout_s=r.timeout_s, function=r.function,
+                                     function_batched=r.function_batched, failure_value=r.failure_value)
+    return scorer, scorer.close
 
 
 def builtin_rows(n: int, seed: int, terms: int) -> list[dict]:

@@ -10,9 +10,12 @@ checkpoint does not contain. Only the main process writes anything; the console 
 THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every one is logged):
 
 - ``step``, ``epoch``
-- ``reward_mean``, ``reward_std``, ``accuracy`` (fraction of responses with reward > 0)
+- ``reward_mean``, ``reward_std`` (of the rewards the advantages see, penalty included),
+  ``accuracy`` (fraction of responses the scorer gave > 0)
 - ``response_length_mean``, ``response_length_max``, ``response_clip_ratio`` (fraction truncated at
-  the max response length)
+  the max response length), ``overlong_penalty_mean`` (DAPO's soft overlong penalty per response, 0
+  unless ``reward.overlong_buffer``), ``reward_failures`` (responses whose scorer hung or raised and
+  scored ``reward.failure_value``)
 - ``entropy_mean`` (mean over valid response tokens)
 - ``silenced_frac`` (silenced / valid tokens under the active mask), ``spurious_frac`` (fraction of
   valid tokens meeting STAPO's criterion ``A > 0 ∧ p < τ_p ∧ H < τ_h`` at the active mask's ``tau_p`` /
@@ -30,7 +33,12 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
   (seconds), ``tokens_per_s``, ``sync_mb`` (MiB pushed into each rank's rollout engine by the weight sync)
 
 Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean`` (eval steps only);
-``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``).
+``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``);
+``entropy_bonus`` (``loss.entropy_coef`` x mean entropy of kept tokens, subtracted from the loss; only
+when ``loss.entropy_coef != 0``); with ``rollout.dynamic_sampling``: ``sampling_rounds``,
+``groups_kept`` (informative groups trained on, all ranks), ``groups_dropped`` (all-equal-reward
+groups dropped), ``groups_surplus`` (informative groups generated beyond the batch),
+``sampling_capped`` (1 when ``rollout.max_sampling_rounds`` ended the search short).
 
 Non-finite values (a skipped step's loss) are stored as the strings ``"NaN"``, ``"Infinity"``,
 ``"-Infinity"`` so every line stays valid JSON; :func:`stapo.run_dir.read_metrics` turns them back
@@ -53,7 +61,8 @@ from stapo.trainer.console import ConsoleView
 STEP_METRIC_KEYS: tuple[str, ...] = (
     "step", "epoch",
     "reward_mean", "reward_std", "accuracy",
-    "response_length_mean", "response_length_max", "response_clip_ratio",
+    "response_length_mean", "response_length_max", "response_clip_ratio", "overlong_penalty_mean",
+    "reward_failures",
     "entropy_mean", "silenced_frac", "spurious_frac", "keep_frac", "mask_tau_h", "probe_tau_h",
     "clip_frac_low", "clip_frac_high", "approx_kl", "loss", "grad_norm", "lr",
     "mismatch_logp_abs_mean", "mismatch_logp_abs_max", "mismatch_kl",
@@ -61,7 +70,9 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step", "sync_mb",
     "tokens_per_s",
 )
-OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "kl")
+OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "kl", "entropy_bonus",
+                                         "sampling_rounds", "groups_kept", "groups_dropped", "groups_surplus",
+                                         "sampling_capped")
 
 logger = logging.getLogger(__name__)
 

@@ -171,21 +171,25 @@ def _run_as_lm_head(model, fn, hidden: torch.Tensor):
         del head.forward  # back to the class's own forward
 
 
-def response_token_stats(model, inputs: TeacherForcedInputs, *, temperature: float, chunk_size: int):
+def response_token_stats(model, inputs: TeacherForcedInputs, *, temperature: float, chunk_size: int,
+                         entropy_grad: bool = False):
     """``(logprobs, entropy)`` of each response token, ``(b, T)`` fp32, zero on padding.
 
-    ``logprobs`` carries gradients when called with grad enabled; ``entropy`` never does.
+    ``logprobs`` carries gradients when called with grad enabled; ``entropy`` only with
+    ``entropy_grad`` (the entropy bonus, ``loss.entropy_coef``).
     """
     mask = inputs.response_mask
     hidden = inputs.target_hidden(model.get_decoder())  # (N, H): valid tokens only
     labels = inputs.response_ids[mask]  # (N,)
 
     def stats(h, weight):
-        return token_logprobs_and_entropy(h, weight, labels, temperature=temperature, chunk_size=chunk_size)
+        return token_logprobs_and_entropy(h, weight, labels, temperature=temperature, chunk_size=chunk_size,
+                                          entropy_grad=entropy_grad)
 
     logprobs_flat, entropy_flat = _run_as_lm_head(model, stats, hidden)
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    return zeros.masked_scatter(mask, logprobs_flat), zeros.masked_scatter(mask, entropy_flat.detach())
+    entropy_flat = entropy_flat if entropy_grad else entropy_flat.detach()
+    return zeros.masked_scatter(mask, logprobs_flat), zeros.masked_scatter(mask, entropy_flat)
 
 
 @torch.no_grad()

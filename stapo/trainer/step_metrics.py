@@ -53,7 +53,7 @@ class StepSums(dict):
         self[key] = self.get(key, 0.0) + value
 
 
-def _rollout_sums(rollout, rewards: torch.Tensor, group_size: int) -> dict[str, float]:
+def _rollout_sums(rollout, rewards: torch.Tensor, scores: torch.Tensor, group_size: int) -> dict[str, float]:
     lengths = rollout.response_mask.sum(dim=1).float()  # (B,)
     groups = rewards.view(-1, group_size)  # (P, G)
     zero_std = (groups == groups[:, :1]).all(dim=1)  # all rewards equal -> A = 0 for the group
@@ -61,7 +61,7 @@ def _rollout_sums(rollout, rewards: torch.Tensor, group_size: int) -> dict[str, 
         "responses": float(len(rewards)),
         "reward_sum": float(rewards.sum()),
         "reward_sq_sum": float(rewards.square().sum()),
-        "correct": float((rewards > 0).sum()),
+        "correct": float((scores > 0).sum()),
         "length_sum": float(lengths.sum()),
         "truncated": float(sum(r == "length" for r in rollout.finish_reason)),
         "groups": float(groups.shape[0]),
@@ -96,9 +96,11 @@ def skipped_updates(sums: StepSums) -> int:
 
 
 def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_size: int, world_size: int,
-                 rollout, rewards: torch.Tensor, sums: StepSums, timer: PhaseTimer) -> dict[str, float]:
-    """The documented per-step metrics from plain values, reduced once across ranks."""
-    local = {**_rollout_sums(rollout, rewards, group_size), **sums}
+                 scored, sums: StepSums, timer: PhaseTimer, entropy_coef: float = 0.0) -> dict[str, float]:
+    """The documented per-step metrics from plain values, reduced once across ranks. ``scored``: the
+    iteration's :class:`~stapo.trainer.scored_rollout.ScoredRollout`."""
+    rollout = scored.rollout
+    local = {**_rollout_sums(rollout, scored.rewards, scored.scores, group_size), **sums}
     mismatch_max = all_reduce_max(float(local.pop("mismatch_abs_max")))  # a max, not a sum
     s = reduce_metrics(local)
     minibatches = s["minibatches"] / world_size
@@ -108,7 +110,11 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
     reward_mean = s["reward_sum"] / n
     applied = s["step_applied"] / world_size
     step_time = timer.total()
-    optional = {"kl": s["kl_sum"] / kept} if "kl_sum" in s else {}  # only with a reference policy
+    optional = dict(scored.sampling)  # dynamic sampling: already global
+    if "kl_sum" in s:  # only with a reference policy
+        optional["kl"] = s["kl_sum"] / kept
+    if "entropy_bonus_sum" in s:  # only with loss.entropy_coef != 0
+        optional["entropy_bonus"] = entropy_coef * s["entropy_bonus_sum"] / kept
     return {
         "step": float(step),
         "epoch": float(epoch),
@@ -118,6 +124,8 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "response_length_mean": s["length_sum"] / n,
         "response_length_max": all_reduce_max(float(rollout.response_mask.sum(dim=1).max())),
         "response_clip_ratio": s["truncated"] / n,
+        "overlong_penalty_mean": s["overlong_penalty_sum"] / n,
+        "reward_failures": s["reward_failures"],
         "entropy_mean": s["entropy_sum"] / valid,
         "silenced_frac": s["silenced_tokens"] / valid,
         "spurious_frac": s["spurious_tokens"] / valid,

@@ -21,15 +21,17 @@ from pathlib import Path
 import torch
 
 from stapo.config import STAPOConfig
-from stapo.losses import TokenMask, TokenStats, build_mask, group_advantages, mismatch_sums, registered_name
+from stapo.losses import (TokenMask, TokenStats, build_mask, group_advantages, mismatch_sums, registered_name,
+                          truncated_keep, truncated_rows)
 from stapo.rollout import Rollout, SamplingParams
 from stapo.trainer import components as build
 from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, latest_checkpoint, read_metrics
 from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_hf
-from stapo.trainer.distributed import barrier, init_distributed
+from stapo.trainer.distributed import all_gather_object, barrier, init_distributed
 from stapo.trainer.metrics import MetricsLogger
 from stapo.trainer.recording import TokenRecorder
 from stapo.trainer.engine import current_lr
+from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout
 from stapo.trainer.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
                                         skipped_updates, step_metrics)
 from stapo.trainer.update import TrainBatch, policy_stats, update_minibatch
@@ -78,6 +80,8 @@ class STAPOTrainer:
         self.mask = mask if mask is not None else build_mask(cfg.mask.name, **cfg.mask.params)
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
         self.score, self._close_scorer = build.build_scorer(cfg, reward_fn)
+        self.shaping = RewardShaping(cfg.rollout.max_response_length, cfg.reward.overlong_buffer,
+                                     cfg.reward.overlong_penalty)
         self.train_data, self.eval_data = build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset)
         from stapo.data import PromptSampler
 
@@ -102,17 +106,16 @@ class STAPOTrainer:
     def step(self) -> dict[str, float]:
         """One training iteration (Algorithm 1 lines 3-13); returns the step's metrics."""
         cfg, timer = self.config, PhaseTimer()
-        with timer("rollout"):
-            rollout = self._generate(self._next_prompts())  # line 4: x ~ D, G responses from pi_old
-        with timer("reward"):
-            rewards = torch.tensor(self.score(rollout.response_text, rollout.ground_truth), dtype=torch.float32)
-            advantages = group_advantages(  # line 5, Eq. 2
-                rewards, cfg.rollout.group_size, scale=cfg.loss.advantage_scale, eps=cfg.loss.advantage_eps)
+        scored = self._scored_rollout(timer)  # lines 4-5: x ~ D, G responses from pi_old, rewards
+        rollout, rewards = scored.rollout, scored.rewards
+        advantages = group_advantages(  # line 5, Eq. 2
+            rewards, cfg.rollout.group_size, scale=cfg.loss.advantage_scale, eps=cfg.loss.advantage_eps)
         with timer("stats"):
             batch = self._train_batch(rollout, advantages)  # theta_old's logprobs and entropy (line 8)
         sums = StepSums()
-        for key, value in mismatch_sums(batch.sampling_logprobs, batch.old_logprobs, batch.response_mask).items():
-            sums.add_value(key, value)  # rollout engine vs trainer at theta_old (docs/losses.md)
+        for key, value in {**scored.sums, **mismatch_sums(batch.sampling_logprobs, batch.old_logprobs,
+                                                          batch.response_mask)}.items():
+            sums.add_value(key, value)  # rewards' and rollout-vs-trainer sums (docs/losses.md)
         for k, rows in enumerate(self._mini_batches(len(batch))):  # line 6
             mini = batch.rows(rows)
             with timer("stats"):
@@ -131,17 +134,20 @@ class STAPOTrainer:
         self._track_skips(skipped_updates(sums))
         return step_metrics(step=self.step_count, epoch=self.sampler.epoch, lr=current_lr(self.engine),
                             skipped_steps=self.skipped_steps, group_size=cfg.rollout.group_size,
-                            world_size=self.dist.world_size, rollout=rollout, rewards=rewards, sums=sums,
-                            timer=timer)
+                            world_size=self.dist.world_size, scored=scored, sums=sums, timer=timer,
+                            entropy_coef=cfg.loss.entropy_coef)
 
     def _train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:
         """The iteration's rows, complete: theta_old's stats from the no-grad pass (and the reference
         policy's logprobs when ``loss.kl_coef > 0``)."""
         old_logprobs, old_entropy = policy_stats(self.model, rollout, self.opts)
         ref_logprobs = policy_stats(self.reference, rollout, self.opts)[0] if self.reference is not None else None
+        loss_mask = None  # loss.mask_truncated: responses cut at max_response_length leave the loss
+        if self.config.loss.mask_truncated:
+            loss_mask = truncated_keep(rollout.response_mask, truncated_rows(rollout.finish_reason))
         return TrainBatch(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask,
                           advantages, old_logprobs, old_entropy, sampling_logprobs=rollout.sampling_logprobs,
-                          ref_logprobs=ref_logprobs)
+                          ref_logprobs=ref_logprobs, loss_mask=loss_mask)
 
     def _mask_stats(self, mini: TrainBatch, first: bool) -> TokenStats:
         """Exact stats for the first mini-batch (theta = theta_old); later ones need a fresh pass
@@ -150,13 +156,22 @@ class STAPOTrainer:
             logprobs, entropy = mini.old_logprobs, mini.old_entropy
         else:
             logprobs, entropy = policy_stats(self.model, mini, self.opts)
-        return TokenStats(logprobs, entropy, mini.advantages, mini.response_mask)
+        return TokenStats(logprobs, entropy, mini.advantages, mini.trainable)  # truncated rows: padding
 
     def _mini_batches(self, num_rows: int) -> list[slice]:
         size = build.rows_per_rank(self.config, self.dist.world_size)
         return [slice(s, min(s + size, num_rows)) for s in range(0, num_rows, size)]
 
     # ---- rollout ----------------------------------------------------------------------------
+    def _scored_rollout(self, timer: PhaseTimer) -> ScoredRollout:
+        """Generate and score this rank's share; DAPO's filter groups with ``rollout.dynamic_sampling``."""
+        r, world = self.config.rollout, self.dist.world_size
+        return collect_scored_rollout(
+            self._next_prompts, lambda examples, round_index: self._generate(examples, round_index=round_index),
+            self.score, self.shaping, timer, group_size=r.group_size, dynamic=r.dynamic_sampling,
+            target_groups=self.config.trainer.train_batch_size // world, max_rounds=r.max_sampling_rounds,
+            multiple_of=self.config.trainer.mini_batch_size // world, gather=all_gather_object)
+
     def _next_prompts(self) -> list:
         """This rank's contiguous share of the global batch (same order on every rank)."""
         indices = self.sampler.next_batch()
@@ -164,17 +179,18 @@ class STAPOTrainer:
         mine = indices[self.dist.rank * share:(self.dist.rank + 1) * share]
         return [self.train_data[i] for i in mine]
 
-    def _sampling(self, greedy: bool = False) -> SamplingParams:
+    def _sampling(self, greedy: bool = False, round_index: int = 0) -> SamplingParams:
         r, t = self.config.rollout, self.config.trainer
-        # a seed per (run, step, rank): resumed runs regenerate exactly the same responses
-        seed = (t.seed * 1_000_003 + self.step_count * 1_009 + self.dist.rank) % 2**31
+        # a seed per (run, step, rank, dynamic-sampling round): resumed runs regenerate the same responses
+        seed = (t.seed * 1_000_003 + self.step_count * 1_009 + self.dist.rank + round_index * 7_919) % 2**31
         return SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
                               top_k=-1 if greedy else r.top_k, max_new_tokens=r.max_response_length, seed=seed)
 
-    def _generate(self, examples: list, greedy: bool = False) -> Rollout:
+    def _generate(self, examples: list, greedy: bool = False, round_index: int = 0) -> Rollout:
         n = 1 if greedy else self.config.rollout.group_size
         self.rollout_engine.wake()
-        rollout = self.rollout_engine.generate([e.prompt_ids for e in examples], n, self._sampling(greedy))
+        rollout = self.rollout_engine.generate([e.prompt_ids for e in examples], n,
+                                               self._sampling(greedy, round_index))
         self.rollout_engine.sleep()
         return rollout.with_ground_truth([e.ground_truth for e in examples]).with_prompt_text(
             [e.prompt_text for e in examples])
@@ -187,7 +203,7 @@ class STAPOTrainer:
             return {}
         examples = [self.eval_data[i] for i in range(self.dist.rank, len(self.eval_data), self.dist.world_size)]
         rollout = self._generate(examples, greedy=True)
-        rewards = self.score(rollout.response_text, rollout.ground_truth)
+        rewards = self.score(rollout.response_text, rollout.ground_truth, [dict(e.fields) for e in examples])
         return evaluation_metrics(rewards)
 
     # ---- the loop ---------------------------------------------------------------------------

@@ -120,7 +120,9 @@ def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
     accumulation = GradientAccumulation(engine, len(micro_batches))
     sums: dict[str, torch.Tensor] = {}
     for rows, inputs in micro_batches:
-        logprobs, _ = response_token_stats(model, inputs, temperature=opts.temperature, chunk_size=opts.chunk_size)
+        bonus = opts.entropy_coef != 0.0
+        logprobs, entropy = response_token_stats(model, inputs, temperature=opts.temperature,
+                                                 chunk_size=opts.chunk_size, entropy_grad=bonus)
         t_len = logprobs.shape[1]
         part = batch.rows(rows)
         old = part.old_logprobs[:, :t_len].to(device)
@@ -134,6 +136,7 @@ def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
             clip_low=opts.clip_low, clip_high=opts.clip_high, clip_c=opts.clip_c, agg=opts.agg,
             normalizer=normalizer.to(device), max_response_length=opts.max_response_length,
             log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef, is_weights=weights,
+            entropy=entropy if bonus else None, entropy_coef=opts.entropy_coef,
         )
         accumulation.backward(loss)
         _accumulate(sums, {"loss": loss.detach(), **metrics})

@@ -94,3 +94,13 @@ def test_vllm_engine_without_gpu_is_a_clear_error(tiny_model_dir, arithmetic_fil
                   "--cache-dir", str(tmp_path / "hf")])
     with pytest.raises(ValueError, match="vllm rollout engine needs a CUDA GPU"):
         run_cli(args)
+
+
+def test_reward_options_parse_and_are_checked(tiny_model_dir, tmp_path):
+    args = parse(["m", "--reward-function", "my.py:score", "--reward-function-batched", "--reward-timeout", "2"])
+    assert (args.reward_function, args.reward_function_batched, args.reward_timeout) == ("my.py:score", True, 2.0)
+    assert parse(["m", "--reward-mode", "dapo_boxed"]).reward_mode == "dapo_boxed"
+    with pytest.raises(SystemExit):
+        parse(["m", "--reward-mode", "bogus"])
+    with pytest.raises(ValueError, match="--reward-function-batched needs --reward-function"):
+        run_cli(parse([str(tiny_model_dir), "--reward-function-batched", "--out", str(tmp_path)]))

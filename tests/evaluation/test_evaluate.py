@@ -125,3 +125,34 @@ def test_preset_n_is_the_default_and_samples_override(scripted, tiny_model_dir, 
     assert (math500.num_samples, math500.answer_field, math500.split) == (4, "answer", "test")
     aime = local_benchmark(preset.hf_name, name="aime24")
     assert aime.num_samples == 32 and aime.is_local
+
+
+def test_a_user_reward_function_judges_with_extra_columns(tiny_tokenizer, tiny_model_dir, tmp_path):
+    from stapo.tiny import arithmetic_problems
+
+    problems = arithmetic_problems(4, seed=3)
+    rows = [{"problem": p.question, "answer": p.answer, "level": i} for i, p in enumerate(problems)]
+    data = tmp_path / "levels.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    preset = local_benchmark(str(data), name="levels")
+    dataset = load_benchmark(preset, tiny_tokenizer, cache_dir=tmp_path / "hf")
+    engine = ScriptedEngine(tiny_tokenizer, {tuple(e.prompt_ids): (e.ground_truth, P_CORRECT[i])
+                                             for i, e in enumerate(dataset)})
+    judge = tmp_path / "judge.py"  # right AND level >= 2 (the extra column) -> +1; else -1 (not > 0)
+    judge.write_text("def judge(response, ground_truth, level):\n"
+                     "    return 1.0 if '{' + ground_truth + '}' in response and level >= 2 else -1.0\n")
+    report = evaluate_model(tiny_model_dir, [preset], settings=PAPER_SETTINGS[:1], num_samples=8, max_new_tokens=8,
+                            engine=engine, reward_function=f"{judge}:judge", cache_dir=tmp_path / "hf")
+    (result,) = report.results
+    math_counts = [sum(math_reward(t, gt) == 1.0 for t in texts)
+                   for texts, gt in zip(result.responses, result.ground_truth, strict=True)]
+    assert result.correct_counts.tolist() == [0, 0, math_counts[2], 8]  # levels 0 and 1 never count
+    assert math_counts[1] > 0 or math_counts[2] > 0  # the scripted engine did give right answers
+
+
+def test_reward_mode_reaches_the_judge(scripted, tiny_model_dir, tmp_path):
+    preset, engine = scripted
+    # `dapo` reads only "Answer:" lines; the scripted responses only box their answers: nothing is correct
+    report = evaluate_model(tiny_model_dir, [preset], settings=PAPER_SETTINGS[:1], num_samples=4, max_new_tokens=8,
+                            engine=engine, reward_mode="dapo", cache_dir=tmp_path / "hf")
+    assert report.results[0].correct_counts.tolist() == [0, 0, 0, 0]

@@ -30,3 +30,24 @@ def test_update_options_take_the_configured_chunk_size():
     assert update_options(STAPOConfig.from_yaml(None, ["loss.chunk_size=77"])).chunk_size == 77
     with pytest.raises(ConfigError, match="loss.chunk_size must be >= 1, got 0"):
         STAPOConfig.from_yaml(None, ["loss.chunk_size=0"])
+
+
+def test_build_scorer_follows_reward_mode_function_and_reward_fn(tmp_path):
+    from stapo.rewards import CallableScorer, FunctionScorer, MathVerifier
+    from stapo.trainer.components import build_scorer
+
+    scorer, close = build_scorer(STAPOConfig.from_yaml(None, ["reward.mode=dapo"]), None)
+    assert isinstance(scorer, MathVerifier) and scorer.mode == "dapo"
+    assert scorer(["Answer: 4"], ["4"]) == [1.0]  # callable like the old `score`
+    close()
+    user = tmp_path / "r.py"
+    user.write_text("def half(response, ground_truth):\n    return 0.5\n")
+    cfg = STAPOConfig.from_yaml(None, [f"reward.function={user}:half", "reward.failure_value=-3"])
+    scorer, close = build_scorer(cfg, None)
+    try:
+        assert isinstance(scorer, FunctionScorer) and scorer.failure_value == -3.0
+        assert scorer(["x", "y"], ["1", "2"], [{}, {}]) == [0.5, 0.5] and scorer.failures == 0
+    finally:
+        close()
+    scorer, _ = build_scorer(cfg, lambda response, answer: 1 / 0)  # reward_fn wins, in-process
+    assert isinstance(scorer, CallableScorer) and scorer(["x"], ["1"]) == [-3.0] and scorer.failures == 1

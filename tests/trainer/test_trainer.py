@@ -95,9 +95,13 @@ def test_each_builtin_mask_trains(mask, tmp_path, tiny_model_dir, arithmetic_jso
         assert silenced > 0.0, f"{mask} silenced nothing with tau_p = 0.05 on a random policy"
 
 
-def test_a_user_mask_instance_overrides_the_config(tmp_path, tiny_model_dir, arithmetic_jsonl, isolated_process_group):
+def test_a_user_mask_instance_overrides_the_config(tmp_path, tiny_model_dir, arithmetic_jsonl, isolated_process_group,
+                                                  monkeypatch):
     from stapo import STAPOTrainer
     from stapo.losses import TokenMask, TokenStats, register_mask
+    from stapo.losses import masks as masks_module
+
+    monkeypatch.setattr(masks_module, "_REGISTRY", dict(masks_module._REGISTRY))  # registered for this test only
 
     @register_mask("test_every_other_position")
     class EveryOther(TokenMask):

@@ -1,0 +1,72 @@
+"""The reward-mode registry: ``reward.mode`` name -> scorer builder (one registry per concept).
+
+Built in: ``math``, ``dapo``, ``dapo_boxed`` (the math verifier's modes, docs/rewards.md) and
+``function`` (``reward.function``, a user function run in killable workers). The config's
+``reward.mode`` choices, ``stapo eval --reward-mode`` and the trainer's scorer all come from
+here; ``@register_reward_mode("name")`` adds one::
+
+    @register_reward_mode("length")
+    def build_length_scorer(**options):      # options: see build_scorer
+        return CallableScorer(lambda response, answer: -len(response) / 1000)
+
+Register before the config is loaded (``stapo train --import my_rewards.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+from stapo.rewards.scorers import FunctionScorer, Scorer
+
+__all__ = ["REWARD_MODES", "available_reward_modes", "build_scorer", "register_reward_mode"]
+
+ScorerBuilder = Callable[..., Scorer]
+REWARD_MODES: dict[str, ScorerBuilder] = {}
+
+
+def register_reward_mode(name: str) -> Callable[[ScorerBuilder], ScorerBuilder]:
+    """Decorator: make ``builder(**options) -> Scorer`` available as ``reward.mode: name``."""
+
+    def register(builder: ScorerBuilder) -> ScorerBuilder:
+        if REWARD_MODES.get(name, builder) is not builder:
+            raise ValueError(f"reward mode {name!r} is already registered to {REWARD_MODES[name].__qualname__}")
+        REWARD_MODES[name] = builder
+        return builder
+
+    return register
+
+
+def available_reward_modes() -> list[str]:
+    return list(REWARD_MODES)
+
+
+def build_scorer(mode: str, *, timeout_s: float = 5.0, function: Optional[str] = None,
+                 function_batched: bool = False, failure_value: float = -1.0) -> Scorer:
+    """The scorer of ``mode``; ``function`` (a ``reward.function`` spec) is required by ``function``."""
+    if mode not in REWARD_MODES:
+        raise ValueError(f"unknown reward mode {mode!r}; available: {', '.join(REWARD_MODES)}")
+    return REWARD_MODES[mode](timeout_s=timeout_s, function=function, function_batched=function_batched,
+                              failure_value=failure_value)
+
+
+def _verifier_mode(name: str) -> ScorerBuilder:
+    def build(*, timeout_s: float = 5.0, **_) -> Scorer:
+        from stapo.rewards.verifier import MathVerifier
+
+        return MathVerifier(mode=name, timeout_s=timeout_s)
+
+    build.__qualname__ = f"MathVerifier(mode={name!r})"
+    return build
+
+
+for _name in ("math", "dapo", "dapo_boxed"):
+    register_reward_mode(_name)(_verifier_mode(_name))
+
+
+@register_reward_mode("function")
+def _function_mode(*, function: Optional[str] = None, function_batched: bool = False, timeout_s: float = 5.0,
+                   failure_value: float = -1.0, **_) -> Scorer:
+    if not function:
+        raise ValueError("reward.mode 'function' needs reward.function ('pkg.module:callable' or 'file.py:callable')")
+    return FunctionScorer(function, batched=function_batched, timeout_s=timeout_s, failure_value=failure_value)

@@ -1,0 +1,92 @@
+"""Algorithm 1 lines 4-5: sample G responses per prompt and score them.
+
+One place decides what the rewards of an iteration are:
+
+* the scorer (the math verifier, a ``reward.mode`` from the registry, or ``reward.function`` in
+  killable workers) gives ``scores``; the dataset row's extra columns reach it as ``row_fields``;
+* DAPO's soft overlong punishment (``reward.overlong_buffer``) is added: ``rewards = scores + penalty``
+  (docs/grpo_options.md); advantages are built from ``rewards``, accuracy from ``scores``;
+* with ``rollout.dynamic_sampling`` (DAPO's filter groups) groups whose rewards are all equal are
+  dropped and more prompts drawn (:mod:`stapo.trainer.dynamic_sampling`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from stapo.rewards import overlong_penalty
+from stapo.rollout import Rollout
+from stapo.trainer.dynamic_sampling import collect_informative
+
+
+@dataclass(frozen=True)
+class ScoredRollout:
+    """This rank's responses of one iteration with their rewards."""
+
+    rollout: Rollout
+    scores: torch.Tensor  # (B,) fp32, the scorer's (accuracy counts scores > 0)
+    rewards: torch.Tensor  # (B,) fp32, scores + overlong penalty: what the advantages see
+    sums: dict[str, float] = field(default_factory=dict)  # per-rank sums, reduced with the step's
+    sampling: dict[str, float] = field(default_factory=dict)  # dynamic-sampling metrics, already global
+
+
+@dataclass(frozen=True)
+class RewardShaping:
+    """Flat reward settings (built from ``reward.*`` / ``rollout.max_response_length``)."""
+
+    max_response_length: int
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    def penalty(self, rollout: Rollout) -> torch.Tensor:
+        """(B,) DAPO soft overlong punishment (0 everywhere when the buffer is 0)."""
+        return overlong_penalty(rollout.response_lengths, self.max_response_length, self.overlong_buffer,
+                                self.overlong_penalty)
+
+
+def score_rollout(scorer, rollout: Rollout, examples: Sequence, shaping: RewardShaping) -> ScoredRollout:
+    """Scores, shaped rewards and their sums for one generated batch (``examples``: its prompts)."""
+    g = rollout.group_size
+    row_fields = [dict(getattr(e, "fields", {}) or {}) for e in examples for _ in range(g)]
+    scores = torch.tensor(scorer(rollout.response_text, rollout.ground_truth, row_fields), dtype=torch.float32)
+    penalty = shaping.penalty(rollout)
+    sums = {"reward_failures": float(getattr(scorer, "failures", 0)), "overlong_penalty_sum": float(penalty.sum())}
+    return ScoredRollout(rollout, scores, scores + penalty, sums)
+
+
+def collect_scored_rollout(draw: Callable[[], list], generate: Callable[[list, int], Rollout], scorer,
+                           shaping: RewardShaping, timer, *, group_size: int, dynamic: bool = False,
+                           target_groups: int = 0, max_rounds: int = 1, multiple_of: int = 1,
+                           gather=None) -> ScoredRollout:
+    """One iteration's scored rollout; with ``dynamic`` only informative groups (see module doc).
+
+    ``draw()`` gives this rank's next prompts, ``generate(prompts, round)`` their responses (``round``
+    enters the sampling seed), ``timer`` the step's phase timer.
+    """
+    if not dynamic:
+        examples = draw()
+        with timer("rollout"):
+            rollout = generate(examples, 0)
+        with timer("reward"):
+            return score_rollout(scorer, rollout, examples, shaping)
+    failures = [0.0]
+
+    def timed_generate(examples, round_index):
+        with timer("rollout"):
+            return generate(examples, round_index)
+
+    def timed_score(rollout, examples):
+        with timer("reward"):
+            scored = score_rollout(scorer, rollout, examples, shaping)
+        failures[0] += scored.sums["reward_failures"]
+        return scored.rewards
+
+    kept = collect_informative(lambda _round: draw(), timed_generate, timed_score, group_size=group_size,
+                               target_groups=target_groups, max_rounds=max_rounds, multiple_of=multiple_of,
+                               **({"gather": gather} if gather is not None else {}))
+    penalty = shaping.penalty(kept.rollout)
+    sums = {"reward_failures": failures[0], "overlong_penalty_sum": float(penalty.sum())}
+    return ScoredRollout(kept.rollout, kept.rewards - penalty, kept.rewards, sums, kept.stats.metrics())
