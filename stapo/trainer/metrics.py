@@ -31,10 +31,13 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
   so far, cumulative)
 - ``time_rollout``, ``time_reward``, ``time_stats``, ``time_update``, ``time_sync``, ``time_step``
   (seconds), ``tokens_per_s``, ``sync_mb`` (MiB pushed into each rank's rollout engine by the weight sync)
+- ``tokens_per_s_rollout`` (generated tokens), ``tokens_per_s_stats`` (real tokens of the no-grad
+  passes), ``tokens_per_s_update`` (real tokens of the update), over all ranks
 
 Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean`` (eval steps only);
 ``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``);
-``entropy_bonus`` (``loss.entropy_coef`` x mean entropy of kept tokens, subtracted from the loss; only
+``mfu_stats``, ``mfu_update`` (model FLOPs utilization of the phase on a GPU whose peak is known,
+stapo.trainer.mfu; absent on CPU); ``entropy_bonus`` (``loss.entropy_coef`` x mean entropy of kept tokens, subtracted from the loss; only
 when ``loss.entropy_coef != 0``); with ``rollout.dynamic_sampling``: ``sampling_rounds``,
 ``groups_kept`` (informative groups trained on, all ranks), ``groups_dropped`` (all-equal-reward
 groups dropped), ``groups_surplus`` (informative groups generated beyond the batch),
@@ -68,9 +71,11 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "mismatch_logp_abs_mean", "mismatch_logp_abs_max", "mismatch_kl",
     "zero_std_group_frac", "skipped_updates", "skipped_steps",
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step", "sync_mb",
+    "tokens_per_s_rollout", "tokens_per_s_stats", "tokens_per_s_update",
     "tokens_per_s",
 )
-OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "kl", "entropy_bonus",
+OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "kl", "entropy_bonus", "mfu_stats",
+                                         "mfu_update",
                                          "sampling_rounds", "groups_kept", "groups_dropped", "groups_surplus",
                                          "sampling_capped")
 

@@ -14,6 +14,8 @@ import torch
 
 from stapo.losses import MaskResult, TokenStats
 from stapo.trainer.distributed import all_reduce_max, reduce_metrics
+from stapo.trainer.mfu import flops_per_token, phase_throughput
+from stapo.trainer.microbatch import row_lengths
 
 # Quantities that are already global (identical on every rank) before the reduction. (The loss is
 # not: each rank holds its share of Eq. 1's numerator over the global denominator.)
@@ -90,13 +92,37 @@ def mask_sums(stats: TokenStats, masked: MaskResult, probe: MaskResult) -> dict[
     }
 
 
+def token_counts(seqs, no_grad_passes: int = 0) -> dict[str, float]:
+    """Real tokens (prompt + response) of ``seqs``, their causal attention pairs (for the attention
+    FLOPs) and the tokens of ``no_grad_passes`` no-grad passes over them."""
+    lengths = row_lengths(seqs)
+    real = float(sum(lengths))
+    return {"real_tokens": real, "attn_pairs": float(sum(n * (n + 1) / 2 for n in lengths)),
+            "stats_tokens": real * no_grad_passes}
+
+
+def _throughput(s: dict, timer: PhaseTimer, model_config, peak_flops: float | None, world_size: int) -> dict:
+    """tokens/s per phase and, on a device of known peak, MFU of the stats pass and the update."""
+    if model_config is None:
+        return {}
+    fpt = flops_per_token(model_config, s["attn_pairs"] / max(s["real_tokens"], 1.0))
+
+    def seconds(phase):
+        return max(timer.seconds.get(phase, 0.0), 1e-9)
+
+    return {**phase_throughput("rollout", s["length_sum"], seconds("rollout"), fpt, None, False, world_size),
+            **phase_throughput("stats", s["stats_tokens"], seconds("stats"), fpt, peak_flops, False, world_size),
+            **phase_throughput("update", s["real_tokens"], seconds("update"), fpt, peak_flops, True, world_size)}
+
+
 def skipped_updates(sums: StepSums) -> int:
     """Mini-batch updates skipped this step (identical on every rank: the grad norm is global)."""
     return int(round(float(sums["minibatches"]) - float(sums["step_applied"])))
 
 
 def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_size: int, world_size: int,
-                 scored, sums: StepSums, timer: PhaseTimer, entropy_coef: float = 0.0) -> dict[str, float]:
+                 scored, sums: StepSums, timer: PhaseTimer, entropy_coef: float = 0.0, model_config=None,
+                 peak_flops: float | None = None) -> dict[str, float]:
     """The documented per-step metrics from plain values, reduced once across ranks. ``scored``: the
     iteration's :class:`~stapo.trainer.scored_rollout.ScoredRollout`."""
     rollout = scored.rollout
@@ -148,6 +174,7 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "time_step": step_time,
         "sync_mb": s["sync_mb"] / world_size,
         "tokens_per_s": (s["length_sum"] + s["prompt_tokens"]) / step_time,
+        **_throughput(s, timer, model_config, peak_flops, world_size),
         **optional,
     }
 

@@ -32,8 +32,9 @@ from stapo.trainer.metrics import MetricsLogger
 from stapo.trainer.recording import TokenRecorder
 from stapo.trainer.engine import current_lr
 from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout
+from stapo.trainer.mfu import device_peak_flops
 from stapo.trainer.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
-                                        skipped_updates, step_metrics)
+                                        skipped_updates, step_metrics, token_counts)
 from stapo.trainer.update import TrainBatch, policy_stats, update_minibatch
 from stapo.trainer.weight_sync import sync_weights
 
@@ -76,6 +77,7 @@ class STAPOTrainer:
         self.engine = build.build_deepspeed(build.load_policy(self.model_path, cfg), cfg, self.dist.world_size)
         self.model = self.engine.module
         self.reference = build.build_reference(cfg, self.model_path)  # None unless loss.kl_coef > 0
+        self.peak_flops = device_peak_flops(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
         self.rollout_engine = build.build_rollout_engine(cfg, self.model_path, self.tokenizer)
         self.mask = mask if mask is not None else build_mask(cfg.mask.name, **cfg.mask.params)
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
@@ -113,13 +115,15 @@ class STAPOTrainer:
         with timer("stats"):
             batch = self._train_batch(rollout, advantages)  # theta_old's logprobs and entropy (line 8)
         sums = StepSums()
-        for key, value in {**scored.sums, **mismatch_sums(batch.sampling_logprobs, batch.old_logprobs,
-                                                          batch.response_mask)}.items():
-            sums.add_value(key, value)  # rewards' and rollout-vs-trainer sums (docs/losses.md)
+        for key, value in {**scored.sums, **token_counts(rollout, no_grad_passes=1 + (self.reference is not None)),
+                           **mismatch_sums(batch.sampling_logprobs, batch.old_logprobs, batch.response_mask)}.items():
+            sums.add_value(key, value)  # rewards', token counts and rollout-vs-trainer sums
         for k, rows in enumerate(self._mini_batches(len(batch))):  # line 6
             mini = batch.rows(rows)
             with timer("stats"):
                 stats = self._mask_stats(mini, first=k == 0)  # line 8: p and H of the current policy
+            if k > 0 and cfg.mask.stats_source == "fresh":
+                sums.add_value("stats_tokens", token_counts(mini)["real_tokens"])
             masked = self.mask.apply(stats)  # lines 9-10: the S2T mask (or a baseline's)
             probe = self.spurious_probe.apply(stats)  # diagnostic: the S2T criterion, whatever the mask
             if k == 0:
@@ -135,7 +139,7 @@ class STAPOTrainer:
         return step_metrics(step=self.step_count, epoch=self.sampler.epoch, lr=current_lr(self.engine),
                             skipped_steps=self.skipped_steps, group_size=cfg.rollout.group_size,
                             world_size=self.dist.world_size, scored=scored, sums=sums, timer=timer,
-                            entropy_coef=cfg.loss.entropy_coef)
+                            entropy_coef=cfg.loss.entropy_coef, model_config=self.model.config, peak_flops=self.peak_flops)
 
     def _train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:
         """The iteration's rows, complete: theta_old's stats from the no-grad pass (and the reference

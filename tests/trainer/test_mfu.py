@@ -86,3 +86,25 @@ def test_phase_throughput_keys_and_values():
     assert phase_throughput("rollout", 300, 3.0, 1.0, None, backward=False) == {"tokens_per_s_rollout": 100.0}
     with pytest.raises(ValueError, match="seconds > 0"):
         phase_throughput("update", 10, 0.0, 1.0, None, backward=True)
+
+
+def test_step_metrics_throughput_by_hand():
+    # 2 ranks together processed 3,000 real tokens in the update in 2 s and 6,000 no-grad tokens in
+    # 1 s; a made-up peak of 1e12 FLOP/s per device and a config of known FLOPs per token.
+    from transformers import Qwen3Config
+
+    from stapo.trainer.mfu import flops_per_token
+    from stapo.trainer.step_metrics import PhaseTimer, _throughput
+
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    timer = PhaseTimer()
+    timer.seconds.update({"rollout": 4.0, "stats": 1.0, "update": 2.0})
+    sums = {"real_tokens": 3000.0, "attn_pairs": 3000.0 * 50.0, "stats_tokens": 6000.0, "length_sum": 2000.0}
+    out = _throughput(sums, timer, config, 1e12, world_size=2)
+    fpt = flops_per_token(config, 50.0)  # mean context: pairs / tokens = 50
+    assert out["tokens_per_s_rollout"] == 500.0 and out["tokens_per_s_stats"] == 6000.0
+    assert out["tokens_per_s_update"] == 1500.0 and "mfu_rollout" not in out
+    assert out["mfu_stats"] == pytest.approx(6000 * fpt / (1.0 * 1e12 * 2))
+    assert out["mfu_update"] == pytest.approx(3 * 3000 * fpt / (2.0 * 1e12 * 2))  # forward + backward = 3x
+    assert "mfu_update" not in _throughput(sums, timer, config, None, world_size=2)  # CPU: absent, not 0

@@ -83,6 +83,7 @@ def test_each_builtin_mask_trains(mask, tmp_path, tiny_model_dir, arithmetic_jso
         no_tau_h = mask in ("none", "prob_only")
         assert math.isnan(row["mask_tau_h"]) == no_tau_h
         assert row["probe_tau_h"] > 0.0
+        assert "mfu_update" not in row and row["tokens_per_s_update"] > 0  # CPU: no peak, no MFU
         bad = {k: row[k] for k in STEP_METRIC_KEYS if not math.isfinite(row[k]) and k != "mask_tau_h"}
         assert not bad, f"non-finite metrics: {bad}"
         assert 0.0 <= row["silenced_frac"] <= 1.0 and row["keep_frac"] == pytest.approx(1 - row["silenced_frac"])
