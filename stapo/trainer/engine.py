@@ -1,23 +1,14 @@
-"""DeepSpeed engine: AdamW, warm-up-then-constant lr, global-norm clipping, exact gradient sums.
+"""DeepSpeed engine: AdamW, warm-up-then-constant lr, global-norm clipping (ZeRO 0-3, one node tuned).
 
-Gradient convention (docs/algorithm.md, "Why the update is exact"). The trainer's per-micro-batch losses are already
-normalized by a GLOBAL count (kept tokens of the whole mini-batch on all ranks), so the gradient
-we want is the plain sum ``Σ_ranks Σ_micro ∇loss``. DeepSpeed by default divides each backward by
-``gradient_accumulation_steps`` (``engine.backward(scale_wrt_gas=True)``) and ZeRO's
-reduce-scatter *averages* over the data-parallel ranks. :func:`backward_sum` undoes both: it
-multiplies the loss by the data-parallel world size and turns the accumulation scaling off.
-
-Usage per mini-batch (any number of micro-batches, e.g. from a token budget)::
-
-    acc = GradientAccumulation(engine, len(micro_batches))
-    for micro in micro_batches:
-        acc.backward(loss_fn(micro))
-    result = acc.step()   # StepResult(applied, grad_norm)
+Gradients are accumulated exactly (a plain sum over micro-batches and ranks, as Eq. 1's global
+normalizer requires) by :mod:`stapo.trainer.accumulation`; the frozen reference policy of the KL
+term is :func:`build_reference`.
 
 Non-finite gradients: ZeRO-3 computes the global grad norm over the partitioned fp32 grads
 (one all-reduce) before stepping; an inf/NaN norm marks the step as overflow in bf16 and fp32
 too (not only fp16), zeroes the grads and skips the optimizer *and* the lr scheduler. We read that
-as ``StepResult.applied=False`` (see ``tests/trainer/test_distributed_engine.py``).
+as ``StepResult.applied=False`` (:mod:`stapo.trainer.accumulation`; see
+``tests/trainer/test_distributed_engine.py``).
 
 Launch: ``deepspeed --num_gpus N train.py`` / ``torchrun`` / ``accelerate launch`` (see
 :mod:`stapo.trainer.distributed`).
@@ -33,14 +24,6 @@ from typing import Any
 import torch
 
 from stapo.trainer.distributed import get_world_size
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """Outcome of one optimizer step: ``grad_norm`` is the global norm *before* clipping."""
-
-    applied: bool
-    grad_norm: float
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
@@ -255,82 +238,6 @@ class GuardedAdamW(torch.optim.AdamW):
 def _optimizer_class(zero_stage: int, bf16: bool) -> type[torch.optim.Optimizer]:
     """ZeRO-3 (and bf16, which DeepSpeed wraps) check overflow themselves; plain fp32 stage 0 needs the guard."""
     return GuardedAdamW if zero_stage == 0 and not bf16 else torch.optim.AdamW
-
-
-def _dp_world_size(engine) -> int:
-    return int(getattr(engine, "dp_world_size", None) or get_world_size())
-
-
-def backward_sum(engine, loss: torch.Tensor, *, last: bool) -> None:
-    """Accumulate ``∇loss`` so that the step sees exactly ``Σ_ranks Σ_micro ∇loss``.
-
-    ``loss * dp_world_size`` cancels ZeRO's data-parallel averaging; ``scale_wrt_gas=False``
-    cancels the ``1/gradient_accumulation_steps`` factor. ``last`` marks the accumulation boundary
-    (DeepSpeed's manual boundary), so a mini-batch may have any number of micro-batches (token
-    budgets). Between micro-batches ``engine.step()`` only advances the micro-step counter; the
-    update itself is :func:`optimizer_step` after the last one. Prefer :class:`GradientAccumulation`,
-    which also checks the count.
-    """
-    if loss.dim() != 0:
-        raise ValueError(f"backward_sum expects a scalar loss, got shape {tuple(loss.shape)}")
-    if not loss.requires_grad:
-        # ZeRO-3 reduce-scatters inside backward: a rank that skips it deadlocks the others.
-        raise ValueError("backward_sum: loss does not require grad; keep it attached to the graph "
-                         "(e.g. 0 * surrogate for an empty keep-set) so every rank runs backward")
-    engine.set_gradient_accumulation_boundary(last)
-    engine.backward(loss * _dp_world_size(engine), scale_wrt_gas=False)
-    # ZeRO-3 switches from copying to ACCUMULATING micro-batch gradients when its micro_step_id
-    # advances, which DeepSpeed does at the start of ``engine.forward``. The trainer runs the
-    # decoder and the chunked lm_head directly (never materializing full logits), so advance it
-    # here; without this only the last micro-batch's gradient survives (tests/trainer/test_exactness.py).
-    if hasattr(engine.optimizer, "clear_backward_seen_flag"):
-        engine.optimizer.clear_backward_seen_flag()
-    if not last:
-        engine.step()  # not a boundary: only counts the micro-step
-
-
-def optimizer_step(engine) -> StepResult:
-    """Clip the global grad norm, step AdamW and the lr schedule; skip on non-finite grads.
-
-    Must follow the ``backward_sum(..., last=True)`` of a mini-batch. A skipped step leaves
-    weights, optimizer moments and the lr schedule unchanged and clears the gradients.
-    """
-    skipped_before = engine.skipped_steps
-    engine.step()
-    applied = engine.skipped_steps == skipped_before
-    norm = engine.get_global_grad_norm()  # DeepSpeed sets inf on a skipped step
-    norm = math.inf if not applied else (float(norm) if norm is not None else math.nan)
-    return StepResult(applied=applied, grad_norm=norm)
-
-
-class GradientAccumulation:
-    """One optimizer step over exactly ``num_micro_batches`` backwards (the mini-batch's plan).
-
-    Holds the count itself, so nothing is parked on the DeepSpeed engine::
-
-        acc = GradientAccumulation(engine, len(plan))
-        for micro in plan:
-            acc.backward(loss_of(micro))
-        result = acc.step()   # StepResult(applied, grad_norm)
-    """
-
-    def __init__(self, engine, num_micro_batches: int) -> None:
-        if num_micro_batches < 1:
-            raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
-        self.engine, self.total, self.done = engine, num_micro_batches, 0
-
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.done == self.total:
-            raise RuntimeError(f"backward called again after the last of {self.total} micro-batches; "
-                               "call step() first")
-        self.done += 1
-        backward_sum(self.engine, loss, last=self.done == self.total)
-
-    def step(self) -> StepResult:
-        if self.done != self.total:
-            raise RuntimeError(f"step called after {self.done} of {self.total} micro-batch backwards")
-        self.done = 0
-        return optimizer_step(self.engine)
 
 
 def current_lr(engine) -> float:

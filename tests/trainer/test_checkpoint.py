@@ -32,7 +32,7 @@ def _tokenizer():
 
 
 def _train_step(engine, rank, shift):
-    from stapo.trainer.engine import GradientAccumulation
+    from stapo.trainer.accumulation import GradientAccumulation
 
     ids = (IDS[rank : rank + 1] + shift) % 64
     accumulation = GradientAccumulation(engine, 1)

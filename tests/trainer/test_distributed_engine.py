@@ -43,7 +43,8 @@ def _weights(model):
 def _engine_worker(out_dir, **_):
     from _dist_utils import gather_full_grads
     from stapo.trainer.distributed import barrier, init_distributed, reduce_metrics
-    from stapo.trainer.engine import GradientAccumulation, build_engine, current_lr
+    from stapo.trainer.accumulation import GradientAccumulation
+    from stapo.trainer.engine import build_engine, current_lr
 
     info = init_distributed()
     with pytest.raises(ValueError, match="initial weights differ across ranks"):
@@ -169,7 +170,8 @@ def test_non_finite_loss_skips_the_step(two_ranks):
 def _single_process_worker(out_dir, **_):
     from stapo.trainer.distributed import init_distributed
     from _dist_utils import gather_full_grads
-    from stapo.trainer.engine import GradientAccumulation, backward_sum, build_engine
+    from stapo.trainer.accumulation import GradientAccumulation, backward_sum
+    from stapo.trainer.engine import build_engine
     from stapo.trainer.weight_sync import iter_weight_buckets
 
     info = init_distributed()

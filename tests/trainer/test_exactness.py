@@ -72,7 +72,8 @@ def _update_worker(out_dir, *, model_dir, batch, micro_batch_size, packing, max_
     from stapo.losses import TokenStats, build_mask
     from stapo.trainer.distributed import init_distributed
     from _dist_utils import gather_full_grads
-    from stapo.trainer.engine import GradientAccumulation, build_engine
+    from stapo.trainer.accumulation import GradientAccumulation
+    from stapo.trainer.engine import build_engine
     from stapo.trainer.update import TrainBatch, UpdateOptions, update_minibatch
 
     info = init_distributed()

@@ -1,0 +1,313 @@
+"""The sections of :class:`stapo.config.STAPOConfig`: one dataclass per pipeline stage.
+
+Every field carries a docstring (the string right below it): ``docs/configuration.md`` is generated
+from them (``python -m stapo.config_docs``). Defaults are the paper's (Table 6 / App. D) except
+where a docstring says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from stapo.data import PAPER_INSTRUCTION
+from stapo.losses.ops import DEFAULT_CHUNK_SIZE
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin:tiny"
+    """HF model directory or hub name of the policy; ``builtin:tiny`` builds the tiny Qwen3 demo model
+    (with its supervised warm start, see ``tiny``) offline and caches it."""
+    dtype: str = "auto"
+    """Training dtype: ``auto`` (bf16 on GPU, fp32 on CPU), ``bf16`` or ``fp32``."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (needed for long responses on large models)."""
+    trust_remote_code: bool = False
+    """Passed to transformers when loading the model and tokenizer."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel of the policy (transformers' ``attn_implementation``): ``sdpa`` (any device),
+    ``flex_attention`` or ``flash_attention_2`` (GPU; block-sparse over packed sequences instead of
+    sdpa's dense block-diagonal mask), ``eager``. Packed rows are exact with every one of them."""
+
+
+@dataclass
+class TinyConfig:
+    seed: int = 0
+    """Seed of the tiny model's random initialization and of its warm-start data."""
+    terms: int = 5
+    """Operands per problem of the synthetic arithmetic task (``builtin:arithmetic`` prompts and
+    the warm-start data): 5 gives four worked steps, ``7+5=12. 12-3=9. 9+8=17. 17-4=13.``"""
+    warm_start_steps: int = 600
+    """Supervised warm-start steps on the synthetic arithmetic task before RL (0 disables)."""
+    warm_start_lr: float = 3e-3
+    """Learning rate of the supervised warm start."""
+    warm_start_bare_fraction: float = 0.5
+    """Fraction of warm-start examples whose target is the bare answer (``\\boxed{17}``) instead of
+    the worked solution; RL then learns which form earns the reward (docs/demo.md)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin:arithmetic"
+    """Training prompts: an HF dataset name, a local .jsonl/.json/.parquet file, or
+    ``builtin:arithmetic`` (the synthetic task of the tiny demo)."""
+    preset: Union[str, None] = None
+    """Dataset preset that fixes the field mapping, e.g. ``dapo_math_17k``."""
+    split: str = "train"
+    """Dataset split to read."""
+    prompt_field: str = "prompt"
+    """Column holding the problem (a string or chat messages); dotted paths allowed."""
+    answer_field: str = "answer"
+    """Column holding the ground-truth answer; dotted paths allowed (``reward_model.ground_truth``)."""
+    instruction: str = PAPER_INSTRUCTION
+    """Instruction appended to each problem (paper §5.1)."""
+    max_prompt_length: int = 1024
+    """Prompts longer than this many tokens are dropped (the count is logged)."""
+    num_builtin_problems: int = 20000
+    """Number of synthetic problems when ``source`` is ``builtin:arithmetic``."""
+    eval_source: Union[str, None] = None
+    """Held-out prompts for periodic evaluation (same formats as ``source``); ``builtin:arithmetic``
+    draws a disjoint held-out set."""
+    eval_size: int = 200
+    """Number of held-out prompts evaluated (greedy decoding)."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "auto"
+    """Rollout engine from the registry (``stapo.rollout.registry``): ``hf`` (transformers, CPU or
+    GPU), ``vllm`` (colocated, GPU), a user-registered one, or ``auto`` (vLLM when a GPU and vllm are
+    available, else HF)."""
+    group_size: int = 8
+    """G: responses sampled per prompt (paper: 8)."""
+    temperature: float = 1.0
+    """Sampling temperature during training (paper: 1.0); token stats use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold during training (paper: 1.0)."""
+    top_k: int = -1
+    """Top-k sampling (-1 disables)."""
+    max_response_length: int = 15360
+    """Maximum generated tokens per response (paper: 15k)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take while awake (colocated with training)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor-parallel size; only 1 is supported (each rank runs its own engine on its own
+    prompts, see docs/gpu.md)."""
+    seed_per_request: bool = False
+    """vLLM: give every prompt its own seed (its samples depend only on the seed and the prompt)
+    instead of reseeding the engine once per rollout; slower (vLLM's per-request sampling path).
+    Either way a resumed run reseeds each step the same way (docs/gpu.md)."""
+    sync_bucket_mb: int = 256
+    """Size of the buckets in which ZeRO-3 shards are gathered and pushed into the engine."""
+    max_batch_size: int = 256
+    """HF engine: sequences decoded together."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling ("filter groups"): drop groups whose G rewards are all equal and
+    generate more prompts until the batch holds ``trainer.train_batch_size`` informative groups (off
+    in the paper: "not applied to any of the baselines"; docs/grpo_options.md)."""
+    max_sampling_rounds: int = 3
+    """Dynamic sampling: generation rounds per step at most; then the step trains on the informative
+    groups every rank could fill (a warning and the ``sampling_capped`` metric)."""
+
+
+@dataclass
+class RewardConfig:
+    mode: str = "math"
+    """Verifier: ``math`` (extraction + normalization + exact/symbolic equivalence), ``dapo`` (DAPO's
+    original verifier: last ``Answer:`` line, exact string match) or ``dapo_boxed`` (verl's later DAPO
+    verifier with a ``\\boxed{}`` fallback, the one that suits the paper's boxed prompt)."""
+    timeout_s: float = 5.0
+    """Hard wall-clock limit per answer for symbolic comparison (a timeout scores -1); for
+    ``reward.function``, per call (per item, or per batch when batched)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (Eq. 13), L_cache in tokens: responses longer than
+    ``rollout.max_response_length - overlong_buffer`` lose up to ``overlong_penalty``, linearly; 0 = off."""
+    overlong_penalty: float = 1.0
+    """Largest soft overlong penalty (reached at ``rollout.max_response_length``), added to the score."""
+    function: Union[str, None] = None
+    """User reward function, ``pkg.module:callable`` or ``path/to/file.py:callable``, run in killable
+    worker processes; it replaces the verifier (``reward.mode`` then reads ``function`` or stays ``math``)."""
+    function_batched: bool = False
+    """``reward.function`` takes the whole batch: ``(responses, ground_truths, **columns) -> list[float]``;
+    otherwise one call per item: ``(response, ground_truth, **fields) -> float``."""
+    failure_value: float = -1.0
+    """Reward of an item whose ``reward.function`` call raised, hung past ``timeout_s`` or crashed."""
+
+    @property
+    def scorer_mode(self) -> str:
+        """The registry mode that scores: ``function`` whenever ``reward.function`` is set."""
+        return "function" if self.function else self.mode
+
+
+@dataclass
+class MaskConfig:
+    name: str = "stapo"
+    """Token mask from the registry (``stapo masks`` lists them): ``stapo``, ``none``, ``entropy_top``,
+    ``prob_only``, ``high_entropy_low_prob`` or a user-registered one."""
+    params: dict = field(default_factory=dict)
+    """Keyword parameters of the mask, e.g. ``{tau_p: 0.002, entropy_quantile: 0.8}``; the mask's own
+    defaults apply to the ones left out. The paper's "tau_h = 20%" is ``entropy_quantile: 0.8``
+    (tau_h% = 1 - entropy_quantile)."""
+    stats_source: str = "fresh"
+    """Stats the mask sees for mini-batches after the first: ``fresh`` (a no-grad pass of the current
+    policy, exact per Algorithm 1 line 8) or ``old`` (reuse the rollout-time pass; cheaper approximation)."""
+
+
+@dataclass
+class LossConfig:
+    clip_low: float = 0.2
+    """epsilon_low of the clipped surrogate (ratio floor 1 - clip_low)."""
+    clip_high: float = 0.28
+    """epsilon_high of the clipped surrogate (clip-higher, ratio ceiling 1 + clip_high)."""
+    clip_c: Union[float, None] = None
+    """Dual-clip constant (> 1) for negative advantages; None disables (the default, as in the paper's
+    Eq. 1; verl enables it by default with ``clip_ratio_c = 3``)."""
+    agg: str = "token-mean"
+    """Loss aggregation: ``token-mean`` (paper Eq. 1, over kept tokens of the whole mini-batch),
+    ``seq-mean-token-mean`` (original GRPO) or ``seq-mean-token-sum-norm`` (Dr.GRPO)."""
+    advantage_scale: str = "group"
+    """``group``: divide by the group's reward std (Eq. 2); ``none``: Dr.GRPO's R - mean."""
+    advantage_eps: float = 1e-6
+    """Added to the group std in Eq. 2."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to a frozen reference policy (the initial weights, partitioned like
+    the policy under ZeRO-3; its logprobs come from the no-grad pass). 0 builds no reference model
+    (the paper: no KL). Logged as ``kl``."""
+    log_ratio_clamp: float = 20.0
+    """|log rho| is clamped to this before exponentiation (numerical safety only)."""
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Response tokens per chunk of the logprob/entropy op: peak extra memory is one
+    ``(chunk_size, vocab)`` fp32 buffer; the default is tuned in ``bench/token_stats.py``
+    (docs/losses.md)."""
+    tis_cap: Union[float, None] = None
+    """Truncated importance sampling: weight each token's surrogate by ``min(pi_old / pi_sampler, tis_cap)``
+    to correct the rollout engine's numerics (verl / Yao et al. 2025; docs/losses.md). None (the
+    paper) disables; 2 is usual."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: responses cut at ``rollout.max_response_length`` (finish reason
+    ``length``) leave the loss and its normalizer."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: ``loss -= entropy_coef * token-mean entropy of the kept tokens`` (PPO's entropy
+    term, verl's ``entropy_coeff``; the paper uses none)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """AdamW learning rate (paper: 1e-6)."""
+    warmup_steps: int = 10
+    """Linear warm-up over the first N iterations (rollout steps, counted in optimizer steps), then
+    constant (paper §5.1: 10)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.999
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (paper: 1.0)."""
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = "outputs/stapo"
+    """Where metrics, checkpoints, plots and the exported model go; nothing is written elsewhere."""
+    seed: int = 42
+    """Seed of data order, sampling and initialization."""
+    total_steps: int = 500
+    """Training iterations (rollout steps) of Algorithm 1."""
+    train_batch_size: int = 256
+    """Prompts per iteration, over all ranks (paper: 256)."""
+    mini_batch_size: int = 64
+    """Prompts per optimizer step, over all ranks (paper: 64, i.e. 4 updates per rollout)."""
+    micro_batch_size: int = 1
+    """Sequences per forward/backward on one rank (gradient accumulation; paper: 1); used when
+    ``max_tokens_per_micro_batch`` is 0."""
+    packing: bool = True
+    """Pack each micro-batch's sequences into one padding-free row (per-sequence positions, attention
+    that never crosses sequences) for the no-grad stats pass and the update; exact (equal to the
+    padded path up to float rounding). ``false``: pad rows to the longest."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget (prompt + response tokens) of one update micro-batch on one rank; rows are placed
+    by length so micro-batches are balanced and every rank runs the same number. 0: count rows with
+    ``micro_batch_size`` instead."""
+    max_tokens_per_stats_micro_batch: int = 0
+    """Token budget of the no-grad stats pass (it holds no activations for backward, so it can take
+    more); 0: twice ``max_tokens_per_micro_batch`` (or ``micro_batch_size`` rows when that is 0)."""
+    zero_stage: int = 3
+    """DeepSpeed ZeRO stage."""
+    offload: bool = False
+    """Offload the optimizer state (and its step, DeepSpeedCPUAdam) to CPU (ZeRO-Offload); parameters
+    stay on the accelerator."""
+    save_every: int = 50
+    """Checkpoint every N iterations (and at the end); 0 saves only at the end."""
+    keep_last: int = 3
+    """Number of complete checkpoints kept."""
+    resume: str = "auto"
+    """``auto`` (continue the last checkpoint in output_dir), ``never``, or a checkpoint path. A run
+    that starts from scratch moves an earlier run's files to ``output_dir/previous_runs/``."""
+    max_consecutive_skips: int = 5
+    """Abort after this many consecutive steps skipped for a non-finite loss or grad norm."""
+    eval_every: int = 0
+    """Evaluate on the held-out set every N iterations (0: only before and after training)."""
+    export_hf: bool = True
+    """Write the final policy as a plain HF directory ``output_dir/final``."""
+
+
+@dataclass
+class ZeroConfig:
+    """DeepSpeed ZeRO communication settings, tuned for one node (docs/distributed.md, "ZeRO-3 on one
+    node"). DeepSpeed's own defaults are in parentheses; stage-3 keys apply only when
+    ``trainer.zero_stage`` is 3, the bucket/overlap keys at stages 1-3."""
+
+    param_persistence_threshold: int = 1_000_000
+    """Parameters with fewer elements stay whole on every rank (DeepSpeed: 1e5). Below ~1M elements
+    (2 MB in bf16) an all-gather is latency-bound: launch and hook time, not bandwidth, and it would be
+    paid twice per micro-batch (forward and backward). 1M keeps every norm and bias of every Qwen3 size
+    whole (their replicas are < 0.1% of the weights) and still partitions every projection matrix
+    (the smallest, Qwen3-0.6B's k/v, has 1,048,576)."""
+    prefetch_bucket_size: int = 200_000_000
+    """Elements all-gathered ahead of use (DeepSpeed: 5e7). 2e8 (400 MB in bf16) is about two decoder
+    layers of Qwen3-4B, one of Qwen3-8B, four of Qwen3-1.7B: the next layer's gather overlaps the current
+    layer's compute. 0 disables prefetching."""
+    max_live_parameters: int = 1_000_000_000
+    """Gathered elements a rank may hold before it releases some (DeepSpeed: 1e9, 2 GB in bf16): well
+    above the prefetch bucket so prefetching never stalls on releases; lower it only when activations
+    run out of memory. Must be >= ``prefetch_bucket_size``."""
+    max_reuse_distance: int = 1_000_000_000
+    """A parameter used again within this many elements is kept instead of released and re-gathered
+    (DeepSpeed: 1e9): the backward starts with the layers the forward just used, so with this default the
+    last layers are not gathered twice at the forward/backward turn."""
+    reduce_bucket_size: int = 100_000_000
+    """Gradient elements reduce-scattered together (DeepSpeed: 5e8). 1e8 (200 MB in bf16) is still far
+    above the ~10 MB where an NVLink collective becomes bandwidth-bound, while the first bucket is ready
+    after about two layers of Qwen3-1.7B's backward (DeepSpeed's 5e8 waits for half of its backward), so
+    with ``overlap_comm`` the reduction runs under the remaining backward."""
+    overlap_comm: bool = True
+    """Reduce gradients on a side stream while the backward continues (DeepSpeed: true at stage 3, false
+    at stages 1-2)."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (no fragmentation over many
+    micro-batches; DeepSpeed: true)."""
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    """Write TensorBoard scalars to ``output_dir/tensorboard``."""
+    wandb_project: Union[str, None] = None
+    """Log to this Weights & Biases project (needs wandb installed)."""
+    log_samples_every: int = 10
+    """Log a few sample completions (silenced tokens highlighted) every N iterations (0: never)."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    plot: bool = True
+    """Write ``output_dir/curves.png`` at the end of training."""
+
+
+@dataclass
+class InspectConfig:
+    record_every: int = 0
+    """Record per-token statistics of the first mini-batch every N iterations for ``stapo inspect``
+    (0: off)."""

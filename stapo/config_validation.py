@@ -1,0 +1,118 @@
+"""Value checks of a :class:`stapo.config.STAPOConfig` with messages that name the field.
+
+Types and unknown keys are checked while loading (``stapo.config_loading``); this module checks
+values and their relations (batch sizes that divide, the registries' names, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from stapo.config_loading import ConfigError
+from stapo.rewards.modes import REWARD_MODES
+from stapo.rewards.user_function import parse_function_spec
+
+if TYPE_CHECKING:
+    from stapo.config import STAPOConfig
+
+_CHOICES = {
+    "model.dtype": ("auto", "bf16", "fp32"),
+    "mask.stats_source": ("fresh", "old"),
+    "reward.mode": REWARD_MODES,  # the registry itself: modes registered later are valid too
+    "loss.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "loss.advantage_scale": ("group", "none"),
+    "trainer.zero_stage": (0, 1, 2, 3),
+}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: STAPOConfig) -> None:
+    """Value checks with messages that name the field (docs/configuration.md)."""
+    for dotted, choices in _CHOICES.items():
+        section, name = dotted.split(".")
+        value = getattr(getattr(cfg, section), name)
+        _check(value in choices, f"{dotted} must be one of {list(choices)}, got {value!r}")
+    r, t, lo, op = cfg.rollout, cfg.trainer, cfg.loss, cfg.optim
+    _check(r.group_size >= 2, f"rollout.group_size (G) must be >= 2 for group advantages, got {r.group_size}")
+    _check(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
+    _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    _check(r.max_response_length >= 1, f"rollout.max_response_length must be >= 1, got {r.max_response_length}")
+    _check(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization must be in (0, 1]")
+    _check(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb must be >= 1")
+    _check(op.lr > 0, f"optim.lr must be > 0, got {op.lr}")
+    _check(op.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {op.warmup_steps}")
+    _check(op.grad_clip > 0, f"optim.grad_clip must be > 0, got {op.grad_clip}")
+    _check(op.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {op.weight_decay}")
+    _check(0 <= lo.clip_low < 1, f"loss.clip_low (epsilon_low) must be in [0, 1), got {lo.clip_low}")
+    _check(lo.clip_high >= 0, f"loss.clip_high (epsilon_high) must be >= 0, got {lo.clip_high}")
+    _check(lo.clip_c is None or lo.clip_c > 1, f"loss.clip_c (dual clip) must be > 1 or null, got {lo.clip_c}")
+    _check(lo.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {lo.kl_coef}")
+    _check(lo.advantage_eps >= 0, f"loss.advantage_eps must be >= 0, got {lo.advantage_eps}")
+    _check(t.total_steps >= 1, f"trainer.total_steps must be >= 1, got {t.total_steps}")
+    _check(t.train_batch_size >= 1, f"trainer.train_batch_size must be >= 1, got {t.train_batch_size}")
+    _check(t.mini_batch_size >= 1, f"trainer.mini_batch_size must be >= 1, got {t.mini_batch_size}")
+    _check(t.train_batch_size % t.mini_batch_size == 0,
+           f"trainer.mini_batch_size ({t.mini_batch_size}) must divide trainer.train_batch_size "
+           f"({t.train_batch_size})")
+    _check(t.micro_batch_size >= 1, f"trainer.micro_batch_size must be >= 1, got {t.micro_batch_size}")
+    for name in ("max_tokens_per_micro_batch", "max_tokens_per_stats_micro_batch"):
+        _check(getattr(t, name) >= 0, f"trainer.{name} must be >= 0 (0: count rows), got {getattr(t, name)}")
+    _check(cfg.model.attn_implementation in ("sdpa", "eager", "flex_attention", "flash_attention_2",
+                                             "flash_attention_3"),
+           f"model.attn_implementation must be sdpa, eager, flex_attention, flash_attention_2 or "
+           f"flash_attention_3, got {cfg.model.attn_implementation!r}")
+    _check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
+    _check(t.save_every >= 0, "trainer.save_every must be >= 0")
+    _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips must be >= 1")
+    _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length must be >= 1")
+    _check(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0, got {cfg.reward.timeout_s}")
+    _check(cfg.tiny.warm_start_steps >= 0, "tiny.warm_start_steps must be >= 0")
+    _check(cfg.tiny.terms >= 2, f"tiny.terms must be >= 2, got {cfg.tiny.terms}")
+    _check(0.0 <= cfg.tiny.warm_start_bare_fraction < 1.0,
+           f"tiny.warm_start_bare_fraction must be in [0, 1), got {cfg.tiny.warm_start_bare_fraction}")
+    z = cfg.zero
+    for name in ("param_persistence_threshold", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance"):
+        _check(getattr(z, name) >= 0, f"zero.{name} must be >= 0, got {getattr(z, name)}")
+    _check(z.reduce_bucket_size >= 1, f"zero.reduce_bucket_size must be >= 1, got {z.reduce_bucket_size}")
+    _check(z.max_live_parameters >= z.prefetch_bucket_size,
+           f"zero.max_live_parameters ({z.max_live_parameters}) must be >= zero.prefetch_bucket_size "
+           f"({z.prefetch_bucket_size}): prefetched parameters count as live")
+    _check(lo.chunk_size >= 1, f"loss.chunk_size must be >= 1, got {lo.chunk_size}")
+    from stapo.rollout.registry import engine_choices  # the live registry: user-registered engines count
+    _check(r.engine in engine_choices(), f"rollout.engine must be one of {list(engine_choices())}, got {r.engine!r}")
+    _check(r.tensor_parallel_size == 1,
+           f"rollout.tensor_parallel_size must be 1, got {r.tensor_parallel_size}: every rank samples its own "
+           "prompts with its own engine, while vLLM tensor parallelism needs all ranks of a group to pass the "
+           "same prompts. Use data parallelism instead (more ranks: torchrun --nproc_per_node N), a smaller "
+           "model, or lower rollout.gpu_memory_utilization / rollout.max_response_length (docs/gpu.md)")
+    _check(lo.tis_cap is None or lo.tis_cap > 0,
+           f"loss.tis_cap (truncated importance sampling cap) must be > 0 or null, got {lo.tis_cap} "
+           "(values >= 1 are usual: 2 in verl)")
+    rw = cfg.reward
+    _check(r.max_sampling_rounds >= 1, f"rollout.max_sampling_rounds must be >= 1, got {r.max_sampling_rounds}")
+    _check(0 <= rw.overlong_buffer <= r.max_response_length,
+           f"reward.overlong_buffer must be in [0, rollout.max_response_length={r.max_response_length}], "
+           f"got {rw.overlong_buffer}")
+    _check(rw.overlong_penalty >= 0, f"reward.overlong_penalty must be >= 0, got {rw.overlong_penalty}")
+    _check(math.isfinite(rw.failure_value), f"reward.failure_value must be finite, got {rw.failure_value}")
+    _check(rw.mode != "function" or bool(rw.function),
+           "reward.mode 'function' needs reward.function ('pkg.module:callable' or 'path/to/file.py:callable')")
+    _check(not rw.function or rw.mode in ("math", "function"),
+           f"reward.function replaces the verifier: leave reward.mode at 'math' or set 'function', got {rw.mode!r}")
+    spec_error = _spec_error(rw.function) if rw.function else None
+    _check(spec_error is None, str(spec_error))
+    _check(math.isfinite(lo.entropy_coef), f"loss.entropy_coef must be finite, got {lo.entropy_coef}")
+
+
+def _spec_error(spec: str) -> str | None:
+    """Why ``reward.function`` is malformed, or None (the file itself is checked when scoring starts)."""
+    try:
+        parse_function_spec(spec, check_file=False)
+    except ValueError as exc:
+        return str(exc)
+    return None
