@@ -17,24 +17,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Optional
 
+from stapo.registry import Registry
 from stapo.rewards.scorers import FunctionScorer, Scorer
 
 __all__ = ["REWARD_MODES", "available_reward_modes", "build_scorer", "register_reward_mode"]
 
 ScorerBuilder = Callable[..., Scorer]
-REWARD_MODES: dict[str, ScorerBuilder] = {}
+REWARD_MODES: Registry = Registry("reward mode")
 
 
 def register_reward_mode(name: str) -> Callable[[ScorerBuilder], ScorerBuilder]:
     """Decorator: make ``builder(**options) -> Scorer`` available as ``reward.mode: name``."""
-
-    def register(builder: ScorerBuilder) -> ScorerBuilder:
-        if REWARD_MODES.get(name, builder) is not builder:
-            raise ValueError(f"reward mode {name!r} is already registered to {REWARD_MODES[name].__qualname__}")
-        REWARD_MODES[name] = builder
-        return builder
-
-    return register
+    return REWARD_MODES.register(name)
 
 
 def available_reward_modes() -> list[str]:
@@ -44,10 +38,9 @@ def available_reward_modes() -> list[str]:
 def build_scorer(mode: str, *, timeout_s: float = 5.0, function: Optional[str] = None,
                  function_batched: bool = False, failure_value: float = -1.0) -> Scorer:
     """The scorer of ``mode``; ``function`` (a ``reward.function`` spec) is required by ``function``."""
-    if mode not in REWARD_MODES:
-        raise ValueError(f"unknown reward mode {mode!r}; available: {', '.join(REWARD_MODES)}")
-    return REWARD_MODES[mode](timeout_s=timeout_s, function=function, function_batched=function_batched,
-                              failure_value=failure_value)
+    builder = REWARD_MODES.lookup(mode, list(REWARD_MODES))
+    return builder(timeout_s=timeout_s, function=function, function_batched=function_batched,
+                   failure_value=failure_value)
 
 
 def _verifier_mode(name: str) -> ScorerBuilder:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from stapo.registry import Registry
 from stapo.rollout.engine import RolloutEngine
 
 __all__ = ["AUTO", "EngineOptions", "available_engines", "build_engine", "engine_choices", "register_engine",
@@ -42,21 +43,12 @@ class EngineOptions:
 
 
 EngineFactory = Callable[[str, object, EngineOptions], RolloutEngine]
-_ENGINES: dict[str, EngineFactory] = {}
+_ENGINES: Registry = Registry("rollout engine")
 
 
 def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
     """Decorator: register ``factory(model_path, tokenizer, opts) -> RolloutEngine`` under ``name``."""
-    if not isinstance(name, str) or not name or name == AUTO:
-        raise ValueError(f"engine name must be a non-empty string other than {AUTO!r}, got {name!r}")
-
-    def decorate(factory: EngineFactory) -> EngineFactory:
-        if name in _ENGINES and _ENGINES[name] is not factory:
-            raise ValueError(f"rollout engine {name!r} is already registered")
-        _ENGINES[name] = factory
-        return factory
-
-    return decorate
+    return _ENGINES.register(name, reserved=(AUTO,))
 
 
 def available_engines() -> list[str]:
@@ -77,8 +69,7 @@ def resolve_engine(name: str) -> str:
     """``auto`` -> ``vllm`` (GPU + vllm) or ``hf``; any other name is checked against the registry."""
     if name == AUTO:
         return "vllm" if "vllm" in _ENGINES and vllm_available() else "hf"
-    if name not in _ENGINES:
-        raise ValueError(f"unknown rollout engine {name!r}; choose one of {list(engine_choices())}")
+    _ENGINES.lookup(name, engine_choices())
     return name
 
 

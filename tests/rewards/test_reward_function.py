@@ -171,7 +171,7 @@ def test_registry_builds_every_mode_and_lists_them(reward_file):
         assert fn_scorer.score(["1"], ["1"]) == [1.0]
     with pytest.raises(ValueError, match="needs reward.function"):
         build_scorer("function")
-    with pytest.raises(ValueError, match="available: math, dapo, dapo_boxed, function"):
+    with pytest.raises(ValueError, match=r"choose one of \['math', 'dapo', 'dapo_boxed', 'function'\]"):
         build_scorer("bogus")
 
 

@@ -34,7 +34,7 @@ def test_vllm_without_a_gpu_is_a_clear_error(monkeypatch):
 
 
 def test_user_engine_registers_once_and_becomes_a_config_choice(monkeypatch):
-    monkeypatch.setattr(registry, "_ENGINES", dict(registry._ENGINES))  # leave the real table alone
+    monkeypatch.setattr(registry, "_ENGINES", registry._ENGINES.copy())  # leave the real table alone
     seen = {}
 
     @register_engine("echo")
@@ -64,7 +64,7 @@ def test_config_rejects_unknown_engine_tp_and_bad_tis_cap():
 def test_trainer_builds_its_engine_through_the_registry(monkeypatch):
     from stapo.trainer.components import build_rollout_engine
 
-    monkeypatch.setattr(registry, "_ENGINES", dict(registry._ENGINES))
+    monkeypatch.setattr(registry, "_ENGINES", registry._ENGINES.copy())
     got = {}
     registry._ENGINES["vllm"] = lambda path, tok, opts: got.setdefault("opts", opts)
     cfg = STAPOConfig.from_dict({}, ["rollout.engine=vllm", "rollout.seed_per_request=true", "trainer.seed=5",
