@@ -7,14 +7,9 @@ values and their relations (batch sizes that divide, the registries' names, ...)
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 from stapo.config_loading import ConfigError
 from stapo.rewards.modes import REWARD_MODES
 from stapo.rewards.user_function import parse_function_spec
-
-if TYPE_CHECKING:
-    from stapo.config import STAPOConfig
 
 _CHOICES = {
     "model.dtype": ("auto", "bf16", "fp32"),
@@ -31,8 +26,8 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: STAPOConfig) -> None:
-    """Value checks with messages that name the field (docs/configuration.md)."""
+def validate(cfg) -> None:
+    """Value checks of ``cfg`` (a ``STAPOConfig``) with messages that name the field (docs/configuration.md)."""
     for dotted, choices in _CHOICES.items():
         section, name = dotted.split(".")
         value = getattr(getattr(cfg, section), name)
