@@ -50,7 +50,7 @@ class RewardShaping:
 def score_rollout(scorer, rollout: Rollout, examples: Sequence, shaping: RewardShaping) -> ScoredRollout:
     """Scores, shaped rewards and their sums for one generated batch (``examples``: its prompts)."""
     g = rollout.group_size
-    row_fields = [dict(getattr(e, "fields", {}) or {}) for e in examples for _ in range(g)]
+    row_fields = [dict(e.fields) for e in examples for _ in range(g)]  # extra dataset columns, per row
     scores = torch.tensor(scorer(rollout.response_text, rollout.ground_truth, row_fields), dtype=torch.float32)
     penalty = shaping.penalty(rollout)
     sums = {"reward_failures": float(getattr(scorer, "failures", 0)), "overlong_penalty_sum": float(penalty.sum())}
@@ -60,11 +60,12 @@ def score_rollout(scorer, rollout: Rollout, examples: Sequence, shaping: RewardS
 def collect_scored_rollout(draw: Callable[[], list], generate: Callable[[list, int], Rollout], scorer,
                            shaping: RewardShaping, timer, *, group_size: int, dynamic: bool = False,
                            target_groups: int = 0, max_rounds: int = 1, multiple_of: int = 1,
-                           gather=None) -> ScoredRollout:
+                           gather: Callable[[object], list] = lambda value: [value]) -> ScoredRollout:
     """One iteration's scored rollout; with ``dynamic`` only informative groups (see module doc).
 
     ``draw()`` gives this rank's next prompts, ``generate(prompts, round)`` their responses (``round``
-    enters the sampling seed), ``timer`` the step's phase timer.
+    enters the sampling seed), ``timer`` the step's phase timer, ``gather`` an all-gather of a small
+    value over ranks (ranks agree on the dynamic-sampling rounds).
     """
     if not dynamic:
         examples = draw()
@@ -85,8 +86,8 @@ def collect_scored_rollout(draw: Callable[[], list], generate: Callable[[list, i
         return scored.rewards
 
     kept = collect_informative(lambda _round: draw(), timed_generate, timed_score, group_size=group_size,
-                               target_groups=target_groups, max_rounds=max_rounds, multiple_of=multiple_of,
-                               **({"gather": gather} if gather is not None else {}))
+                               target_groups=target_groups, max_rounds=max_rounds, gather=gather,
+                               multiple_of=multiple_of)
     penalty = shaping.penalty(kept.rollout)
     sums = {"reward_failures": failures[0], "overlong_penalty_sum": float(penalty.sum())}
     return ScoredRollout(kept.rollout, kept.rewards - penalty, kept.rewards, sums, kept.stats.metrics())
