@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import socket
 import statistics
-import subprocess
-import sys
 import time
+
+from _cpu_ranks import launch_cpu_ranks  # bench/ is on sys.path
 
 MiB = 2**20
 # Two ~47M-parameter shapes (tied 32k embedding). "deep" has an LLM-like tensor count (222;
@@ -123,24 +121,9 @@ def worker(methods: list[str], reps: int, shape: str, interleave: bool) -> None:
 
 def _launch(methods: list[str], reps: int, shape: str, world_size: int,
             interleave: bool = False) -> list[dict]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
-        cmd = [sys.executable, __file__, "--worker", ",".join(methods), "--reps", str(reps),
-               "--shape", shape] + (["--interleave"] if interleave else [])
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    outputs = [p.communicate(timeout=900) for p in procs]
-    for p, (_, err) in zip(procs, outputs):
-        if p.returncode != 0:
-            raise RuntimeError(f"worker for {methods} failed:\n{err[-3000:]}")
-    lines = [l for l in outputs[0][0].splitlines() if l.startswith("RESULT ")]
-    return [json.loads(line[len("RESULT "):]) for line in lines]
+    args = ["--worker", ",".join(methods), "--reps", str(reps), "--shape", shape] + (
+        ["--interleave"] if interleave else [])
+    return launch_cpu_ranks(__file__, args, world_size, timeout=900, what=f"weight_sync {methods}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
+
+from _cpu_ranks import launch_cpu_ranks  # bench/ is on sys.path
 
 SHAPES = {
     "qwen3_0p6b_4layers": dict(vocab_size=384, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
@@ -109,22 +107,8 @@ def worker(shape: str, steps: int, micro: int, tokens: int) -> None:
 
 
 def _launch(shape: str, steps: int, micro: int, tokens: int, world_size: int) -> list[dict]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
-        cmd = [sys.executable, __file__, "--worker", "--shape", shape, "--steps", str(steps),
-               "--micro", str(micro), "--tokens", str(tokens)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=1800) for p in procs]
-    for p, (_, err) in zip(procs, outputs):
-        if p.returncode != 0:
-            raise RuntimeError(f"zero_tuning worker failed:\n{err[-3000:]}")
-    return [json.loads(line[len("RESULT "):]) for line in outputs[0][0].splitlines() if line.startswith("RESULT ")]
+    args = ["--worker", "--shape", shape, "--steps", str(steps), "--micro", str(micro), "--tokens", str(tokens)]
+    return launch_cpu_ranks(__file__, args, world_size, timeout=1800, what="zero_tuning")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _batches import ragged_rows
 from _dist_utils import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -35,18 +36,10 @@ def _make_batch(model_dir) -> dict:
     from stapo.losses import group_advantages
     from stapo.trainer.policy import PolicyInputs, response_token_stats
 
-    g = torch.Generator().manual_seed(0)
-    prompt_lens, resp_lens = [3, 5, 4, 6, 2, 5, 3, 4], [7, 2, 9, 5, 10, 1, 6, 8]
-    lp, lt = max(prompt_lens), max(resp_lens)
-    prompt_ids = torch.zeros(ROWS, lp, dtype=torch.long)
-    prompt_mask = torch.zeros(ROWS, lp, dtype=torch.bool)
-    response_ids = torch.zeros(ROWS, lt, dtype=torch.long)
-    response_mask = torch.zeros(ROWS, lt, dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompt_lens, resp_lens)):
-        prompt_ids[i, lp - p:] = torch.randint(5, 300, (p,), generator=g)
-        prompt_mask[i, lp - p:] = True
-        response_ids[i, :r] = torch.randint(5, 300, (r,), generator=g)
-        response_mask[i, :r] = True
+    prompt_ids, prompt_mask, response_ids, response_mask = ragged_rows(
+        [3, 5, 4, 6, 2, 5, 3, 4], [7, 2, 9, 5, 10, 1, 6, 8], seed=0)
+    lt = response_ids.shape[1]
+    g = torch.Generator().manual_seed(1)
     rewards = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, 1.0, -1.0, -1.0])
     advantages = group_advantages(rewards, G)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()

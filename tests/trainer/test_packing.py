@@ -9,23 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _batches import ragged_rows
 from stapo.trainer.microbatch import balanced_bins, bins_needed, plan_micro_batches
 from stapo.trainer.policy import PackedInputs, PolicyInputs, response_token_stats, teacher_forced_inputs
-
-
-def _ragged(prompt_lens, resp_lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    b, lp, lt = len(prompt_lens), max(prompt_lens), max(resp_lens)
-    prompt_ids = torch.zeros(b, lp, dtype=torch.long)
-    prompt_mask = torch.zeros(b, lp, dtype=torch.bool)
-    response_ids = torch.zeros(b, lt, dtype=torch.long)
-    response_mask = torch.zeros(b, lt, dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompt_lens, resp_lens)):
-        prompt_ids[i, lp - p:] = torch.randint(5, 300, (p,), generator=g)
-        prompt_mask[i, lp - p:] = True
-        response_ids[i, :r] = torch.randint(5, 300, (r,), generator=g)
-        response_mask[i, :r] = True
-    return prompt_ids, prompt_mask, response_ids, response_mask
 
 
 def test_packed_layout_by_hand():
@@ -52,7 +38,7 @@ def model(tiny_model_dir):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_packed_stats_and_gradients_equal_the_padded_path(model, temperature):
-    parts = _ragged([3, 5, 4, 6, 2, 5], [7, 2, 9, 5, 10, 1])
+    parts = ragged_rows([3, 5, 4, 6, 2, 5], [7, 2, 9, 5, 10, 1])
     results = {}
     for packed in (False, True):
         model.zero_grad()
@@ -73,7 +59,7 @@ def test_packed_stats_and_gradients_equal_the_padded_path(model, temperature):
 
 def test_packed_sequences_do_not_see_each_other(model):
     # a sequence's stats are the same alone and packed after another sequence
-    parts = _ragged([4, 3], [6, 5], seed=1)
+    parts = ragged_rows([4, 3], [6, 5], seed=1)
     together = response_token_stats(model, teacher_forced_inputs(*parts, packed=True), temperature=1.0, chunk_size=16)
     alone = response_token_stats(model, teacher_forced_inputs(*(t[1:] for t in parts), packed=True),
                                  temperature=1.0, chunk_size=16)
@@ -120,7 +106,7 @@ def test_packed_rows_of_bounded_width_by_hand():
 
 
 def test_row_packed_stats_equal_one_row_and_padded(model):
-    parts = _ragged([3, 5, 4, 6, 2, 5, 1], [7, 2, 9, 5, 10, 1, 3], seed=2)
+    parts = ragged_rows([3, 5, 4, 6, 2, 5, 1], [7, 2, 9, 5, 10, 1, 3], seed=2)
     padded = response_token_stats(model, teacher_forced_inputs(*parts, packed=False), temperature=1.0, chunk_size=16)
     rows = teacher_forced_inputs(*parts, packed=True)
     one = teacher_forced_inputs(*parts, packed=True, one_row=True)
