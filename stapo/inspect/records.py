@@ -1,7 +1,8 @@
 """Token records: what the trainer saves every ``inspect.record_every`` steps for the inspector.
 
 One file per recorded mini-batch, ``RUN_DIR/token_records/step_XXXXXX.pt`` (``..._mbK.pt`` for a
-mini-batch K > 0; :func:`stapo.run_dir.token_record_path`), written by :func:`write_token_record`. A :class:`TokenRecord` holds::
+mini-batch K > 0; :func:`stapo.run_dir.token_record_path`), written by :func:`write_token_record`.
+A :class:`TokenRecord` holds::
 
     step: int, minibatch: int, mask_name: str, thresholds: {"tau_p": float, "tau_h": float}
     rows: list of {row, prompt_text, response_text, reward, advantage}

@@ -2,8 +2,8 @@
 
 An engine holds its OWN copy of the policy weights (never the ZeRO-3-sharded training module): the
 trainer gathers the training weights in buckets and pushes them with `load_weights` before each
-rollout (docs/distributed.md, "Weight sync"), then calls `generate`. `sleep` / `wake` let a colocated GPU engine release its
-memory while the trainer runs the optimizer steps.
+rollout (docs/distributed.md, "Weight sync"), then calls `generate`. `sleep` / `wake` let a colocated
+GPU engine release its memory while the trainer runs the optimizer steps.
 """
 
 from __future__ import annotations

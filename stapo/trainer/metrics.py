@@ -37,8 +37,8 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
 Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean`` (eval steps only);
 ``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``);
 ``mfu_stats``, ``mfu_update`` (model FLOPs utilization of the phase on a GPU whose peak is known,
-stapo.trainer.mfu; absent on CPU); ``entropy_bonus`` (``loss.entropy_coef`` x mean entropy of kept tokens, subtracted from the loss; only
-when ``loss.entropy_coef != 0``); with ``rollout.dynamic_sampling``: ``sampling_rounds``,
+stapo.trainer.mfu; absent on CPU); ``entropy_bonus`` (``loss.entropy_coef`` x mean entropy of kept
+tokens, subtracted from the loss; only when ``loss.entropy_coef != 0``); with ``rollout.dynamic_sampling``: ``sampling_rounds``,
 ``groups_kept`` (informative groups trained on, all ranks), ``groups_dropped`` (all-equal-reward
 groups dropped), ``groups_surplus`` (informative groups generated beyond the batch),
 ``sampling_capped`` (1 when ``rollout.max_sampling_rounds`` ended the search short).

@@ -139,7 +139,8 @@ class STAPOTrainer:
         return step_metrics(step=self.step_count, epoch=self.sampler.epoch, lr=current_lr(self.engine),
                             skipped_steps=self.skipped_steps, group_size=cfg.rollout.group_size,
                             world_size=self.dist.world_size, scored=scored, sums=sums, timer=timer,
-                            entropy_coef=cfg.loss.entropy_coef, model_config=self.model.config, peak_flops=self.peak_flops)
+                            entropy_coef=cfg.loss.entropy_coef, model_config=self.model.config,
+                            peak_flops=self.peak_flops)
 
     def _train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:
         """The iteration's rows, complete: theta_old's stats from the no-grad pass (and the reference
