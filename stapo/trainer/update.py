@@ -100,9 +100,10 @@ def policy_stats(model, seqs, opts: UpdateOptions) -> tuple[torch.Tensor, torch.
     return logprobs, entropy
 
 
-def _global_normalizer(keep: torch.Tensor, agg: str) -> torch.Tensor:
-    """Eq. 1's denominator over the whole mini-batch on all ranks (rows for the seq-mean modes)."""
-    local = keep.sum() if agg == "token-mean" else torch.tensor(keep.shape[0])
+def _global_normalizer(keep: torch.Tensor, trainable: torch.Tensor, agg: str) -> torch.Tensor:
+    """Eq. 1's denominator over the whole mini-batch on all ranks: kept tokens for ``token-mean``,
+    rows for the seq-mean modes (rows left out of the loss by ``loss.mask_truncated`` do not count)."""
+    local = keep.sum() if agg == "token-mean" else trainable.any(dim=1).sum()
     return all_reduce_sum_(local.to(torch.float64)).to(torch.float32)
 
 
@@ -114,13 +115,13 @@ def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
     metric SUMS as device tensors (the step reduces them once; no per-micro-batch sync).
     """
     keep = keep & batch.trainable
-    normalizer = _global_normalizer(keep, opts.agg)
+    normalizer = _global_normalizer(keep, batch.trainable, opts.agg)
     device = _device(model)
     micro_batches = MicroBatches(batch, opts, device, no_grad=False)
     accumulation = GradientAccumulation(engine, len(micro_batches))
+    bonus = opts.entropy_coef != 0.0  # the entropy then needs its gradient
     sums: dict[str, torch.Tensor] = {}
     for rows, inputs in micro_batches:
-        bonus = opts.entropy_coef != 0.0
         logprobs, entropy = response_token_stats(model, inputs, temperature=opts.temperature,
                                                  chunk_size=opts.chunk_size, entropy_grad=bonus)
         t_len = logprobs.shape[1]

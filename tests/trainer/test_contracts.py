@@ -130,3 +130,36 @@ def test_tis_weights_scale_the_surrogate(tis_cap, factor, tiny_model_dir):
     sums = update_minibatch(engine, engine.module, batch, batch.response_mask,
                             dataclasses.replace(opts, tis_cap=tis_cap))
     assert float(sums["loss"]) == pytest.approx(-factor * 10 / 16, abs=1e-5)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_a_row_out_of_the_loss_leaves_numerator_and_normalizer(agg, tiny_model_dir):
+    # loss.mask_truncated: a row masked out by loss_mask gives exactly the loss of the batch without
+    # that row, in every aggregation (for the seq-mean modes the row leaves the row count too)
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from stapo.trainer.distributed import init_distributed
+    from stapo.trainer.engine import build_engine
+    from stapo.trainer.update import update_minibatch
+
+    init_distributed()
+
+    def engine():
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+        return build_engine(model, lr=1e-3, warmup_steps=0, grad_accum_steps=2, zero_stage=0, bf16=False)
+
+    first = engine()
+    batch, opts = _batch_with_reference(first.module, 0.0)
+    batch = dataclasses.replace(batch, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]), ref_logprobs=None)
+    opts = dataclasses.replace(opts, agg=agg, max_response_length=6)
+    cut = torch.tensor([False, True, False, False])  # row 1 hit the length limit
+    masked = dataclasses.replace(batch, loss_mask=batch.response_mask & ~cut[:, None])
+    with_mask = update_minibatch(first, first.module, masked, masked.response_mask, opts)
+    rest = batch.rows(torch.tensor([0, 2, 3]))
+    second = engine()
+    without_row = update_minibatch(second, second.module, rest, rest.response_mask, opts)
+    assert float(with_mask["kept_tokens"]) == float(without_row["kept_tokens"]) == 6 + 5 + 2
+    assert float(with_mask["loss"]) == pytest.approx(float(without_row["loss"]), abs=1e-6)
+    assert abs(float(with_mask["loss"])) > 1e-3
