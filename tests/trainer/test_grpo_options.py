@@ -32,9 +32,10 @@ def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path, tiny_model
     trainer = STAPOTrainer(cfg, reward_fn=reward)
     before = trainer.sampler.state_dict()
     metrics = trainer.step()
+    # 4 prompts per step, about half of them constant: a second round refills the batch (6 allowed)
     assert metrics["groups_dropped"] >= 1 and metrics["sampling_rounds"] >= 2
-    if not metrics["sampling_capped"]:
-        assert metrics["groups_kept"] == 4 and metrics["zero_std_group_frac"] == 0.0
+    assert metrics["sampling_capped"] == 0.0
+    assert metrics["groups_kept"] == 4 and metrics["zero_std_group_frac"] == 0.0  # only informative groups
     drawn = trainer.sampler.state_dict()
     assert drawn != before  # the extra draws advanced the sampler (its state is what a checkpoint saves)
 
@@ -73,19 +74,16 @@ def test_overlong_penalty_and_mask_truncated(tmp_path, tiny_model_dir, arithmeti
                                       "reward.overlong_buffer=2", "reward.overlong_penalty=0.5"),
                           reward_fn=parity_reward).step()
     # a response of exactly L_max = 4 tokens with buffer 2: ((4 - 2) - 4) / 2 * 0.5 = -0.5
-    assert shaped["overlong_penalty_mean"] == pytest.approx(-0.5 * shaped["response_clip_ratio"], abs=0.26)
-    assert shaped["overlong_penalty_mean"] < 0
+    assert shaped["response_clip_ratio"] == 1.0  # every response is exactly 4 tokens long
+    assert shaped["overlong_penalty_mean"] == pytest.approx(-0.5)
     assert shaped["accuracy"] == plain["accuracy"]  # accuracy counts the scorer's verdicts, not the penalty
     masked = STAPOTrainer(tiny_config(tmp_path / "c", tiny_model_dir, arithmetic_jsonl, *short,
                                       "loss.mask_truncated=true"), reward_fn=parity_reward).step()
-    # same samples (same seed); truncated responses leave the loss and its normalizer, so with
-    # (nearly) every response cut there is (nearly) nothing left to learn from
-    assert masked["response_clip_ratio"] == plain["response_clip_ratio"]
+    # same samples (same seed); at 4 tokens every response is cut, so with mask_truncated nothing is
+    # left in the loss (a partly truncated batch: tests/trainer/test_contracts.py, by hand)
+    assert masked["response_clip_ratio"] == plain["response_clip_ratio"] == 1.0
     assert plain["grad_norm"] > 0 and abs(plain["loss"]) > 0
-    if masked["response_clip_ratio"] == 1.0:
-        assert masked["loss"] == 0.0 and masked["grad_norm"] == 0.0 and masked["keep_frac"] == 0.0
-    else:
-        assert masked["loss"] != pytest.approx(plain["loss"])
+    assert masked["loss"] == 0.0 and masked["grad_norm"] == 0.0 and masked["keep_frac"] == 0.0
 
 
 def test_entropy_bonus_is_logged_and_moves_the_loss(tmp_path, tiny_model_dir, arithmetic_jsonl):
