@@ -1,7 +1,7 @@
 """Micro-batch plans: which rows go through one forward (and backward) together.
 
 Two ways to cut a batch of sequences, both used by the no-grad stats pass, the update and the
-token recorder (one loop, :func:`iter_micro_batches`):
+token recorder (one loop, :class:`MicroBatches`):
 
 * **rows** (``max_tokens=None``): consecutive runs of ``max_rows`` rows, in order — the classic
   ``micro_batch_size``;

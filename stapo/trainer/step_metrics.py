@@ -1,4 +1,5 @@
-"""Per-step metrics (docs/algorithm.md, "Metrics that follow the paper"): tensors until the end of the step, one reduction across ranks.
+"""Per-step metrics (docs/algorithm.md, "Metrics that follow the paper"): tensors until the end of
+the step, one reduction across ranks.
 
 Every quantity is first a per-rank SUM (or count); :func:`reduce_metrics` adds them over ranks in
 one all-reduce and the ratios are formed afterwards, so the figures do not depend on how the
@@ -14,7 +15,7 @@ import torch
 
 from stapo.losses import MaskResult, TokenStats
 from stapo.trainer.distributed import all_reduce_max, reduce_metrics
-from stapo.trainer.mfu import flops_per_token, phase_throughput
+from stapo.trainer.mfu import causal_context_length, flops_per_token, phase_throughput
 from stapo.trainer.microbatch import row_lengths
 
 # Quantities that are already global (identical on every rank) before the reduction. (The loss is
@@ -97,7 +98,7 @@ def token_counts(seqs, no_grad_passes: int = 0) -> dict[str, float]:
     FLOPs) and the tokens of ``no_grad_passes`` no-grad passes over them."""
     lengths = row_lengths(seqs)
     real = float(sum(lengths))
-    return {"real_tokens": real, "attn_pairs": float(sum(n * (n + 1) / 2 for n in lengths)),
+    return {"real_tokens": real, "attn_pairs": causal_context_length(lengths) * real,
             "stats_tokens": real * no_grad_passes}
 
 
