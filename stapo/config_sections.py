@@ -94,10 +94,6 @@ class RolloutConfig:
     tensor_parallel_size: int = 1
     """vLLM tensor-parallel size; only 1 is supported (each rank runs its own engine on its own
     prompts, see docs/gpu.md)."""
-    seed_per_request: bool = False
-    """vLLM: give every prompt its own seed (its samples depend only on the seed and the prompt)
-    instead of reseeding the engine once per rollout; slower (vLLM's per-request sampling path).
-    Either way a resumed run reseeds each step the same way (docs/gpu.md)."""
     sync_bucket_mb: int = 256
     """Size of the buckets in which ZeRO-3 shards are gathered and pushed into the engine."""
     max_batch_size: int = 256

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
 import pytest
+
+# The vLLM lane (tests/vllm_cpu, run by tests/vllm_cpu/run.sh) needs the real vLLM: where it is not
+# installed the folder is not collected at all, so it is never reported as skipped tests.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_cpu"]
 
 # Tests run on 2-core CI boxes next to multi-process tests: one intra-op thread per process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -33,6 +38,17 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def prompts(tiny_tokenizer) -> list[list[int]]:
+    """Three chat prompts of different lengths (so left padding is exercised)."""
+    texts = ["Compute 1+2.", "Compute 47+38-12.", "Compute 3*4+5-6*7."]
+    rendered = [tiny_tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                                   add_generation_prompt=True) for t in texts]
+    ids = [tiny_tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
+    assert len({len(i) for i in ids}) == 3
+    return ids
 
 
 @pytest.fixture(scope="session")

