@@ -53,10 +53,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config and "=" in config and not Path(config).exists():  # `stapo train key=value ...`
         config, overrides = None, [config, *overrides]
     cfg = STAPOConfig.from_yaml(Path(config) if config else builtin_recipe(), overrides=overrides)
-    from stapo.losses import available_masks
-
-    if cfg.mask.name not in available_masks():
-        raise UserError(f"mask.name: unknown mask {cfg.mask.name!r}; available: {', '.join(available_masks())}")
     from stapo.trainer import STAPOTrainer
 
     trainer = STAPOTrainer(cfg)
