@@ -65,7 +65,21 @@ def load_function(spec: str) -> Callable[..., Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise TypeError(f"{target}:{attr} is a {type(obj).__name__}, not a callable")
+    _check_signature(obj, f"{target}:{attr}")
     return obj
+
+
+def _check_signature(fn: Callable[..., Any], name: str) -> None:
+    """Both call forms pass two positional arguments first: fail at load, not on the first batch."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: the first call will tell
+        return
+    try:
+        signature.bind("response", "ground_truth")
+    except TypeError:
+        raise TypeError(f"{name}{signature} cannot be called as fn(response, ground_truth, **fields) "
+                        "(batched: fn(responses, ground_truths, **columns))") from None
 
 
 def accepted_fields(fn: Callable[..., Any], names: Sequence[str]) -> list[str]:
