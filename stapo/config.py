@@ -117,17 +117,18 @@ class STAPOConfig:
 def _drop_params_of_replaced_mask(base: dict, layer: dict, merged: dict) -> None:
     """When ``layer`` names a different mask than ``base``, keep only the params ``layer`` sets."""
     base_mask, layer_mask = base.get("mask") or {}, layer.get("mask") or {}
-    if not isinstance(base_mask, dict) or "name" not in layer_mask:
-        return
+    if not (isinstance(base_mask, dict) and isinstance(layer_mask, dict) and "name" in layer_mask):
+        return  # (a mask that is not a mapping is reported by build_dataclass)
     old_name = base_mask.get("name", MaskConfig.name)
     base_params = base_mask.get("params") or {}
     if layer_mask["name"] == old_name or not isinstance(base_params, dict):
         return
-    given = layer_mask.get("params") or {}
+    given = layer_mask.get("params") if isinstance(layer_mask.get("params"), dict) else {}
     dropped = sorted(k for k in base_params if k not in given)
     if not dropped:
         return
     params = merged["mask"].get("params") or {}
-    merged["mask"]["params"] = {k: v for k, v in params.items() if k not in dropped}
+    if isinstance(params, dict):
+        merged["mask"]["params"] = {k: v for k, v in params.items() if k not in dropped}
     log.info("mask.name=%s replaces %r: dropped the mask.params %s that were set for %r "
              "(set them again with the new name to keep them)", layer_mask["name"], old_name, dropped, old_name)
