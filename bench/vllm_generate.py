@@ -1,13 +1,12 @@
 """Benchmark: `VLLMEngine.generate` vs plain `vllm.LLM.generate` on the same prompts and sampling.
 
 Both sides use the SAME `vllm.LLM` (the engine's own), so the ratio is stapo's overhead only:
-request building, the engine reseed RPC (or per-request seeds with --seed-per-request) and the
+request building, the per-request seeds and the
 conversion of vLLM's outputs into a `Rollout`. Runs alternate (plain, stapo, plain, ...) after a
 warm-up; prints the median seconds of each and the ratio (issue #13 target: <= 1.2x).
 
     python bench/vllm_generate.py                          # builtin tiny model, 256 prompts x 8
     python bench/vllm_generate.py --model Qwen/Qwen3-0.6B --prompts 128 --max-tokens 1024
-    python bench/vllm_generate.py --seed-per-request       # the per-request seed path
 
 Needs a CUDA GPU and vLLM; exits with a message (status 2) without them.
 """
@@ -30,7 +29,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each side")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    p.add_argument("--seed-per-request", action="store_true")
     return p.parse_args(argv)
 
 
@@ -65,7 +63,7 @@ def main(argv=None) -> int:
 
         model = str(build_tiny_model())
     engine = VLLMEngine(model, gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=False,
-                        max_model_len=args.prompt_len + args.max_tokens, seed_per_request=args.seed_per_request)
+                        max_model_len=args.prompt_len + args.max_tokens)
     vocab = engine.tokenizer.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, vocab - 1, (args.prompts, args.prompt_len), generator=gen).tolist()
@@ -93,7 +91,7 @@ def main(argv=None) -> int:
             times[name].append(seconds)
             tokens[name].append(n_tokens)
     print(f"| side | median s | tokens/s | ({args.prompts} prompts x {args.n}, <= {args.max_tokens} tokens, "
-          f"{'per-request seeds' if args.seed_per_request else 'engine reseed'}) |")
+          "VLLMEngine: per-request seeds) |")
     print("|---|---|---|---|")
     for name in times:
         med = statistics.median(times[name])

@@ -1,6 +1,7 @@
 """A user reward function for `reward.function` (docs/grpo_options.md).
 
-    stapo train examples/recipes/qwen3_8b_stapo.yaml reward.function=examples/reward_function.py:boxed_with_level
+    stapo train examples/recipes/qwen3_8b_stapo.yaml reward.mode=function \
+        reward.function=examples/reward_function.py:boxed_with_level
     stapo eval MODEL --data my.jsonl --reward-function examples/reward_function.py:boxed_with_level
 
 It runs in stapo's reward worker processes: a call that raises or runs past `reward.timeout_s`

@@ -2,6 +2,7 @@
 
     stapo train                          # the built-in tiny CPU recipe (demo)
     stapo train recipe.yaml optim.lr=2e-6 trainer.output_dir=runs/x
+    stapo train recipe.yaml --dry-run --world-size 64   # check a recipe and its batch shares; loads nothing
     stapo masks                          # registered token masks and their parameters
     stapo eval MODEL_DIR --benchmark math500
     stapo inspect RUN_DIR                # spurious-token report of a run recorded with inspect.record_every
@@ -53,16 +54,33 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config and "=" in config and not Path(config).exists():  # `stapo train key=value ...`
         config, overrides = None, [config, *overrides]
     cfg = STAPOConfig.from_yaml(Path(config) if config else builtin_recipe(), overrides=overrides)
-    from stapo.losses import available_masks
-
-    if cfg.mask.name not in available_masks():
-        raise UserError(f"mask.name: unknown mask {cfg.mask.name!r}; available: {', '.join(available_masks())}")
+    if args.world_size is not None and not args.dry_run:
+        raise UserError("--world-size applies to --dry-run only (a launch takes its ranks from the launcher)")
+    if args.dry_run:
+        return _dry_run(cfg, args.world_size)
     from stapo.trainer import STAPOTrainer
 
     trainer = STAPOTrainer(cfg)
     summary = trainer.train()
     if trainer.dist.is_main:
         _print_summary(cfg, summary)
+    return 0
+
+
+def _dry_run(cfg: STAPOConfig, world_size: int | None) -> int:
+    """Every check ``train`` makes before loading weights (``stapo.trainer.preflight``), then the
+    resolved config and the run's shape; a missing GPU, engine package or cached model is reported,
+    not an error: the recipe is usually meant for another machine."""
+    from stapo.trainer.components import build_scorer
+    from stapo.trainer.distributed import launcher_world_size
+    from stapo.trainer.preflight import plan_run, summary_lines
+
+    plan = plan_run(cfg, world_size if world_size is not None else launcher_world_size())
+    _, close = build_scorer(cfg, None)  # reward.function: imported and its signature checked
+    close()
+    print(cfg.to_yaml(), end="")
+    print("\n".join(["", "stapo train --dry-run: the config is valid (nothing was loaded or trained)",
+                     *("  " + line for line in summary_lines(cfg, plan))]))
     return 0
 
 
@@ -126,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=10")
     train.add_argument("--import", dest="imports", action="append", default=[], metavar="FILE",
                        help="Python file to import first (registers user masks)")
+    train.add_argument("--dry-run", action="store_true",
+                       help="check the config, overrides, mask, reward, engine, batch shares and output_dir, "
+                            "print the resolved config and the run's size, and exit without loading the model")
+    train.add_argument("--world-size", type=int, default=None, metavar="N",
+                       help="ranks the dry run plans for (default: the launcher's WORLD_SIZE, else 1)")
     # the deepspeed launcher appends --local_rank=N; ranks are read from the environment instead
     train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     train.set_defaults(func=cmd_train)
@@ -180,7 +203,12 @@ def _quiet_third_party() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra  # overrides after an option: `stapo train CONFIG --dry-run key=value`
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _quiet_third_party()
     try:
         return args.func(args)

@@ -15,7 +15,9 @@ valid key, and values are type-checked and validated.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from stapo.config_sections import (DataConfig, InspectConfig, LoggingConfig, Los
                                    OptimConfig, RewardConfig, RolloutConfig, TinyConfig, TrainerConfig, ZeroConfig)
 from stapo.config_validation import validate
 from stapo.data import PAPER_INSTRUCTION  # the default of data.instruction; re-exported
+
+log = logging.getLogger("stapo.config")
 
 __all__ = ["STAPOConfig", "ConfigError", "PAPER_INSTRUCTION", "DataConfig", "InspectConfig", "LoggingConfig",
            "LossConfig", "MaskConfig", "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "TinyConfig",
@@ -73,7 +77,15 @@ class STAPOConfig:
     # ---- loading / saving -------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> "STAPOConfig":
-        merged = apply_overrides(dict(data or {}), overrides)
+        """``data`` (a recipe's mapping), then the dotted ``overrides`` on top of it.
+
+        Overriding ``mask.name`` switches masks: the recipe's ``mask.params`` belonged to its own
+        mask, so those the overrides do not set again are dropped (one log line names them) and the
+        new mask starts from its defaults (docs/custom_masks.md).
+        """
+        base = copy.deepcopy(dict(data or {}))
+        merged = apply_overrides(copy.deepcopy(base), overrides)
+        _drop_params_of_replaced_mask(base, apply_overrides({}, overrides), merged)
         return build_dataclass(cls, merged)
 
     @classmethod
@@ -100,3 +112,23 @@ class STAPOConfig:
         if path is not None:
             Path(path).write_text(text, encoding="utf-8")
         return text
+
+
+def _drop_params_of_replaced_mask(base: dict, layer: dict, merged: dict) -> None:
+    """When ``layer`` names a different mask than ``base``, keep only the params ``layer`` sets."""
+    base_mask, layer_mask = base.get("mask") or {}, layer.get("mask") or {}
+    if not (isinstance(base_mask, dict) and isinstance(layer_mask, dict) and "name" in layer_mask):
+        return  # (a mask that is not a mapping is reported by build_dataclass)
+    old_name = base_mask.get("name", MaskConfig.name)
+    base_params = base_mask.get("params") or {}
+    if layer_mask["name"] == old_name or not isinstance(base_params, dict):
+        return
+    given = layer_mask.get("params") if isinstance(layer_mask.get("params"), dict) else {}
+    dropped = sorted(k for k in base_params if k not in given)
+    if not dropped:
+        return
+    params = merged["mask"].get("params") or {}
+    if isinstance(params, dict):
+        merged["mask"]["params"] = {k: v for k, v in params.items() if k not in dropped}
+    log.info("mask.name=%s replaces %r: dropped the mask.params %s that were set for %r "
+             "(set them again with the new name to keep them)", layer_mask["name"], old_name, dropped, old_name)

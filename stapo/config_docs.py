@@ -42,6 +42,15 @@ def config_reference_markdown() -> str:
         "Unknown keys are errors naming the closest valid key. Defaults are the paper's (Table 6)",
         "except where the built-in tiny CPU recipe is concerned.",
         "",
+        "Overrides are applied on top of the recipe. One key is special: an override of `mask.name` to",
+        "a different mask drops the recipe's `mask.params` (they belonged to the recipe's mask; one log",
+        "line names them) and the new mask starts from its own defaults, so `stapo train mask.name=none`",
+        "works on a recipe that configures `stapo`. Params given in the same overrides apply to the new",
+        "mask; one it does not have is an error (docs/custom_masks.md).",
+        "",
+        "`stapo train CONFIG [key=value ...] --dry-run` checks all of this, and everything else that",
+        "needs no model weights, without training (docs/distributed.md).",
+        "",
     ]
     top_docs = field_docs(STAPOConfig)
     hints = typing.get_type_hints(STAPOConfig)

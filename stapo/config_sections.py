@@ -144,7 +144,8 @@ class MaskConfig:
     params: dict = field(default_factory=dict)
     """Keyword parameters of the mask, e.g. ``{tau_p: 0.002, entropy_quantile: 0.8}``; the mask's own
     defaults apply to the ones left out. The paper's "tau_h = 20%" is ``entropy_quantile: 0.8``
-    (tau_h% = 1 - entropy_quantile)."""
+    (tau_h% = 1 - entropy_quantile). An override of ``mask.name`` to another mask drops the recipe's
+    params (logged) unless the overrides set them again (docs/custom_masks.md)."""
     stats_source: str = "fresh"
     """Stats the mask sees for mini-batches after the first: ``fresh`` (a no-grad pass of the current
     policy, exact per Algorithm 1 line 8) or ``old`` (reuse the rollout-time pass; cheaper approximation)."""

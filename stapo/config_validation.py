@@ -102,6 +102,21 @@ def validate(cfg) -> None:
     spec_error = _spec_error(rw.function) if rw.function else None
     _check(spec_error is None, str(spec_error))
     _check(math.isfinite(lo.entropy_coef), f"loss.entropy_coef must be finite, got {lo.entropy_coef}")
+    mask_error = _mask_error(cfg.mask.name, cfg.mask.params)
+    _check(mask_error is None, str(mask_error))
+
+
+def _mask_error(name: str, params: dict) -> str | None:
+    """Why ``mask.name`` / ``mask.params`` do not build a mask from the live registry, or None."""
+    from stapo.losses.masks import available_masks, build_mask  # user masks registered by now count
+
+    if name not in available_masks():
+        return f"mask.name: unknown mask {name!r}; available: {', '.join(available_masks())}"
+    try:
+        build_mask(name, **params)
+    except (TypeError, ValueError) as exc:
+        return f"mask.params: {exc}"
+    return None
 
 
 def _spec_error(spec: str) -> str | None:

@@ -104,3 +104,67 @@ def test_configuration_reference_is_up_to_date():
         "docs/configuration.md is stale: regenerate with "
         "`python -m stapo.config_docs > docs/configuration.md`"
     )
+
+
+# ---- switching masks: a recipe's mask.params belong to its mask --------------------------------
+
+TINY_RECIPE = ROOT / "examples" / "recipes" / "tiny_cpu.yaml"  # mask stapo, {tau_p: 0.002, entropy_quantile: 0.8}
+
+
+def _load_custom_mask_example():
+    """Import examples/custom_mask.py as `stapo train --import` does (registers low_confidence_positive)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("custom_mask", ROOT / "examples" / "custom_mask.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+@pytest.mark.parametrize("name, built", [
+    ("none", {}),
+    ("entropy_top", {"entropy_quantile": 0.8}),  # the mask's own default, not the recipe's value
+    ("low_confidence_positive", {"quantile": 0.01}),
+])
+def test_overriding_mask_name_gives_the_new_mask_its_defaults(name, built, caplog):
+    from stapo.losses import build_mask
+
+    _load_custom_mask_example()
+    with caplog.at_level("INFO", logger="stapo.config"):
+        cfg = STAPOConfig.from_yaml(TINY_RECIPE, [f"mask.name={name}"])
+    assert cfg.mask.name == name and cfg.mask.params == {}
+    mask = build_mask(cfg.mask.name, **cfg.mask.params)
+    assert {k: getattr(mask, k) for k in built} == built
+    lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(lines) == 1 and "['entropy_quantile', 'tau_p']" in lines[0] and "'stapo'" in lines[0], lines
+
+
+def test_params_given_with_the_new_name_apply_and_the_rest_are_dropped():
+    cfg = STAPOConfig.from_yaml(TINY_RECIPE, ["mask.name=prob_only", "mask.params.tau_p=0.01"])
+    assert cfg.mask.params == {"tau_p": 0.01}
+    cfg = STAPOConfig.from_yaml(TINY_RECIPE, ["mask.name=entropy_top", "mask.params={entropy_quantile: 0.7}"])
+    assert cfg.mask.params == {"entropy_quantile": 0.7}
+    # the same name (or no name) keeps the recipe's params and merges the override
+    cfg = STAPOConfig.from_yaml(TINY_RECIPE, ["mask.name=stapo", "mask.params.tau_p=0.01"])
+    assert cfg.mask.params == {"tau_p": 0.01, "entropy_quantile": 0.8}
+    assert STAPOConfig.from_yaml(TINY_RECIPE, ["mask.params.tau_p=0.01"]).mask.params["entropy_quantile"] == 0.8
+
+
+def test_from_dict_switches_masks_like_the_command_line():
+    recipe = yaml.safe_load(TINY_RECIPE.read_text())
+    cfg = STAPOConfig.from_dict(recipe, ["mask.name=none"])
+    assert cfg.mask.params == {}
+    assert recipe["mask"]["params"] == {"tau_p": 0.002, "entropy_quantile": 0.8}  # the caller's dict untouched
+
+
+@pytest.mark.parametrize("data, overrides, message", [
+    (None, ["mask.name=none", "mask.params.tau_p=0.01"], r"mask.params: unknown parameter\(s\) \['tau_p'\] for mask 'none'"),
+    ({"mask": {"name": "none", "params": {"tau_p": 0.01}}}, [], r"unknown parameter\(s\) \['tau_p'\] for mask 'none'"),
+    (None, ["mask.name=entropy_top", "mask.params.tau_p=0.01"], r"\['tau_p'\] for mask 'entropy_top'"),
+    (None, ["mask.params.entropy_quantile=1.5"], "entropy_quantile must be in"),
+    (None, ["mask.name=nonexistent"], "mask.name: unknown mask 'nonexistent'; available: entropy_top"),
+])
+def test_a_param_the_chosen_mask_lacks_given_explicitly_is_an_error(data, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        if data is None:
+            STAPOConfig.from_yaml(TINY_RECIPE, overrides)
+        else:
+            STAPOConfig.from_dict(data, overrides)

@@ -5,6 +5,7 @@
     stapo eval MODEL --data math500=MATH-500-test.parquet        # a preset from a local file (offline)
     stapo eval MODEL --data my.jsonl --prompt-field question --answer-field answer --samples 8
     stapo eval MODEL --data my.jsonl --reward-function my_rewards.py:score   # correct = reward > 0
+    stapo eval MODEL --benchmark aime24 --dry-run                # check the arguments; samples nothing
 
 User mistakes raise FileNotFoundError / ValueError with one line; the CLI prints it.
 """
@@ -57,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the function takes the whole batch (as reward.function_batched)")
     parser.add_argument("--reward-timeout", type=float, default=5.0, metavar="S",
                         help="limit per verifier item / function call in seconds (as reward.timeout_s)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the model directory, benchmarks, engine and judge, print the plan and exit")
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -69,7 +72,10 @@ def run_cli(args: argparse.Namespace) -> int:
     for name, value in (("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    report = evaluate_model(model, _benchmarks(args), settings=SETTING_GROUPS[args.settings],
+    benchmarks = _benchmarks(args)
+    if args.dry_run:
+        return _dry_run(model, benchmarks, args)
+    report = evaluate_model(model, benchmarks, settings=SETTING_GROUPS[args.settings],
                             num_samples=args.samples, max_new_tokens=args.max_new_tokens, engine=args.engine,
                             seed=args.seed, pass_k=tuple(args.pass_k), keep_responses=not args.no_samples,
                             cache_dir=args.cache_dir, reward_mode=args.reward_mode,
@@ -79,6 +85,28 @@ def run_cli(args: argparse.Namespace) -> int:
     paths = report.write(Path(args.out) if args.out else model / "eval")
     print(report.markdown())
     print("written: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _dry_run(model: Path, benchmarks: list, args: argparse.Namespace) -> int:
+    """What `stapo eval` would sample, after the checks that need no weights; the judge is built
+    (a --reward-function is imported) and the engine's needs on this machine reported."""
+    from stapo.rewards import build_scorer
+    from stapo.rollout.registry import engine_problem, resolve_engine
+
+    build_scorer("function" if args.reward_function else args.reward_mode, timeout_s=args.reward_timeout,
+                 function=args.reward_function, function_batched=args.reward_function_batched).close()
+    engine = resolve_engine(args.engine)
+    lines = [f"stapo eval --dry-run: {model} (nothing was loaded or sampled)"]
+    for p in benchmarks:
+        source = "local file" if p.is_local else "hub dataset, downloaded at start"
+        lines.append(f"  {p.name}: {p.hf_name} ({source}), N = {args.samples or p.num_samples}")
+    lines += [f"  settings: {args.settings}; max new tokens: {args.max_new_tokens}; pass@k: {args.pass_k}",
+              f"  engine: {args.engine}" + (f" -> {engine}" if engine != args.engine else ""),
+              f"  judge: {args.reward_function or args.reward_mode}"]
+    problem = engine_problem(engine)
+    lines += [f"  not on this machine: {problem}"] if problem else []
+    print("\n".join(lines))
     return 0
 
 

@@ -65,7 +65,22 @@ def load_function(spec: str) -> Callable[..., Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise TypeError(f"{target}:{attr} is a {type(obj).__name__}, not a callable")
+    _check_signature(obj, f"{target}:{attr}")
     return obj
+
+
+def _check_signature(fn: Callable[..., Any], name: str) -> None:
+    """Both call forms pass two positional arguments (then dataset columns by keyword): fail at load,
+    not on the first batch."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: the first call will tell
+        return
+    params = signature.parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise TypeError(f"{name}{signature} cannot be called as fn(response, ground_truth, **fields) "
+                        "(batched: fn(responses, ground_truths, **columns))")
 
 
 def accepted_fields(fn: Callable[..., Any], names: Sequence[str]) -> list[str]:

@@ -3,9 +3,10 @@
     @register_engine("my_engine")
     def build_my_engine(model_path, tokenizer, opts: EngineOptions) -> RolloutEngine: ...
 
-`build_engine(name, model_path, tokenizer, opts)` builds one; ``"auto"`` resolves to ``vllm`` when a
-CUDA GPU is visible and vllm is importable, else ``hf`` (`resolve_engine`); ``vllm`` by name also
-runs on vLLM's CPU build. The config's
+`build_engine(name, model_path, tokenizer, opts)` builds one, after the engine's ``check`` (what it
+needs on this machine; `engine_problem` asks without building, for ``stapo train --dry-run``);
+``"auto"`` resolves to ``vllm`` when a CUDA GPU is visible and vllm is importable, else ``hf``
+(`resolve_engine`); ``vllm`` by name also runs on vLLM's CPU build. The config's
 ``rollout.engine`` accepts ``auto`` and every registered name (`engine_choices`). Factories import
 their engine lazily, so registering costs nothing (vllm is imported only by `VLLMEngine`).
 """
@@ -22,8 +23,8 @@ import torch
 from stapo.registry import Registry
 from stapo.rollout.engine import RolloutEngine
 
-__all__ = ["AUTO", "EngineOptions", "available_engines", "build_engine", "engine_choices", "register_engine",
-           "resolve_engine", "vllm_available", "vllm_installed"]
+__all__ = ["AUTO", "EngineOptions", "available_engines", "build_engine", "engine_choices", "engine_problem",
+           "register_engine", "resolve_engine", "vllm_available", "vllm_installed"]
 
 AUTO = "auto"
 
@@ -43,12 +44,24 @@ class EngineOptions:
 
 
 EngineFactory = Callable[[str, object, EngineOptions], RolloutEngine]
+EngineCheck = Callable[[], "str | None"]
 _ENGINES: Registry = Registry("rollout engine")
+_CHECKS: dict[str, EngineCheck] = {}
 
 
-def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
-    """Decorator: register ``factory(model_path, tokenizer, opts) -> RolloutEngine`` under ``name``."""
-    return _ENGINES.register(name, reserved=(AUTO,))
+def register_engine(name: str, *, check: EngineCheck | None = None) -> Callable[[EngineFactory], EngineFactory]:
+    """Decorator: register ``factory(model_path, tokenizer, opts) -> RolloutEngine`` under ``name``;
+    ``check()`` says why the engine cannot run on this machine (None: it can)."""
+    register = _ENGINES.register(name, reserved=(AUTO,))
+
+    def decorate(factory: EngineFactory) -> EngineFactory:
+        factory = register(factory)
+        _CHECKS.pop(name, None)
+        if check is not None:
+            _CHECKS[name] = check
+        return factory
+
+    return decorate
 
 
 def available_engines() -> list[str]:
@@ -79,10 +92,19 @@ def resolve_engine(name: str) -> str:
     return name
 
 
+def engine_problem(name: str) -> str | None:
+    """Why engine ``name`` (``auto`` resolved) cannot run on this machine, or None; builds nothing."""
+    check = _CHECKS.get(resolve_engine(name))
+    return check() if check is not None else None
+
+
 def build_engine(name: str, model_path: str | Path, tokenizer, opts: EngineOptions = EngineOptions()
                  ) -> tuple[str, RolloutEngine]:
-    """``(resolved name, engine)``."""
+    """``(resolved name, engine)``; ValueError with the engine's ``check`` message when it cannot run here."""
     resolved = resolve_engine(name)
+    problem = engine_problem(resolved)
+    if problem is not None:
+        raise ValueError(problem)
     return resolved, _ENGINES[resolved](str(model_path), tokenizer, opts)
 
 
@@ -94,11 +116,15 @@ def _build_hf(model_path: str, tokenizer, opts: EngineOptions) -> RolloutEngine:
     return HFEngine(model_path, tokenizer, device=device, dtype=opts.dtype, max_batch_size=opts.max_batch_size)
 
 
-@register_engine("vllm")
+def _vllm_problem() -> str | None:
+    if vllm_installed():
+        return None
+    return ("the vllm rollout engine needs vLLM: pip install 'stapo[vllm]' on a GPU machine, "
+            "or vLLM's CPU build on a CPU one (docs/gpu.md); or use the hf engine")
+
+
+@register_engine("vllm", check=_vllm_problem)
 def _build_vllm(model_path: str, tokenizer, opts: EngineOptions) -> RolloutEngine:
-    if not vllm_installed():
-        raise ValueError("the vllm rollout engine needs vLLM: pip install 'stapo[vllm]' on a GPU machine, "
-                         "or vLLM's CPU build on a CPU one (docs/gpu.md); or use the hf engine")
     from stapo.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(model_path, gpu_memory_utilization=opts.gpu_memory_utilization,

@@ -17,12 +17,13 @@ import torch
 
 from stapo.config import STAPOConfig
 from stapo.trainer.distributed import DistInfo, barrier
+from stapo.run_dir import latest_checkpoint
 from stapo.trainer.engine import ZeroTuning
+from stapo.trainer.model_source import BUILTIN_MODEL, require_model
 from stapo.trainer.update import UpdateOptions
 
 log = logging.getLogger("stapo.trainer")
 
-BUILTIN_MODEL = "builtin:tiny"
 BUILTIN_DATA = "builtin:arithmetic"
 # Seeds of the synthetic task's splits: the training prompts, the held-out set and the warm-start
 # data never share a seed, so held-out accuracy is measured on unseen problems.
@@ -30,8 +31,11 @@ TRAIN_DATA_SEED, EVAL_DATA_SEED = 1_000_003, 2_000_003
 
 
 def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
-    """The policy's HF directory; builds (rank 0 first, then the others hit the cache) the tiny model."""
+    """The policy's HF directory or hub name; builds (rank 0 first, then the others hit the cache) the
+    tiny model. A path that is neither local nor cached nor reachable is a clear ValueError here,
+    before any weights load (``model_source.require_model``)."""
     if cfg.model.path != BUILTIN_MODEL:
+        require_model(cfg.model.path)
         return cfg.model.path
     from stapo.tiny import arithmetic_problems, build_tiny_model, warm_start
     from stapo.tiny.warmstart import DEFAULT_TRAIN_SEED
@@ -239,6 +243,18 @@ def prompt_dataset_from_rows(rows, cfg: STAPOConfig, tokenizer):
         answer_field="answer" if builtin else d.answer_field, preset=None if builtin else d.preset,
         tokenizer=tokenizer, instruction=d.instruction, max_prompt_length=d.max_prompt_length,
     )
+
+
+def checkpoint_to_resume(cfg: STAPOConfig) -> Path | None:
+    """``trainer.resume`` -> the checkpoint to continue, or None to start from scratch."""
+    how = cfg.trainer.resume
+    if how == "never":
+        return None
+    if how == "auto":
+        return latest_checkpoint(cfg.trainer.output_dir)
+    if not Path(how).exists():
+        raise FileNotFoundError(f"trainer.resume: checkpoint {how} does not exist")
+    return Path(how)
 
 
 def output_dir(cfg: STAPOConfig) -> Path:

@@ -80,6 +80,14 @@ def _mpi_world_size() -> int:
     return max([int(os.environ[name]) for name in _MPI_SIZE_ENV if name in os.environ] or [1])
 
 
+def launcher_world_size() -> int:
+    """The number of ranks the launcher started (``WORLD_SIZE``, or MPI's), 1 without a launcher;
+    read from the environment without joining a process group (``stapo train --dry-run``)."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return _mpi_world_size()
+
+
 def init_distributed(backend: str | None = None) -> DistInfo:
     """Join (or create) the default process group and return this rank's :class:`DistInfo`.
 

@@ -25,10 +25,11 @@ from stapo.losses import (TokenMask, TokenStats, build_mask, group_advantages, m
                           truncated_keep, truncated_rows)
 from stapo.rollout import Rollout, SamplingParams
 from stapo.trainer import components as build
-from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, latest_checkpoint, read_metrics
+from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, read_metrics
 from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_hf
 from stapo.trainer.distributed import all_gather_object, barrier, init_distributed
 from stapo.trainer.metrics import MetricsLogger
+from stapo.trainer.preflight import plan_run
 from stapo.trainer.recording import TokenRecorder
 from stapo.trainer.engine import current_lr
 from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout
@@ -68,8 +69,12 @@ class STAPOTrainer:
                  train_dataset=None, eval_dataset=None):
         self.config = cfg = config
         self.dist = init_distributed()
+        plan = plan_run(cfg, self.dist.world_size)  # what `stapo train --dry-run` checks; nothing built yet
+        if plan.engine_problem is not None:
+            raise ValueError(plan.engine_problem)
+        self.score, self._close_scorer = build.build_scorer(cfg, reward_fn)  # imports reward.function
         self.output_dir = build.output_dir(cfg)
-        resume_from = self._checkpoint_to_resume(cfg.trainer.resume)
+        resume_from = plan.resume_from
         if resume_from is None:
             self._set_aside_previous_run(cfg.trainer.resume)
         self.model_path = build.resolve_model_path(cfg, self.dist)
@@ -81,7 +86,6 @@ class STAPOTrainer:
         self.rollout_engine = build.build_rollout_engine(cfg, self.model_path, self.tokenizer, self.dist.rank)
         self.mask = mask if mask is not None else build_mask(cfg.mask.name, **cfg.mask.params)
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
-        self.score, self._close_scorer = build.build_scorer(cfg, reward_fn)
         self.shaping = RewardShaping(cfg.rollout.max_response_length, cfg.reward.overlong_buffer,
                                      cfg.reward.overlong_penalty)
         self.train_data, self.eval_data = build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset)
@@ -287,16 +291,6 @@ class STAPOTrainer:
             "config": self.config.to_dict(),
         }
         return self.checkpoints.save(self.engine, self.step_count, state)
-
-    def _checkpoint_to_resume(self, how: str) -> Path | None:
-        """``trainer.resume`` → the checkpoint to continue, or None to start from scratch."""
-        if how == "never":
-            return None
-        if how == "auto":
-            return latest_checkpoint(self.output_dir)
-        if not Path(how).exists():
-            raise FileNotFoundError(f"trainer.resume: checkpoint {how} does not exist")
-        return Path(how)
 
     def _set_aside_previous_run(self, how: str) -> None:
         """A run starting from scratch never appends to, or overwrites, an earlier run's files."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,19 @@ def test_reward_options_parse_and_are_checked(tiny_model_dir, tmp_path):
         parse(["m", "--reward-mode", "bogus"])
     with pytest.raises(ValueError, match="--reward-function-batched needs --reward-function"):
         run_cli(parse([str(tiny_model_dir), "--reward-function-batched", "--out", str(tmp_path)]))
+
+
+def test_dry_run_checks_and_plans_without_sampling(tiny_model_dir, arithmetic_file, tmp_path, capsys):
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    args = parse([str(model), "--benchmark", "aime24", "--data", arithmetic_file, "--samples", "2",
+                  "--engine", "hf", "--settings", "train", "--dry-run"])
+    assert run_cli(args) == 0
+    out = capsys.readouterr().out
+    assert "aime24: HuggingFaceH4/aime_2024 (hub dataset, downloaded at start), N = 2" in out
+    assert f"arith: {arithmetic_file} (local file), N = 2" in out and "engine: hf\n" in out
+    assert not (model / "eval").exists()  # nothing sampled, nothing written
+    with pytest.raises(ValueError, match="unknown benchmark 'gsm8k'"):
+        run_cli(parse([str(model), "--benchmark", "gsm8k", "--dry-run"]))
+    example = Path(__file__).resolve().parents[2] / "examples" / "reward_function.py"
+    with pytest.raises(ValueError, match="could not be loaded: .*has no attribute 'nope'"):
+        run_cli(parse([str(model), "--reward-function", f"{example}:nope", "--dry-run"]))

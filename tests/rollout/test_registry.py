@@ -72,6 +72,7 @@ def test_trainer_builds_its_engine_through_the_registry(monkeypatch):
     monkeypatch.setattr(registry, "_ENGINES", registry._ENGINES.copy())
     got = {}
     registry._ENGINES["vllm"] = lambda path, tok, opts: got.setdefault("opts", opts)
+    monkeypatch.setattr(registry, "_CHECKS", {})  # the stand-in needs no vLLM
     cfg = STAPOConfig.from_dict({}, ["rollout.engine=vllm", "trainer.seed=5",
                                      "data.max_prompt_length=100", "rollout.max_response_length=28",
                                      "rollout.gpu_memory_utilization=0.3", "model.dtype=bf16"])
@@ -79,3 +80,15 @@ def test_trainer_builds_its_engine_through_the_registry(monkeypatch):
     # the engine seed differs per rank: seedless requests must not draw the same stream on every rank
     assert got["opts"] == EngineOptions(dtype=torch.bfloat16, max_model_len=128, seed=7, max_batch_size=256,
                                         gpu_memory_utilization=0.3, tensor_parallel_size=1)
+
+
+def test_engine_problem_is_the_message_build_engine_raises(monkeypatch):
+    monkeypatch.setattr(registry, "vllm_installed", lambda: False)
+    problem = registry.engine_problem("vllm")
+    assert problem.startswith("the vllm rollout engine needs vLLM")
+    with pytest.raises(ValueError) as raised:
+        build_engine("vllm", "unused", None)
+    assert str(raised.value) == problem
+    assert registry.engine_problem("hf") is None and registry.engine_problem("auto") is None  # auto -> hf here
+    monkeypatch.setattr(registry, "vllm_installed", lambda: True)
+    assert registry.engine_problem("vllm") is None

@@ -1,0 +1,105 @@
+"""What a run will do, and whether it can start, decided before anything heavy is built.
+
+:func:`plan_run` is the trainer's first step and all of ``stapo train --dry-run``: batch shares per
+rank, the rollout engine (``auto`` resolved) and what it needs here, the model's source, and
+whether ``trainer.output_dir`` resumes or starts anew. The config's own checks ran when it was
+loaded and the reward scorer is checked by building it (``components.build_scorer``), so every
+message is the one ``stapo train`` gives. Nothing here loads weights or starts a process group.
+
+Two kinds of findings: errors in the run itself (an indivisible batch, a missing checkpoint) raise;
+what this machine lacks (the engine's GPU or package, a model not in the cache) is reported on
+:class:`RunPlan`, because a dry run usually checks a recipe for another machine (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from stapo.config import STAPOConfig
+from stapo.losses import build_mask, mask_params
+from stapo.rollout.registry import engine_problem, resolve_engine
+from stapo.run_dir import written_artifacts
+from stapo.trainer.components import checkpoint_to_resume, rows_per_rank
+from stapo.trainer.model_source import ModelSource, model_source, unavailable_reason
+
+__all__ = ["RunPlan", "plan_run", "summary_lines"]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run's shape on ``world_size`` ranks and what this machine lacks for it."""
+
+    world_size: int
+    rows_per_rank: int  # rows (prompts x G) of one mini-batch on one rank
+    engine: str  # rollout.engine with auto resolved on this machine
+    engine_problem: str | None  # why that engine cannot run here (``stapo train`` stops with it)
+    model: ModelSource
+    model_problem: str | None  # why the weights cannot load here without the network
+    resume_from: Path | None  # the checkpoint trainer.resume continues, None: a fresh start
+    earlier_run: bool  # a fresh start moves an earlier run's files to previous_runs/
+
+    @property
+    def machine_problems(self) -> list[str]:
+        return [p for p in (self.engine_problem, self.model_problem) if p is not None]
+
+
+def plan_run(cfg: STAPOConfig, world_size: int) -> RunPlan:
+    """The run of ``cfg`` on ``world_size`` ranks; ValueError / FileNotFoundError on the first error."""
+    if world_size < 1:
+        raise ValueError(f"the number of ranks must be >= 1, got {world_size}")
+    rows = rows_per_rank(cfg, world_size)
+    engine = resolve_engine(cfg.rollout.engine)
+    source = model_source(cfg.model.path)
+    resume_from = checkpoint_to_resume(cfg)
+    earlier = resume_from is None and bool(written_artifacts(cfg.trainer.output_dir))
+    return RunPlan(world_size, rows, engine, engine_problem(engine), source, unavailable_reason(source),
+                   resume_from, earlier)
+
+
+def _output_line(cfg: STAPOConfig, plan: RunPlan) -> str:
+    out = cfg.trainer.output_dir
+    if plan.resume_from is not None:
+        return f"output_dir: {out} (resumes from {plan.resume_from})"
+    if plan.earlier_run:
+        return f"output_dir: {out} (a new run; the earlier run's files move to {out}/previous_runs/)"
+    return f"output_dir: {out} (a new run)"
+
+
+def _micro_batch_line(cfg: STAPOConfig, plan: RunPlan) -> str:
+    t, longest = cfg.trainer, cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if not t.max_tokens_per_micro_batch:
+        count = math.ceil(plan.rows_per_rank / t.micro_batch_size)
+        return f"micro-batches per mini-batch and rank: {count} of <= {t.micro_batch_size} rows"
+    line = f"micro-batches: <= {t.max_tokens_per_micro_batch:,} tokens each (a row holds <= {longest:,})"
+    if longest > t.max_tokens_per_micro_batch:
+        line += "; rows longer than the budget get a micro-batch of their own"
+    return line
+
+
+def summary_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:
+    """What ``stapo train --dry-run`` prints after the resolved config."""
+    t, r = cfg.trainer, cfg.rollout
+    responses = t.train_batch_size * r.group_size
+    longest = cfg.data.max_prompt_length + r.max_response_length
+    rounds = r.max_sampling_rounds if r.dynamic_sampling else 1
+    mask = build_mask(cfg.mask.name, **cfg.mask.params)
+    params = ", ".join(f"{k}={getattr(mask, k)!r}" for k in mask_params(cfg.mask.name)) or "no parameters"
+    lines = [
+        f"ranks: {plan.world_size}   steps: {t.total_steps}   optimizer steps: "
+        f"{t.total_steps * cfg.num_mini_batches:,} ({cfg.num_mini_batches} per step)",
+        f"rollouts per step: {t.train_batch_size} prompts x G={r.group_size} = {responses:,} responses "
+        f"(per rank: {t.train_batch_size // plan.world_size} prompts, {responses // plan.world_size:,} responses)"
+        + (f"; dynamic sampling: up to {rounds} rounds" if r.dynamic_sampling else ""),
+        f"mini-batch per rank: {plan.rows_per_rank} rows; " + _micro_batch_line(cfg, plan),
+        f"tokens per step, upper bound: {responses:,} x {longest:,} = {responses * longest:,} "
+        f"(generated: <= {responses * r.max_response_length * rounds:,})",
+        f"model.path: {cfg.model.path} ({plan.model.describe()})",
+        f"rollout.engine: {r.engine}" + (f" -> {plan.engine}" if plan.engine != r.engine else ""),
+        f"reward: {'reward.function ' + cfg.reward.function if cfg.reward.function else cfg.reward.mode}",
+        f"mask: {cfg.mask.name} ({params})",
+        _output_line(cfg, plan),
+    ]
+    lines += [f"not on this machine: {problem}" for problem in plan.machine_problems]
+    return lines
