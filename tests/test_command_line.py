@@ -90,7 +90,7 @@ def test_lora_recipes_are_the_stapo_recipe_on_adapters(size):
     allowed = {("model", "lora"), ("optim", "lr"), ("trainer", "zero_stage"), ("trainer", "output_dir"),
                ("trainer", "max_tokens_per_micro_batch"), ("rollout", "gpu_memory_utilization")}
     diffs = {(s, k) for s in full for k in full[s] if full[s][k] != lora[s][k]}
-    assert diffs == allowed
+    assert {("model", "lora"), ("optim", "lr"), ("trainer", "output_dir")} <= diffs <= allowed
     assert lora["model"]["lora"]["enabled"] and lora["optim"]["lr"] == pytest.approx(10 * full["optim"]["lr"])
 
 
