@@ -124,6 +124,30 @@ def test_reference_is_the_base_model_and_adapters_come_back():
         DisabledAdapters(plain)
 
 
+def test_gradient_checkpointing_gives_the_same_adapter_gradients():
+    """The 8B/14B recipes checkpoint activations: with a frozen base and frozen embeddings the adapters
+    must still get their gradients through the recomputed layers (non-reentrant checkpointing)."""
+    from stapo.trainer.policy import PolicyInputs, response_token_stats
+
+    prompt = torch.tensor([[5, 6, 7], [0, 8, 9]])
+    inputs = PolicyInputs.from_parts(prompt, prompt > 0, torch.tensor([[10, 11, 12], [13, 14, 0]]),
+                                     torch.tensor([[1, 1, 1], [1, 1, 0]]).bool())
+    grads = []
+    for checkpointing in (False, True):
+        model = _lora()
+        _perturb_adapters(model)  # B = 0 would leave A's gradient at exactly zero
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        logprobs, _ = response_token_stats(model, inputs, temperature=1.0, chunk_size=4)
+        logprobs.sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    assert all(g.abs().sum() > 0 for g in grads[1].values())
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+
+
 # ---- 2 ranks, ZeRO-3 -------------------------------------------------------------------------
 def _full(module) -> dict[str, torch.Tensor]:
     import deepspeed
