@@ -209,7 +209,7 @@ def export_hf(model, tokenizer, out_dir: str | os.PathLike,
     dir with ``save_pretrained`` (plus ``tokenizer`` when given) and renames it into place.
     """
     out_dir = Path(out_dir)
-    module = plain_model(model.__dict__.get("module", model))  # LoRA: the transformers model inside
+    module = plain_model(getattr(model, "module", model))  # LoRA: the transformers model inside
     is_main = get_rank() == 0
     state: dict[str, torch.Tensor] = {}
     for bucket in iter_weight_buckets(model, bucket_bytes, copy=False):

@@ -68,7 +68,7 @@ def wrap_with_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: 
 
 def is_peft_model(model) -> bool:
     """True for a PEFT ``PeftModel`` (or a DeepSpeed engine wrapping one); never imports peft."""
-    module = model.__dict__.get("module", model)  # DeepSpeedEngine keeps it in __dict__
+    module = getattr(model, "module", model)
     return hasattr(module, "peft_config") and hasattr(module, "disable_adapter")
 
 
@@ -189,7 +189,7 @@ def export_adapter(model, tokenizer, out_dir: str | os.PathLike) -> Path:
     from stapo.trainer.weight_sync import hf_name
 
     out_dir = Path(out_dir)
-    module = model.__dict__.get("module", model)
+    module = getattr(model, "module", model)
     named = [(n, p) for n, p in module.named_parameters() if ".lora_" in n]
     with _gathered(p for _, p in named):
         state = {hf_name(n): p.detach().to("cpu", copy=True) for n, p in named}
