@@ -117,7 +117,7 @@ def main() -> None:
         passed = [a for a in sys.argv[1:]]
         rows += launch_cpu_ranks(__file__, [*passed, "--worker", variant], 1, timeout=3000, what=variant)
     what = "smoke shape" if args.smoke else f"Qwen3-0.6B shape, {layers} of 28 layers"
-    print(f"## trainer memory and CPU step time: {what}, {tokens} tokens/step, ZeRO-0 fp32 AdamW\n")
+    print(f"Trainer memory and CPU step time: {what}, {tokens} tokens/step, ZeRO-0 fp32 AdamW.\n")
     print("| variant | params | trainable | params MiB | grads MiB | optimizer MiB | params+grads+optim MiB "
           "| RSS growth MiB | step s (wall) | step s (CPU) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
