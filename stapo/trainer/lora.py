@@ -140,10 +140,11 @@ class AdapterMerge:
             if getattr(module, "disable_adapters", False):
                 continue  # adapters off: the base weight is the policy's weight
             adapters = [a for a in module.active_adapters if a in module.lora_A]
-            if len(adapters) != 1 or getattr(module, "merged", False) or module.fan_in_fan_out \
+            if len(adapters) != 1 or getattr(module, "merged", False) or getattr(module, "fan_in_fan_out", False) \
                     or module.use_dora.get(adapters[0], False):
-                raise ValueError(f"{prefix}: weight sync merges exactly one active, unmerged plain LoRA adapter "
-                                 f"(active: {adapters}, merged: {module.merged})")
+                raise ValueError(f"{prefix}: weight sync merges exactly one active, unmerged, plain LoRA adapter "
+                                 f"on a Linear layer (active: {adapters}, merged: {module.merged}; "
+                                 "embeddings, DoRA and fan_in_fan_out layers are not supported)")
             name = adapters[0]
             pairs[name_fn(f"{prefix}.base_layer.weight")] = AdapterPair(
                 name_fn(f"{prefix}.lora_A.{name}.weight"), name_fn(f"{prefix}.lora_B.{name}.weight"),
@@ -157,6 +158,10 @@ class AdapterMerge:
         missing = [n for p in self.pairs.values() for n in (p.lora_a, p.lora_b) if n not in index]
         if missing:
             raise KeyError(f"adapter parameters not among the model's parameters: {missing[:3]}")
+        tied = [n for n in self.pairs if n not in index]  # named_parameters() lists a tied weight once
+        if tied:
+            raise ValueError(f"LoRA on a tied weight cannot be merged into one tensor: {tied[:3]} (leave "
+                             "lm_head out of model.lora.target_modules when the embeddings are tied)")
         units: dict[str, list[int]] = {}
         for i, name in enumerate(names):
             units.setdefault(self._owner.get(name, name), []).append(i)

@@ -52,6 +52,16 @@ def test_units_put_each_base_weight_with_its_adapter_in_order():
     assert merge.units(names) == [[0], [1, 2, 3], [4], [5, 6, 7]]
 
 
+def test_adapters_the_merge_cannot_express_are_refused():
+    tied = wrap_with_lora(tiny_qwen3(**MODEL), rank=2, alpha=2.0, dropout=0.0, target_modules=["lm_head"], seed=0)
+    with pytest.raises(ValueError, match="tied weight"):
+        next(iter_weight_buckets(tied))
+    embedding = wrap_with_lora(tiny_qwen3(**MODEL), rank=2, alpha=2.0, dropout=0.0, target_modules=["embed_tokens"],
+                               seed=0)
+    with pytest.raises(ValueError, match="Linear layer"):
+        next(iter_weight_buckets(embedding))
+
+
 def test_merge_is_w_plus_scaling_b_a_under_the_base_name():
     w, a, b = torch.ones(3, 2), torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0], [0.0], [-1.0]])  # r = 1
     merge = AdapterMerge({"base_model.model.p.base_layer.weight": AdapterPair("A", "B", 0.5)})
