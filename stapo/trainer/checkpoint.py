@@ -154,8 +154,8 @@ class CheckpointManager:
             self.clean_stale()
             tmp.mkdir()
         barrier()
-        engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state={}, save_latest=False,
-                               exclude_frozen_parameters=self.exclude_frozen)
+        frozen = {"exclude_frozen_parameters": True} if self.exclude_frozen else {}  # DeepSpeed's default otherwise
+        engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state={}, save_latest=False, **frozen)
         rng_states = all_gather_object(capture_rng_state())  # [rank] -> state
         if get_rank() == 0:
             payload = {"step": step, "world_size": get_world_size(), "client_state": client_state,
@@ -190,8 +190,9 @@ class CheckpointManager:
         if payload["world_size"] != get_world_size():
             raise RuntimeError(f"checkpoint {path} was saved with world size {payload['world_size']}, "
                                f"now {get_world_size()}: resume with the same number of ranks")
+        partial = {"load_module_strict": False} if self.exclude_frozen else {}  # frozen base not in the file
         loaded, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
-                                           load_lr_scheduler_states=True, load_module_strict=not self.exclude_frozen)
+                                           load_lr_scheduler_states=True, **partial)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path / DS_TAG}")
         if restore_rng:
