@@ -1,7 +1,7 @@
 """STAPOTrainer with ``model.lora`` end to end on the tiny model (single process, real DeepSpeed, real
 PEFT): frozen base, KL to the adapters-disabled policy, adapter-only checkpoints that resume exactly,
 ``final/`` as an adapter (and merged model) that PEFT, plain ``from_pretrained`` and ``stapo eval``
-load. The multi-rank ZeRO-3 pieces are in test_lora.py."""
+load; and one 2-rank ZeRO-3 run. The engine-level multi-rank pieces are in test_lora.py."""
 
 from __future__ import annotations
 
@@ -133,3 +133,44 @@ def test_lora_resume_is_exact(tmp_path, tiny_model_dir, arithmetic_jsonl):
     for step in (1, 2, 3):
         for key in COMPARED:
             assert got[step][key] == pytest.approx(expected[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+def _two_rank_worker(out_dir, model_dir, data):
+    from stapo import STAPOTrainer
+
+    cfg = lora_config(f"{out_dir}/run", model_dir, data, "trainer.zero_stage=3", "loss.kl_coef=0.1",
+                      "trainer.total_steps=2", "zero.param_persistence_threshold=0")
+    trainer = STAPOTrainer(cfg, reward_fn=alternating_reward())
+    before = _raw(trainer.model)
+    trainer.train()
+    after = _raw(trainer.model)
+    with torch.no_grad():
+        policy = trainer.model(input_ids=IDS).logits  # collective under ZeRO-3: every rank runs it
+        engine = trainer.rollout_engine.model(input_ids=IDS).logits  # the merged weights of the last sync
+    base = [n for n in before if ".lora_" not in n]
+    return dict(base_frozen=all(torch.equal(before[n], after[n]) for n in base),
+                adapters_moved=any(not torch.equal(before[n], after[n]) for n in before if ".lora_B." in n),
+                policy=policy, engine=engine, kl=[r["kl"] for r in read_metrics(out_dir + "/run/metrics.jsonl")
+                                                  if "loss" in r])
+
+
+@pytest.mark.distributed
+def test_two_rank_zero3_lora_run_syncs_merged_weights_and_exports_the_adapter(tmp_path, tiny_model_dir,
+                                                                               arithmetic_jsonl):
+    """2 ranks, ZeRO-3 with every tensor partitioned: the trainer's sync leaves each rank's HF engine with
+    the merged policy, the KL reference is the base, and rank 0's final/ adapter reproduces the policy."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from _dist_utils import run_ranks
+
+    results = run_ranks(_two_rank_worker, 2, tmp_path, timeout=420,
+                        kwargs={"model_dir": str(tiny_model_dir), "data": str(arithmetic_jsonl)})
+    for rank in results:
+        assert rank["base_frozen"] and rank["adapters_moved"] and all(k > 0 for k in rank["kl"])
+        torch.testing.assert_close(rank["engine"], rank["policy"], rtol=0, atol=1e-5)
+    final = tmp_path / "ranks__two_rank_worker" / "run" / FINAL_DIR
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    with torch.no_grad():
+        exported = PeftModel.from_pretrained(base, str(final))(input_ids=IDS).logits
+    torch.testing.assert_close(exported, results[0]["policy"], rtol=0, atol=1e-5)
