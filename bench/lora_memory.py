@@ -5,9 +5,10 @@ fp32, AdamW) on a random-init model with Qwen3-0.6B's shapes (hidden 1024, MLP 3
 128, 151,936-token tied vocabulary) and, by default, 8 of its 28 decoder layers (RAM: full fine-tuning
 of all 28 in fp32 needs ~10 GB before activations; ``--layers 28`` where the box has it). One update
 is the trainer's: the chunked logprob op over a packed micro-batch of ``--tokens`` tokens, backward,
-optimizer step; wall and CPU time (one thread: CPU time is stable on a loaded box). Memory is MEASURED, not computed: the bytes of the distinct storages of the
-parameters, of the gradients right after backward, and of the optimizer state after a step; plus the
-process's RSS growth from the built model to after the last step, as a second witness.
+optimizer step; wall and CPU time (one thread: CPU time is stable on a loaded box). Memory is
+MEASURED, not computed: the bytes of the distinct storages of the parameters, of the gradients right
+after backward, and of the optimizer state after a step; plus the process's RSS growth from the built
+model to after the last step, as a second witness.
 
     python bench/lora_memory.py                  # 8 layers, 256 tokens, 3 timed steps each
     python bench/lora_memory.py --layers 28      # the whole Qwen3-0.6B shape (needs ~12 GB free)

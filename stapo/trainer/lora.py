@@ -80,7 +80,8 @@ def plain_model(model) -> torch.nn.Module:
 
 def base_name(name: str) -> str:
     """A PEFT parameter name as the base model names it:
-    ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` → ``model.layers.0.self_attn.q_proj.weight``."""
+    ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight``
+    → ``model.layers.0.self_attn.q_proj.weight``."""
     if name.startswith(PEFT_PREFIX):
         name = name[len(PEFT_PREFIX):]
     return name.replace(BASE_LAYER, ".")

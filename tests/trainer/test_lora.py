@@ -46,8 +46,8 @@ def test_base_name_drops_the_peft_prefix_and_base_layer():
 def test_units_put_each_base_weight_with_its_adapter_in_order():
     names = ["emb", "q.base_layer.weight", "q.lora_A.default.weight", "q.lora_B.default.weight", "norm",
              "k.lora_A.default.weight", "k.base_layer.weight", "k.lora_B.default.weight"]
-    merge = AdapterMerge({"q.base_layer.weight": AdapterPair("q.lora_A.default.weight", "q.lora_B.default.weight", 2.0),
-                          "k.base_layer.weight": AdapterPair("k.lora_A.default.weight", "k.lora_B.default.weight", 2.0)})
+    pair = {x: AdapterPair(f"{x}.lora_A.default.weight", f"{x}.lora_B.default.weight", 2.0) for x in "qk"}
+    merge = AdapterMerge({f"{x}.base_layer.weight": pair[x] for x in "qk"})
     # a unit sits where its first member is, even when an adapter precedes its base weight
     assert merge.units(names) == [[0], [1, 2, 3], [4], [5, 6, 7]]
 
