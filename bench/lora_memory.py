@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,9 +34,8 @@ SMOKE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention
 
 
 def _rss_bytes() -> int:
+    """Resident set size of this process now (Linux: /proc/self/statm, in pages)."""
     with open("/proc/self/statm") as f:
-        import os
-
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -115,8 +115,7 @@ def main() -> None:
         return
     rows = []
     for variant in ("full", "lora"):  # one process each: RSS and allocator state are not shared
-        passed = [a for a in sys.argv[1:]]
-        rows += launch_cpu_ranks(__file__, [*passed, "--worker", variant], 1, timeout=3000, what=variant)
+        rows += launch_cpu_ranks(__file__, [*sys.argv[1:], "--worker", variant], 1, timeout=3000, what=variant)
     what = "smoke shape" if args.smoke else f"Qwen3-0.6B shape, {layers} of 28 layers"
     print(f"Trainer memory and CPU step time: {what}, {tokens} tokens/step, ZeRO-0 fp32 AdamW.\n")
     print("| variant | params | trainable | params MiB | grads MiB | optimizer MiB | params+grads+optim MiB "
