@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "verifier_conformance": ["bench/verifier_conformance.py"],
     "weight_sync": ["bench/weight_sync.py", "--interleave"],
     "zero_tuning": ["bench/zero_tuning.py"],
+    "lora_memory": ["bench/lora_memory.py"],
     "vs_trl": ["bench/vs_trl.py"],
     "ablation": ["bench/ablation.py", "--seeds", "0"],
 }

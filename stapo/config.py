@@ -24,7 +24,8 @@ from pathlib import Path
 import yaml
 
 from stapo.config_loading import ConfigError, apply_overrides, build_dataclass
-from stapo.config_sections import (DataConfig, InspectConfig, LoggingConfig, LossConfig, MaskConfig, ModelConfig,
+from stapo.config_sections import (DataConfig, InspectConfig, LoggingConfig, LoraConfig, LossConfig, MaskConfig,
+                                   ModelConfig,
                                    OptimConfig, RewardConfig, RolloutConfig, TinyConfig, TrainerConfig, ZeroConfig)
 from stapo.config_validation import validate
 from stapo.data import PAPER_INSTRUCTION  # the default of data.instruction; re-exported
@@ -32,7 +33,7 @@ from stapo.data import PAPER_INSTRUCTION  # the default of data.instruction; re-
 log = logging.getLogger("stapo.config")
 
 __all__ = ["STAPOConfig", "ConfigError", "PAPER_INSTRUCTION", "DataConfig", "InspectConfig", "LoggingConfig",
-           "LossConfig", "MaskConfig", "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "TinyConfig",
+           "LoraConfig", "LossConfig", "MaskConfig", "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "TinyConfig",
            "TrainerConfig", "ZeroConfig", "validate"]
 
 

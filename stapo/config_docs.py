@@ -59,16 +59,25 @@ def config_reference_markdown() -> str:
         section_cls = hints[f.name]
         lines += [f"## `{f.name}`", "", top_docs.get(f.name, ""), "", "| key | type | default | meaning |",
                   "|---|---|---|---|"]
-        docs = field_docs(section_cls)
-        section_hints = typing.get_type_hints(section_cls)
-        for sf in dataclasses.fields(section_cls):
-            default = getattr(getattr(defaults, f.name), sf.name)
-            type_name = _type_name(section_hints[sf.name])
-            doc = docs.get(sf.name, "").replace("|", "\\|")
-            default_text = repr(default).replace("|", "\\|")
-            lines.append(f"| `{f.name}.{sf.name}` | {type_name} | `{default_text}` | {doc} |")
+        lines += _rows(section_cls, getattr(defaults, f.name), f.name)
         lines.append("")
     return "\n".join(lines)
+
+
+def _rows(cls, defaults, prefix: str) -> list[str]:
+    """Table rows of a section's fields; a nested section (``model.lora``) is expanded in place."""
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for sf in dataclasses.fields(cls):
+        default = getattr(defaults, sf.name)
+        if dataclasses.is_dataclass(hints[sf.name]):
+            rows += _rows(hints[sf.name], default, f"{prefix}.{sf.name}")
+            continue
+        doc = docs.get(sf.name, "").replace("|", "\\|")
+        default_text = repr(default).replace("|", "\\|")
+        rows.append(f"| `{prefix}.{sf.name}` | {_type_name(hints[sf.name])} | `{default_text}` | {doc} |")
+    return rows
 
 
 def _type_name(tp) -> str:

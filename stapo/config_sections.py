@@ -15,6 +15,29 @@ from stapo.losses.ops import DEFAULT_CHUNK_SIZE
 
 
 @dataclass
+class LoraConfig:
+    enabled: bool = False
+    """Train LoRA adapters (PEFT) instead of every weight: base weights stay frozen, the optimizer holds
+    state for the adapters only, the KL reference is the policy with adapters disabled, and the rollout
+    engine receives merged weights (docs/lora.md). Needs ``pip install 'stapo[lora]'``."""
+    rank: int = 16
+    """r: rank of each adapter ``B A`` (``A``: r x in, ``B``: out x r)."""
+    alpha: float = 32.0
+    """lora_alpha: the update is scaled by ``alpha / rank`` (2 at the defaults)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input during training. 0 keeps the policy deterministic: with dropout the
+    update's forward differs from the no-grad pass that gave theta_old's logprobs, so the ratio is not 1
+    at the first step and the clip sees noise."""
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                          "gate_proj", "up_proj", "down_proj"])
+    """Module names (suffixes) that get adapters; the default is every projection of a Qwen3 decoder
+    block (attention and MLP)."""
+    export_merged: bool = False
+    """Also write the merged model (base + adapters, loadable with plain ``from_pretrained``) to
+    ``output_dir/final/merged``; ``final/`` itself holds the adapter (``trainer.export_hf``)."""
+
+
+@dataclass
 class ModelConfig:
     path: str = "builtin:tiny"
     """HF model directory or hub name of the policy; ``builtin:tiny`` builds the tiny Qwen3 demo model
@@ -29,6 +52,8 @@ class ModelConfig:
     """Attention kernel of the policy (transformers' ``attn_implementation``): ``sdpa`` (any device),
     ``flex_attention`` or ``flash_attention_2`` (GPU; block-sparse over packed sequences instead of
     sdpa's dense block-diagonal mask), ``eager``. Packed rows are exact with every one of them."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (off by default: full fine-tuning, as in the paper)."""
 
 
 @dataclass

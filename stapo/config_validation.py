@@ -104,6 +104,7 @@ def validate(cfg) -> None:
     _check(math.isfinite(lo.entropy_coef), f"loss.entropy_coef must be finite, got {lo.entropy_coef}")
     mask_error = _mask_error(cfg.mask.name, cfg.mask.params)
     _check(mask_error is None, str(mask_error))
+    _validate_lora(cfg.model.lora)
 
 
 def _mask_error(name: str, params: dict) -> str | None:
@@ -117,6 +118,16 @@ def _mask_error(name: str, params: dict) -> str | None:
     except (TypeError, ValueError) as exc:
         return f"mask.params: {exc}"
     return None
+
+
+def _validate_lora(lora) -> None:
+    _check(lora.rank >= 1, f"model.lora.rank must be >= 1, got {lora.rank}")
+    _check(lora.alpha > 0, f"model.lora.alpha must be > 0, got {lora.alpha}")
+    _check(0 <= lora.dropout < 1, f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
+    modules = lora.target_modules
+    _check(isinstance(modules, list) and len(modules) > 0 and all(isinstance(m, str) and m for m in modules),
+           f"model.lora.target_modules must be a non-empty list of module names, got {modules!r}")
+    _check(not lora.export_merged or lora.enabled, "model.lora.export_merged needs model.lora.enabled")
 
 
 def _spec_error(spec: str) -> str | None:

@@ -30,6 +30,7 @@ TENSORBOARD_DIR = "tensorboard"
 RECORDS_DIR = "token_records"
 CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
+MERGED_DIR = "merged"  # final/merged: a LoRA run's merged model (final/ itself holds the adapter)
 CURVES_FILE = "curves.png"
 INSPECT_DIR = "inspect"
 PREVIOUS_RUNS_DIR = "previous_runs"

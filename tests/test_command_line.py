@@ -67,7 +67,7 @@ def test_paper_recipes_differ_only_in_the_method():
     """Each paper recipe equals its size's JustRL recipe except mask / loss / output_dir."""
     method_keys = {("mask", "name"), ("mask", "params"), ("loss", "clip_high"), ("loss", "agg"),
                    ("trainer", "output_dir")}
-    paper = [p for p in RECIPES if p.stem.startswith("qwen3_")]
+    paper = [p for p in RECIPES if p.stem.startswith("qwen3_") and not p.stem.endswith("_lora")]
     assert len(paper) == 18  # 3 sizes x (STAPO, GRPO, JustRL, 20-Entropy, 2 ablations)
     for recipe in paper:
         base_name = "_".join(recipe.stem.split("_")[:3 if "1_7b" in recipe.stem else 2]) + "_justrl.yaml"
@@ -79,6 +79,19 @@ def test_paper_recipes_differ_only_in_the_method():
         if recipe.name != base_name:  # a method recipe must change what defines the method
             assert diffs & {("mask", "name"), ("loss", "agg"), ("loss", "clip_high")}, recipe.name
             assert ("trainer", "output_dir") in diffs, f"{recipe.name} would overwrite {base_name}'s run"
+
+
+@pytest.mark.parametrize("size", ["8b", "14b"])
+def test_lora_recipes_are_the_stapo_recipe_on_adapters(size):
+    """LoRA changes nothing in the algorithm: the LoRA recipe equals the full STAPO recipe except the
+    adapters, their lr, the one-GPU memory settings and the output dir (docs/lora.md)."""
+    full = STAPOConfig.from_yaml(ROOT / "examples" / "recipes" / f"qwen3_{size}_stapo.yaml").to_dict()
+    lora = STAPOConfig.from_yaml(ROOT / "examples" / "recipes" / f"qwen3_{size}_stapo_lora.yaml").to_dict()
+    allowed = {("model", "lora"), ("optim", "lr"), ("trainer", "zero_stage"), ("trainer", "output_dir"),
+               ("trainer", "max_tokens_per_micro_batch"), ("rollout", "gpu_memory_utilization")}
+    diffs = {(s, k) for s in full for k in full[s] if full[s][k] != lora[s][k]}
+    assert {("model", "lora"), ("optim", "lr"), ("trainer", "output_dir")} <= diffs <= allowed
+    assert lora["model"]["lora"]["enabled"] and lora["optim"]["lr"] == pytest.approx(10 * full["optim"]["lr"])
 
 
 def test_the_built_in_recipe_is_the_tiny_example():

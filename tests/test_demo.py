@@ -35,3 +35,26 @@ def test_stapo_train_shortened_demo_writes_every_artifact(tmp_path):
     assert len(list((out / "token_records").iterdir())) == 3
     assert len((out / "samples.jsonl").read_text().splitlines()) >= 3
     assert (out / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_lora_run_of_the_tiny_demo_learns(tmp_path):
+    """The tiny CPU recipe with LoRA adapters (rank 16, lr 1e-3: LoRA needs a larger lr than the recipe's
+    full-fine-tuning 5e-5) raises held-out greedy accuracy by >= 15 points in 4 iterations.
+
+    Measured once with this exact command (seeds fixed): 45.0% -> 87.0% (+42 points), 18.6 min wall on
+    the shared 2-core development box at load average ~8 (RL steps 6-8 s; the 600-step warm start is
+    most of it). 15 points is over 4 standard errors of a 200-problem accuracy, and leaves room for the
+    machine-dependent float sums of the warm start; the full warm start is kept because a weaker start
+    does not learn (docs/demo.md)."""
+    out = tmp_path / "demo_lora"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stapo.cli", "train", f"trainer.output_dir={out}", "model.lora.enabled=true",
+         "optim.lr=1e-3", "trainer.total_steps=4", "trainer.save_every=0", "inspect.record_every=0",
+         "logging.log_samples_every=0", "logging.plot=false", "logging.tensorboard=false"],
+        capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    before, after = [r["eval_accuracy"] for r in evals if "eval_accuracy" in r]
+    assert after - before >= 0.15, (before, after)
+    assert (out / "final" / "adapter_config.json").is_file()

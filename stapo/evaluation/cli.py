@@ -24,7 +24,8 @@ __all__ = ["add_arguments", "run_cli"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `stapo eval` arguments to `parser`."""
-    parser.add_argument("model", help="Hugging Face model directory (e.g. a run's final/)")
+    parser.add_argument("model", help="Hugging Face model directory (e.g. a run's final/), or a LoRA adapter "
+                                      "directory (a model.lora run's final/: merged into its base model)")
     parser.add_argument("--benchmark", action="append", default=[], metavar="NAME",
                         help=f"benchmark preset, repeatable (default: all: {', '.join(BENCHMARKS)}; none "
                              "when --data is given)")

@@ -1,4 +1,5 @@
-"""`evaluate_model`: the paper's evaluation protocol (STAPO §5.1) on any HF model directory.
+"""`evaluate_model`: the paper's evaluation protocol (STAPO §5.1) on any HF model directory (or a
+LoRA adapter directory: merged into its base first, stapo.evaluation.adapter).
 
 For each benchmark and decoding setting: sample N responses per problem (vLLM on a GPU when it is
 installed, the HF engine otherwise), judge them with the rule-based math verifier (or another
@@ -15,6 +16,7 @@ verifier); our numbers are the rule-based verifier's only (see docs/evaluation.m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from stapo.data import PAPER_INSTRUCTION, PromptDataset
+from stapo.evaluation.adapter import is_adapter_dir, loadable_model_dir
 from stapo.evaluation.benchmarks import (PAPER_SETTINGS, BenchmarkPreset, DecodingSetting, get_benchmark,
                                          load_benchmark)
 from stapo.evaluation.report import BenchmarkResult, EvalReport
@@ -35,10 +38,12 @@ DEFAULT_PASS_K = (1, 4, 32)
 
 
 def check_model_dir(model_path: str | Path) -> Path:
-    """The model directory, or FileNotFoundError naming what is missing."""
+    """The model (or LoRA adapter) directory, or FileNotFoundError naming what is missing."""
     path = Path(model_path)
     if not path.is_dir():
         raise FileNotFoundError(f"no such model directory: {path}")
+    if is_adapter_dir(path):
+        return path
     if not (path / "config.json").is_file():
         hint = " (a training run? its weights are in final/ or a checkpoint)" if (path / "final").is_dir() else ""
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory: no config.json{hint}")
@@ -78,17 +83,20 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
         raise ValueError("no benchmarks to evaluate")
     if len({p.name for p in presets}) < len(presets):
         raise ValueError(f"benchmark names must be unique, got {[p.name for p in presets]}")
-    if isinstance(engine, str):
-        check_model_dir(model_path)
-        tokenizer = _load_tokenizer(model_path)
-    else:
-        tokenizer = getattr(engine, "tokenizer", None) or _load_tokenizer(model_path)
-    datasets = [load_benchmark(p, tokenizer, instruction=instruction, cache_dir=cache_dir) for p in presets]
-    for p, ds in zip(presets, datasets, strict=True):
-        logger.info("%s: %d problems from %s, N = %d", p.name, len(ds), p.hf_name, num_samples or p.num_samples)
-    longest_prompt = max(len(e.prompt_ids) for ds in datasets for e in ds)
-    engine_name, engine = build_engine(engine, model_path, tokenizer, max_model_len=longest_prompt + max_new_tokens,
-                                       seed=seed)
+    stack = contextlib.ExitStack()  # a LoRA adapter dir: its merged temp dir lives until the engine loaded it
+    load_path = stack.enter_context(loadable_model_dir(check_model_dir(model_path))) \
+        if isinstance(engine, str) else model_path
+    with stack:
+        if isinstance(engine, str):
+            tokenizer = _load_tokenizer(load_path)
+        else:
+            tokenizer = getattr(engine, "tokenizer", None) or _load_tokenizer(model_path)
+        datasets = [load_benchmark(p, tokenizer, instruction=instruction, cache_dir=cache_dir) for p in presets]
+        for p, ds in zip(presets, datasets, strict=True):
+            logger.info("%s: %d problems from %s, N = %d", p.name, len(ds), p.hf_name, num_samples or p.num_samples)
+        longest_prompt = max(len(e.prompt_ids) for ds in datasets for e in ds)
+        engine_name, engine = build_engine(engine, load_path, tokenizer,
+                                           max_model_len=longest_prompt + max_new_tokens, seed=seed)
 
     from stapo.rewards import build_scorer
 

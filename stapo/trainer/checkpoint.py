@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from stapo.run_dir import (CHECKPOINT_DIR, CLIENT_FILE, LATEST, PREVIOUS_RUNS_DIR, RUN_ARTIFACTS, checkpoint_name,
-                           complete_checkpoints, latest_checkpoint)
+from stapo.run_dir import (CHECKPOINT_DIR, CLIENT_FILE, LATEST, MERGED_DIR, PREVIOUS_RUNS_DIR, RUN_ARTIFACTS,
+                           checkpoint_name, complete_checkpoints, latest_checkpoint)
 from stapo.trainer.distributed import all_gather_object, barrier, get_rank, get_world_size
+from stapo.trainer.lora import export_adapter, is_peft_model, plain_model
 from stapo.trainer.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
 TMP_PREFIX = ".tmp-"
@@ -121,14 +122,19 @@ class CheckpointManager:
     """Saves/loads DeepSpeed training state atomically under ``output_dir/checkpoints``.
 
     Every method is collective (call it on all ranks); rank 0 does the renames and pruning.
+
+    ``exclude_frozen`` (LoRA): frozen parameters are not written, only the trainable ones (the
+    adapters) with their optimizer state; a resume rebuilds the frozen base from ``model.path``, so the
+    loaded module state is partial by design (loaded non-strictly).
     """
 
-    def __init__(self, output_dir: str | os.PathLike, keep_last: int = 2) -> None:
+    def __init__(self, output_dir: str | os.PathLike, keep_last: int = 2, *, exclude_frozen: bool = False) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.output_dir = Path(output_dir)
         self.root = self.output_dir / CHECKPOINT_DIR
         self.keep_last = keep_last
+        self.exclude_frozen = exclude_frozen
 
     def clean_stale(self) -> list[Path]:
         """Delete ``.tmp-*`` leftovers of killed saves (rank 0); returns what was removed."""
@@ -148,7 +154,8 @@ class CheckpointManager:
             self.clean_stale()
             tmp.mkdir()
         barrier()
-        engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state={}, save_latest=False)
+        frozen = {"exclude_frozen_parameters": True} if self.exclude_frozen else {}  # DeepSpeed's default otherwise
+        engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state={}, save_latest=False, **frozen)
         rng_states = all_gather_object(capture_rng_state())  # [rank] -> state
         if get_rank() == 0:
             payload = {"step": step, "world_size": get_world_size(), "client_state": client_state,
@@ -183,8 +190,9 @@ class CheckpointManager:
         if payload["world_size"] != get_world_size():
             raise RuntimeError(f"checkpoint {path} was saved with world size {payload['world_size']}, "
                                f"now {get_world_size()}: resume with the same number of ranks")
+        partial = {"load_module_strict": False} if self.exclude_frozen else {}  # frozen base not in the file
         loaded, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
-                                           load_lr_scheduler_states=True)
+                                           load_lr_scheduler_states=True, **partial)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path / DS_TAG}")
         if restore_rng:
@@ -194,14 +202,15 @@ class CheckpointManager:
 
 def export_hf(model, tokenizer, out_dir: str | os.PathLike,
               bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Path:
-    """Write a plain HF model directory (``from_pretrained``-loadable) from ZeRO-3 weights.
+    """Write a plain HF model directory (``from_pretrained``-loadable) from ZeRO-3 weights (a LoRA
+    policy: the merged model, under the base model's names).
 
     ``model`` is the DeepSpeed engine or its module (a transformers ``PreTrainedModel``).
     Collective: all ranks gather bucket by bucket, rank 0 keeps a CPU copy, writes it to a temp
     dir with ``save_pretrained`` (plus ``tokenizer`` when given) and renames it into place.
     """
     out_dir = Path(out_dir)
-    module = getattr(model, "module", model)
+    module = plain_model(getattr(model, "module", model))  # LoRA: the transformers model inside
     is_main = get_rank() == 0
     state: dict[str, torch.Tensor] = {}
     for bucket in iter_weight_buckets(model, bucket_bytes, copy=False):
@@ -215,4 +224,15 @@ def export_hf(model, tokenizer, out_dir: str | os.PathLike,
             tokenizer.save_pretrained(tmp)
         _replace_dir(tmp, out_dir)
     barrier()
+    return out_dir
+
+
+def export_final(model, tokenizer, out_dir: str | os.PathLike, *, merged: bool = False) -> Path:
+    """``final/``: the full HF model, or for a LoRA policy the adapter (PEFT-loadable) and, with
+    ``merged``, the merged model in ``final/merged`` (plain ``from_pretrained``). Collective."""
+    if not is_peft_model(model):
+        return export_hf(model, tokenizer, out_dir)
+    out_dir = export_adapter(model, tokenizer, out_dir)
+    if merged:
+        export_hf(model, tokenizer, out_dir / MERGED_DIR)
     return out_dir

@@ -83,6 +83,19 @@ def load_policy(path: str, cfg: STAPOConfig):
     return model
 
 
+def build_policy(path: str, cfg: STAPOConfig):
+    """The policy to train: the loaded model, wrapped with LoRA adapters when ``model.lora.enabled``
+    (stapo.trainer.lora; adapters seeded by ``trainer.seed``, identical on every rank)."""
+    model = load_policy(path, cfg)
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return model
+    from stapo.trainer.lora import wrap_with_lora
+
+    return wrap_with_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                          target_modules=lora.target_modules, seed=cfg.trainer.seed)
+
+
 def rows_per_rank(cfg: STAPOConfig, world_size: int) -> int:
     """Rows (prompts x G) of one mini-batch on one rank; the batch sizes must split evenly."""
     t = cfg.trainer
@@ -119,10 +132,17 @@ def build_deepspeed(model, cfg: STAPOConfig, world_size: int):
     )
 
 
-def build_reference(cfg: STAPOConfig, model_path: str):
-    """The frozen reference policy of the KL term, or None when ``loss.kl_coef`` is 0 (the paper)."""
+def build_reference(cfg: STAPOConfig, model_path: str, policy=None):
+    """The frozen reference policy of the KL term, or None when ``loss.kl_coef`` is 0 (the paper).
+
+    With LoRA it is ``policy`` (the trained module) with its adapters disabled: no second copy of the
+    weights (run its forwards inside ``stapo.trainer.lora.reference_scope``)."""
     if cfg.loss.kl_coef == 0:
         return None
+    if cfg.model.lora.enabled:
+        from stapo.trainer.lora import DisabledAdapters
+
+        return DisabledAdapters(policy)
     from stapo.trainer.engine import build_reference as wrap
 
     return wrap(load_policy(model_path, cfg), zero_stage=cfg.trainer.zero_stage,

@@ -26,12 +26,13 @@ from stapo.losses import (TokenMask, TokenStats, build_mask, group_advantages, m
 from stapo.rollout import Rollout, SamplingParams
 from stapo.trainer import components as build
 from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, read_metrics
-from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_hf
+from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_final
 from stapo.trainer.distributed import all_gather_object, barrier, init_distributed
 from stapo.trainer.metrics import MetricsLogger
 from stapo.trainer.preflight import plan_run
 from stapo.trainer.recording import TokenRecorder
 from stapo.trainer.engine import current_lr
+from stapo.trainer.lora import reference_scope
 from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout
 from stapo.trainer.mfu import device_peak_flops
 from stapo.trainer.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
@@ -79,9 +80,9 @@ class STAPOTrainer:
             self._set_aside_previous_run(cfg.trainer.resume)
         self.model_path = build.resolve_model_path(cfg, self.dist)
         self.tokenizer = build.load_tokenizer(self.model_path, cfg)
-        self.engine = build.build_deepspeed(build.load_policy(self.model_path, cfg), cfg, self.dist.world_size)
-        self.model = self.engine.module
-        self.reference = build.build_reference(cfg, self.model_path)  # None unless loss.kl_coef > 0
+        self.engine = build.build_deepspeed(build.build_policy(self.model_path, cfg), cfg, self.dist.world_size)
+        self.model = self.engine.module  # a PeftModel with model.lora (stapo/trainer/lora.py)
+        self.reference = build.build_reference(cfg, self.model_path, self.model)  # None unless loss.kl_coef > 0
         self.peak_flops = device_peak_flops(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
         self.rollout_engine = build.build_rollout_engine(cfg, self.model_path, self.tokenizer, self.dist.rank)
         self.mask = mask if mask is not None else build_mask(cfg.mask.name, **cfg.mask.params)
@@ -93,7 +94,8 @@ class STAPOTrainer:
 
         self.sampler = PromptSampler(len(self.train_data), cfg.trainer.train_batch_size, seed=cfg.trainer.seed)
         self.opts = build.update_options(cfg)
-        self.checkpoints = CheckpointManager(self.output_dir, keep_last=cfg.trainer.keep_last)
+        self.checkpoints = CheckpointManager(self.output_dir, keep_last=cfg.trainer.keep_last,
+                                             exclude_frozen=cfg.model.lora.enabled)
         self.logger = MetricsLogger(
             self.output_dir, is_main=self.dist.is_main, tensorboard=cfg.logging.tensorboard,
             wandb={"project": cfg.logging.wandb_project, "config": cfg.to_dict()} if cfg.logging.wandb_project else None,
@@ -150,7 +152,10 @@ class STAPOTrainer:
         """The iteration's rows, complete: theta_old's stats from the no-grad pass (and the reference
         policy's logprobs when ``loss.kl_coef > 0``)."""
         old_logprobs, old_entropy = policy_stats(self.model, rollout, self.opts)
-        ref_logprobs = policy_stats(self.reference, rollout, self.opts)[0] if self.reference is not None else None
+        ref_logprobs = None
+        if self.reference is not None:  # LoRA: the policy itself, adapters disabled
+            with reference_scope(self.reference) as reference:
+                ref_logprobs = policy_stats(reference, rollout, self.opts)[0]
         loss_mask = None  # loss.mask_truncated: responses cut at max_response_length leave the loss
         if self.config.loss.mask_truncated:
             loss_mask = truncated_keep(rollout.response_mask, truncated_rows(rollout.finish_reason))
@@ -243,7 +248,8 @@ class STAPOTrainer:
     def _finish(self, before: dict, after: dict, seconds: float) -> dict[str, float]:
         from stapo.plots import plot_training_curves
         if self.config.trainer.export_hf:
-            export_hf(self.engine, self.tokenizer, self.output_dir / FINAL_DIR)
+            export_final(self.engine, self.tokenizer, self.output_dir / FINAL_DIR,
+                         merged=self.config.model.lora.export_merged)
         if self.dist.is_main and self.config.logging.plot:
             plot_training_curves(self.output_dir / METRICS_FILE, self.output_dir / CURVES_FILE)
         rows = [r for r in read_metrics(self.output_dir / METRICS_FILE) if "silenced_frac" in r]

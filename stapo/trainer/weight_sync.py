@@ -17,6 +17,10 @@ wrapper prefix is stripped, so buckets load into a plain ``AutoModelForCausalLM`
 engine's ``load_weights``. Tied weights appear once, under the name ``named_parameters()`` gives
 them (``model.embed_tokens.weight`` for tied Qwen3), as vLLM expects.
 
+A LoRA policy (PEFT, ``model.lora``) syncs as its merged base model: each base weight is bucketed
+with its adapter and the bucket leaves as ``W + scaling * B @ A`` under the base name
+(:class:`stapo.trainer.lora.AdapterMerge`), so engines load it exactly like a full-fine-tuned policy.
+
 Gathers are collective: every rank must iterate the same buckets in the same order (the plan is
 computed from full sizes, identical on all ranks); each rank feeds its own colocated engine.
 Works unchanged on a plain (non-ZeRO) module: gathering is then a no-op.
@@ -32,6 +36,7 @@ from typing import Iterable, Iterator, Protocol
 import torch
 
 from stapo.trainer.flat_gather import GatherBuffers, gather_partitioned
+from stapo.trainer.lora import AdapterMerge
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20  # 256 MiB
 _WRAPPER_PREFIXES = ("module", "_orig_mod")  # DeepSpeedEngine / DDP, torch.compile
@@ -148,7 +153,8 @@ def _persistent_buffers(model: torch.nn.Module) -> Bucket:
 def iter_weight_buckets(
     model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, copy: bool = True
 ) -> Iterator[Bucket]:
-    """Yield ``[(hf_name, full_tensor), ...]`` buckets covering every parameter once.
+    """Yield ``[(hf_name, full_tensor), ...]`` buckets covering every parameter once (a LoRA policy:
+    every base-model tensor once, adapters merged in).
 
     ``model`` may be a DeepSpeed engine, its ``.module``, or a plain module. With ``copy=True``
     the tensors are contiguous and own their storage, the caller may keep them; with
@@ -157,17 +163,21 @@ def iter_weight_buckets(
     ``load_weights`` copies anyway). Collective under ZeRO-3.
     """
     named = list(model.named_parameters())
+    names = [hf_name(n) for n, _ in named]
     sizes = [full_numel(p) * p.element_size() for _, p in named]
+    merge = AdapterMerge.of(model, hf_name)  # LoRA policy: merged base weights, adapters gathered with them
+    units = merge.units(names) if merge is not None else [[i] for i in range(len(named))]
     gather_buffers = GatherBuffers()  # this iteration's; freed with the generator
-    for indices in plan_buckets(sizes, bucket_bytes):
+    for unit_ids in plan_buckets([sum(sizes[i] for i in u) for u in units], bucket_bytes):
+        indices = [i for u in unit_ids for i in units[u]]
         with _full_tensors([named[i][1] for i in indices], copy, gather_buffers) as tensors:
-            bucket = [(hf_name(named[i][0]), t) for i, t in zip(indices, tensors)]
+            bucket = [(names[i], t) for i, t in zip(indices, tensors)]
             del tensors
-            yield bucket
+            yield merge(bucket) if merge is not None else bucket
         del bucket  # only the caller may hold the previous bucket while the next is gathered
     buffers = _persistent_buffers(model)
     if buffers:
-        yield buffers
+        yield merge(buffers) if merge is not None else buffers
 
 
 def iter_weights_per_param(model: torch.nn.Module, *, copy: bool = True) -> Iterator[Bucket]:

@@ -1,0 +1,219 @@
+"""LoRA adapters on the policy (PEFT): the one module that imports ``peft`` (docs/lora.md).
+
+LoRA changes nothing in the algorithm: the same surrogate, masks and statistics, computed by the
+same forwards, only the trainable set shrinks to the adapters ``A`` (r x in) and ``B`` (out x r) of
+each target projection, so ``W_eff = W + (alpha / r) B A``. Three things follow for the trainer:
+
+* **Policy.** :func:`wrap_with_lora` wraps the transformers model in a PEFT ``PeftModel`` BEFORE
+  DeepSpeed sees it: ``deepspeed.initialize`` then partitions base weights and adapters alike under
+  ZeRO-3 and builds optimizer state (fp32 master + Adam moments) for the ``requires_grad`` adapters
+  only. Base weights stay frozen and bit-identical.
+* **Reference.** With ``loss.kl_coef > 0`` the reference policy is the initial policy, which for
+  LoRA is the base model: :class:`DisabledAdapters` runs the policy inside PEFT's
+  ``disable_adapter()`` context, so no second copy of the weights exists.
+* **Sync and export.** A rollout engine loads plain base-model tensors (``model.layers.0.self_attn.
+  q_proj.weight``). :class:`AdapterMerge` tells :func:`stapo.trainer.weight_sync.iter_weight_buckets`
+  which parameters to gather together (a base weight with its ``A`` and ``B``, one collective per
+  bucket as before) and turns each gathered bucket into merged tensors under the base names; no
+  ``lora_A``/``lora_B`` name and no PEFT prefix reaches the engine. :func:`export_adapter` writes
+  the adapter alone (``PeftModel.from_pretrained``-loadable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+#: Qwen3's attention and MLP projections: every linear layer of a decoder block.
+QWEN3_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
+BASE_LAYER = ".base_layer."  # a LoRA layer keeps the wrapped nn.Linear under this name
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def require_peft():
+    """The ``peft`` module, or an ImportError that says how to install it."""
+    try:
+        import peft
+    except ImportError as exc:
+        raise ImportError("model.lora.enabled needs PEFT: pip install 'stapo[lora]' (or pip install peft)") from exc
+    return peft
+
+
+def wrap_with_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float,
+                   target_modules: tuple[str, ...] | list[str], seed: int):
+    """``model`` with LoRA adapters on ``target_modules`` (a ``PeftModel``); only the adapters train.
+
+    ``B`` starts at zero (PEFT's default), so the wrapped policy computes exactly what the base model
+    does until the first update. ``A``'s random init is drawn under ``seed`` in a forked RNG: every
+    rank builds identical adapters (``build_engine`` checks) and the caller's RNG streams are left
+    untouched. Adapters keep the base model's dtype (DeepSpeed holds their fp32 master copy).
+    """
+    peft = require_peft()
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+                             bias="none", task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+    wrapped.config.use_cache = False
+    return wrapped
+
+
+def is_peft_model(model) -> bool:
+    """True for a PEFT ``PeftModel`` (or a DeepSpeed engine wrapping one); never imports peft."""
+    module = getattr(model, "module", model)
+    return hasattr(module, "peft_config") and hasattr(module, "disable_adapter")
+
+
+def plain_model(model) -> torch.nn.Module:
+    """The transformers model inside a ``PeftModel`` (its ``save_pretrained`` writes a full model);
+    ``model`` itself otherwise."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def base_name(name: str) -> str:
+    """A PEFT parameter name as the base model names it:
+    ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight``
+    → ``model.layers.0.self_attn.q_proj.weight``."""
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX):]
+    return name.replace(BASE_LAYER, ".")
+
+
+class DisabledAdapters:
+    """The reference policy of a LoRA run: the policy itself inside ``disable_adapter()`` (the base
+    model, i.e. the initial policy, since the base weights never change)."""
+
+    def __init__(self, model) -> None:
+        if not is_peft_model(model):
+            raise TypeError(f"DisabledAdapters needs a PEFT model, got {type(model).__name__}")
+        self.model = model
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[torch.nn.Module]:
+        with self.model.disable_adapter():
+            yield self.model
+
+
+def reference_scope(reference) -> contextlib.AbstractContextManager:
+    """``with reference_scope(ref) as module:`` the module to run the reference forward on: a separate
+    frozen model as it is, or the LoRA policy with its adapters off for the ``with`` body."""
+    return reference.active() if isinstance(reference, DisabledAdapters) else contextlib.nullcontext(reference)
+
+
+@dataclass(frozen=True)
+class AdapterPair:
+    """The adapter of one base weight, by parameter name: ``delta = scaling * B @ A``."""
+
+    lora_a: str  # (r, in)
+    lora_b: str  # (out, r)
+    scaling: float  # alpha / r (alpha / sqrt(r) with rsLoRA)
+
+
+class AdapterMerge:
+    """How the sync of a LoRA policy groups and rewrites (name, tensor) pairs.
+
+    ``pairs`` maps a base weight's parameter name (wrapper prefixes stripped, as
+    ``weight_sync.hf_name`` gives it) to its adapter. :meth:`units` keeps a base weight and its
+    adapter in one bucket (so ZeRO-3 gathers them in the same collective); calling the object on a
+    gathered bucket returns merged tensors under base-model names, adapters dropped.
+    """
+
+    def __init__(self, pairs: dict[str, AdapterPair]) -> None:
+        self.pairs = pairs
+        self._owner = {n: base for base, p in pairs.items() for n in (p.lora_a, p.lora_b)}
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, name_fn) -> "AdapterMerge | None":
+        """The merge plan of ``model`` (a PEFT model, or a DeepSpeed engine around one), None without
+        LoRA layers. ``name_fn`` maps a raw parameter name to the sync's name (``hf_name``)."""
+        pairs = {}
+        for prefix, module in model.named_modules():
+            if not (hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "scaling")):
+                continue
+            if getattr(module, "disable_adapters", False):
+                continue  # adapters off: the base weight is the policy's weight
+            adapters = [a for a in module.active_adapters if a in module.lora_A]
+            if len(adapters) != 1 or getattr(module, "merged", False) or getattr(module, "fan_in_fan_out", False) \
+                    or module.use_dora.get(adapters[0], False):
+                raise ValueError(f"{prefix}: weight sync merges exactly one active, unmerged, plain LoRA adapter "
+                                 f"on a Linear layer (active: {adapters}, merged: {module.merged}; "
+                                 "embeddings, DoRA and fan_in_fan_out layers are not supported)")
+            name = adapters[0]
+            pairs[name_fn(f"{prefix}.base_layer.weight")] = AdapterPair(
+                name_fn(f"{prefix}.lora_A.{name}.weight"), name_fn(f"{prefix}.lora_B.{name}.weight"),
+                float(module.scaling[name]))
+        return cls(pairs) if pairs else None
+
+    def units(self, names: list[str]) -> list[list[int]]:
+        """Indices of ``names`` grouped so each base weight travels with its ``A`` and ``B``; order kept
+        (a unit sits where its first member is)."""
+        index = {n: i for i, n in enumerate(names)}
+        missing = [n for p in self.pairs.values() for n in (p.lora_a, p.lora_b) if n not in index]
+        if missing:
+            raise KeyError(f"adapter parameters not among the model's parameters: {missing[:3]}")
+        tied = [n for n in self.pairs if n not in index]  # named_parameters() lists a tied weight once
+        if tied:
+            raise ValueError(f"LoRA on a tied weight cannot be merged into one tensor: {tied[:3]} (leave "
+                             "lm_head out of model.lora.target_modules when the embeddings are tied)")
+        units: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            units.setdefault(self._owner.get(name, name), []).append(i)
+        return list(units.values())
+
+    def __call__(self, bucket: Bucket) -> Bucket:
+        """Merged ``W + scaling * B @ A`` (computed in fp32, stored in W's dtype) under base names."""
+        tensors = dict(bucket)
+        out = []
+        for name, tensor in bucket:
+            if name in self._owner:
+                continue
+            pair = self.pairs.get(name)
+            if pair is not None:
+                a, b = tensors[pair.lora_a], tensors[pair.lora_b]
+                tensor = torch.addmm(tensor.float(), b.float(), a.float(), alpha=pair.scaling).to(tensor.dtype)
+            out.append((base_name(name), tensor))
+        return out
+
+
+def export_adapter(model, tokenizer, out_dir: str | os.PathLike) -> Path:
+    """Write the adapter (``adapter_config.json`` + ``adapter_model.safetensors``) and the tokenizer.
+
+    Loadable with ``PeftModel.from_pretrained(base, out_dir)``; its config names the base model
+    (``base_model_name_or_path``), which ``stapo eval`` reads. Collective under ZeRO-3 (the adapters
+    are gathered); rank 0 writes into a temp dir and renames it into place.
+    """
+    from stapo.trainer.checkpoint import TMP_PREFIX, _replace_dir
+    from stapo.trainer.distributed import barrier, get_rank
+    from stapo.trainer.weight_sync import hf_name
+
+    out_dir = Path(out_dir)
+    module = getattr(model, "module", model)
+    named = [(n, p) for n, p in module.named_parameters() if ".lora_" in n]
+    with _gathered(p for _, p in named):
+        state = {hf_name(n): p.detach().to("cpu", copy=True) for n, p in named}
+    if get_rank() == 0:
+        tmp = out_dir.with_name(f"{TMP_PREFIX}{out_dir.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        module.save_pretrained(tmp, state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _replace_dir(tmp, out_dir)
+    barrier()
+    return out_dir
+
+
+def _gathered(params):
+    params = list(params)
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
