@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import random
 import socket
@@ -192,9 +193,10 @@ def _import_vllm():
     except ImportError as err:
         raise ImportError("VLLMEngine needs vLLM: pip install 'stapo[vllm]' (or use HFEngine)") from err
     fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
-    if "logprobs_mode" not in fields or "worker_extension_cls" not in fields:
-        raise ImportError(f"vLLM {vllm.__version__} is too old: VLLMEngine needs EngineArgs.logprobs_mode "
-                          "and worker_extension_cls (vllm>=0.10.2)")
+    reload_api = importlib.util.find_spec("vllm.model_executor.model_loader.reload") is not None
+    if "logprobs_mode" not in fields or "worker_extension_cls" not in fields or not reload_api:
+        raise ImportError(f"vLLM {vllm.__version__} is too old: VLLMEngine needs EngineArgs.logprobs_mode, "
+                          "worker_extension_cls and the layerwise weight reload (vllm>=0.26)")
     return vllm
 
 
