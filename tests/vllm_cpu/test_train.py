@@ -93,4 +93,14 @@ def test_stapo_eval_with_vllm(four_steps, tmp_path):
          "--samples", "2", "--max-new-tokens", "32", "--settings", "train", "--out", str(tmp_path / "eval")])
     result = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert result["engine"] == "vllm"
-    assert sum(1 for _ in (tmp_path / "eval" / "samples.jsonl").open()) == 16  # 8 problems x 2 samples
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").open()]
+    assert len(rows) == 8 and all(len(r["responses"]) == 2 for r in rows)  # 8 problems x 2 samples
+
+
+def test_lora_run_syncs_the_merged_adapters(warm_model_dir, tmp_path):
+    # LoRA (docs/lora.md): buckets carry W + (alpha/r) B A under the base names, through the same update
+    # session; a sync that dropped the adapters would leave vLLM on the base weights at step 2
+    steps = train(tmp_path / "lora", warm_model_dir, "trainer.total_steps=2", "trainer.save_every=0",
+                  "model.lora.enabled=true", "optim.lr=1e-3", "trainer.export_hf=false")
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["mismatch_logp_abs_mean"] <= FP32_LOGPROB_BOUND for r in steps), steps
