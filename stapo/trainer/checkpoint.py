@@ -30,7 +30,7 @@ import torch
 from stapo.run_dir import (CHECKPOINT_DIR, CLIENT_FILE, LATEST, MERGED_DIR, PREVIOUS_RUNS_DIR, RUN_ARTIFACTS,
                            checkpoint_name, complete_checkpoints, latest_checkpoint)
 from stapo.trainer.distributed import all_gather_object, barrier, get_rank, get_world_size
-from stapo.trainer.lora import export_adapter, is_peft_model, plain_model
+from stapo.trainer.lora import adapter_state, is_peft_model, plain_model
 from stapo.trainer.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
 TMP_PREFIX = ".tmp-"
@@ -217,14 +217,19 @@ def export_hf(model, tokenizer, out_dir: str | os.PathLike,
         if is_main:
             state.update({name: tensor.to("cpu", copy=True) for name, tensor in bucket})
     if is_main:
-        tmp = out_dir.with_name(f"{TMP_PREFIX}{out_dir.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        module.save_pretrained(tmp, state_dict=state)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        _replace_dir(tmp, out_dir)
+        _save_pretrained_atomic(module, state, tokenizer, out_dir)
     barrier()
     return out_dir
+
+
+def _save_pretrained_atomic(module, state: dict, tokenizer, out_dir: Path) -> None:
+    """``module.save_pretrained(state_dict=state)`` (+ the tokenizer) into a temp dir renamed into place."""
+    tmp = out_dir.with_name(f"{TMP_PREFIX}{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    module.save_pretrained(tmp, state_dict=state)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    _replace_dir(tmp, out_dir)
 
 
 def export_final(model, tokenizer, out_dir: str | os.PathLike, *, merged: bool = False) -> Path:
@@ -232,7 +237,11 @@ def export_final(model, tokenizer, out_dir: str | os.PathLike, *, merged: bool =
     ``merged``, the merged model in ``final/merged`` (plain ``from_pretrained``). Collective."""
     if not is_peft_model(model):
         return export_hf(model, tokenizer, out_dir)
-    out_dir = export_adapter(model, tokenizer, out_dir)
+    out_dir = Path(out_dir)
+    state = adapter_state(model)  # the adapter: loadable with PeftModel.from_pretrained(base, out_dir)
+    if get_rank() == 0:
+        _save_pretrained_atomic(getattr(model, "module", model), state, tokenizer, out_dir)
+    barrier()
     if merged:
         export_hf(model, tokenizer, out_dir / MERGED_DIR)
     return out_dir

@@ -15,17 +15,14 @@ each target projection, so ``W_eff = W + (alpha / r) B A``. Three things follow 
   q_proj.weight``). :class:`AdapterMerge` tells :func:`stapo.trainer.weight_sync.iter_weight_buckets`
   which parameters to gather together (a base weight with its ``A`` and ``B``, one collective per
   bucket as before) and turns each gathered bucket into merged tensors under the base names; no
-  ``lora_A``/``lora_B`` name and no PEFT prefix reaches the engine. :func:`export_adapter` writes
-  the adapter alone (``PeftModel.from_pretrained``-loadable).
+  ``lora_A``/``lora_B`` name and no PEFT prefix reaches the engine. :func:`adapter_state` gathers
+  the adapters alone, which ``stapo.trainer.checkpoint.export_final`` writes as a PEFT adapter.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -183,31 +180,15 @@ class AdapterMerge:
         return out
 
 
-def export_adapter(model, tokenizer, out_dir: str | os.PathLike) -> Path:
-    """Write the adapter (``adapter_config.json`` + ``adapter_model.safetensors``) and the tokenizer.
-
-    Loadable with ``PeftModel.from_pretrained(base, out_dir)``; its config names the base model
-    (``base_model_name_or_path``), which ``stapo eval`` reads. Collective under ZeRO-3 (the adapters
-    are gathered); rank 0 writes into a temp dir and renames it into place.
-    """
-    from stapo.trainer.checkpoint import TMP_PREFIX, _replace_dir
-    from stapo.trainer.distributed import barrier, get_rank
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """The adapters' tensors on the CPU under PEFT's names (what ``save_pretrained`` of a PeftModel
+    writes as ``adapter_model.safetensors``). Collective under ZeRO-3 (the adapters are gathered)."""
     from stapo.trainer.weight_sync import hf_name
 
-    out_dir = Path(out_dir)
     module = getattr(model, "module", model)
     named = [(n, p) for n, p in module.named_parameters() if ".lora_" in n]
     with _gathered(p for _, p in named):
-        state = {hf_name(n): p.detach().to("cpu", copy=True) for n, p in named}
-    if get_rank() == 0:
-        tmp = out_dir.with_name(f"{TMP_PREFIX}{out_dir.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        module.save_pretrained(tmp, state_dict=state)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        _replace_dir(tmp, out_dir)
-    barrier()
-    return out_dir
+        return {hf_name(n): p.detach().to("cpu", copy=True) for n, p in named}
 
 
 def _gathered(params):

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _rollout_utils import assert_matches_teacher_forced
 
 from stapo.rollout import Rollout, SamplingParams, VLLMEngine
 from stapo.rollout.vllm_engine import (CPU_KV_CACHE_BYTES, EXTERNAL_LAUNCHER, ExecutorPlan, GroupFacts,
