@@ -169,12 +169,13 @@ def _trim_responses(response_ids, response_mask):
     return response_ids[:, :t_len], response_mask[:, :t_len]
 
 
-def _run_as_forward(module: torch.nn.Module, fn, *args):
+def _run_as_forward(module: torch.nn.Module, fn, *args, caller=None):
     """Call ``fn(*args)`` as ``module``'s forward, so the hooks registered on ``module`` (ZeRO-3's
-    parameter gathering, release and trace bookkeeping) run around it as around the real forward."""
+    parameter gathering, release and trace bookkeeping) run around it as around the real forward.
+    ``caller``: what calls ``module`` (e.g. the DeepSpeed engine wrapping it); ``None``: ``module``."""
     module.forward = fn
     try:
-        return module(*args)
+        return (caller or module)(*args)
     finally:
         del module.forward  # back to the class's own forward
 
@@ -194,11 +195,7 @@ def head_on_targets(model, inputs: TeacherForcedInputs, fn, runner=None):
         hidden = inputs.target_hidden(model.get_decoder())  # (N, H): valid tokens only
         return _run_as_forward(head, lambda h: fn(h, head.weight), hidden)
 
-    model.forward = forward
-    try:
-        return (runner or model)()
-    finally:
-        del model.forward  # back to the class's own forward
+    return _run_as_forward(model, forward, caller=runner)
 
 
 def response_token_stats(model, inputs: TeacherForcedInputs, *, temperature: float, chunk_size: int,
