@@ -1,4 +1,4 @@
-"""Benchmark: one training step's GPU phases, padded rows vs packed token-budget micro-batches, ZeRO-0 vs 3.
+"""Benchmark: one training step's GPU phases, padded rows vs packed token-budget micro-batches, ZeRO-1 vs 3.
 
 A Qwen3-0.6B-shaped policy (28 layers, width 1,024, GQA 16/8 heads of 128, MLP 3,072; random weights
 from ``transformers.Qwen3Config``, no hub download; the tiny tokenizer's 384-token vocabulary unless
@@ -11,9 +11,11 @@ mini-batches (mask ``stapo``, clipped surrogate, backward, optimizer step), afte
 * ``packed``: padding-free packed rows, micro-batches cut by a ``--budget`` token budget (the stats
   pass takes twice the budget);
 
-each under ZeRO-0 and ZeRO-3 (the project's ``build_engine`` with the ``zero:`` defaults, in a 1-rank
-process group). Prints a Markdown table: seconds, real tokens/s and MFU per phase
-(:mod:`stapo.trainer.mfu`; MFU is left blank without a known GPU), peak memory, and speed-ups.
+each under ZeRO-1 (the one-GPU setting: bf16 needs stage >= 1 for fp32 gradient accumulation) and ZeRO-3
+(the project's ``build_engine`` with the ``zero:`` defaults, in a 1-rank process group). Prints a Markdown
+table: seconds, real tokens/s and MFU per phase (:mod:`stapo.trainer.mfu`: the lm_head counted at response
+positions only, where the passes apply it; MFU is left blank without a known GPU), peak memory, and
+speed-ups.
 
     python bench/gpu_step.py                          # the shape above, bf16 on one GPU
     python bench/gpu_step.py --vocab 151936           # with Qwen3's real vocabulary
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 
 from stapo.tiny.tokenizer import VOCAB_SIZE
-from stapo.trainer.mfu import causal_context_length, device_peak_flops, flops_per_token, phase_throughput
+from stapo.trainer.mfu import causal_context_length, device_peak_flops, forward_flops, phase_throughput
 
 SHAPES = {
     "qwen3_0p6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -147,18 +149,20 @@ def _fmt(value, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
-def report(rows: list[dict], tokens: int, fpt: float, peak: float | None) -> str:
-    """Markdown table; speed-ups are step-time ratios (stats + update)."""
+def report(rows: list[dict], tokens: int, flops: float, peak: float | None) -> str:
+    """Markdown table; speed-ups are step-time ratios (stats + update). ``flops``: forward FLOPs of
+    one pass over the batch (both phases make one)."""
     for r in rows:
         r["step_s"] = r["stats_s"] + r["update_s"]
-        r.update(phase_throughput("stats", tokens, r["stats_s"], fpt, peak, backward=False))
-        r.update(phase_throughput("update", tokens, r["update_s"], fpt, peak, backward=True))
+        r.update(phase_throughput("stats", tokens, r["stats_s"], flops, peak, backward=False))
+        r.update(phase_throughput("update", tokens, r["update_s"], flops, peak, backward=True))
     base = {r["zero"]: r["step_s"] for r in rows if r["layout"] == "padded"}
+    low = min(base, default=None)  # the lowest ZeRO stage run: the one-GPU setting
     lines = ["| layout | micro-batch | ZeRO | stats s | stats tok/s | stats MFU | update s | update tok/s "
-             "| update MFU | update micro-batches | peak GiB | step s | × vs padded (same ZeRO) | × vs padded ZeRO-0 |",
+             f"| update MFU | update micro-batches | peak GiB | step s | × vs padded (same ZeRO) | × vs padded ZeRO-{low} |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        same, zero0 = base.get(r["zero"]), base.get(0)
+        same, zero0 = base.get(r["zero"]), base.get(low)
         lines.append(
             f"| {r['layout']} | {r['cut']} | {r['zero']} | {r['stats_s']:.2f} | {r['tokens_per_s_stats']:,.0f} "
             f"| {_fmt(r.get('mfu_stats'), '.1%')} | {r['update_s']:.2f} | {r['tokens_per_s_update']:,.0f} "
@@ -168,10 +172,10 @@ def report(rows: list[dict], tokens: int, fpt: float, peak: float | None) -> str
     ratios = []
     for layout in dict.fromkeys(r["layout"] for r in rows):
         steps = {r["zero"]: r["step_s"] for r in rows if r["layout"] == layout}
-        if 0 in steps and 3 in steps:
-            ratios.append(f"{layout} {steps[3] / steps[0]:.2f}×")
+        if low in steps and 3 in steps and low != 3:
+            ratios.append(f"{layout} {steps[3] / steps[low]:.2f}×")
     if ratios:
-        lines += ["", "ZeRO-3 / ZeRO-0 step time: " + ", ".join(ratios)]
+        lines += ["", f"ZeRO-3 / ZeRO-{low} step time: " + ", ".join(ratios)]
     return "\n".join(lines)
 
 
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--micro", type=int, help="rows per micro-batch of the padded layout (default 8)")
     ap.add_argument("--budget", type=int, help="token budget of a packed update micro-batch (default 16384)")
     ap.add_argument("--attn", default="sdpa", help="attn_implementation: sdpa, flash_attention_2, flex_attention")
-    ap.add_argument("--zero", default="0,3", help="ZeRO stages to compare, e.g. 0,3")
+    ap.add_argument("--zero", default="1,3", help="ZeRO stages to compare, e.g. 1,3 (bf16 refuses 0)")
     ap.add_argument("--layouts", default="padded,packed")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = ap.parse_args(argv)
@@ -203,15 +207,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = [run_config(config, seqs, warm, layouts[name], int(z), work, args.attn)
             for name in args.layouts.split(",") for z in args.zero.split(",")]
     tokens = sum(seqs["lengths"])
-    fpt = flops_per_token(config, causal_context_length(seqs["lengths"]))
+    pairs = causal_context_length(seqs["lengths"]) * tokens
+    flops = forward_flops(config, tokens, pairs, head_tokens=float(seqs["response_mask"].sum()))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     peak = device_peak_flops(device)
     print(f"\nGPU step phases, {shape} shape (vocab {args.vocab}, {args.attn}), {work['sequences']} sequences, "
           f"{tokens:,} real tokens, {work['minibatches']} mini-batches; device: {device or 'CPU'}"
           + (f" (peak {peak / 1e12:.1f} TFLOP/s bf16 dense)" if peak else " (no peak known: MFU blank)") + "\n")
-    print(report(rows, tokens, fpt, peak))
+    print(report(rows, tokens, flops, peak))
     if args.json:
-        args.json.write_text(json.dumps({"tokens": tokens, "flops_per_token": fpt, "peak": peak, "rows": rows},
+        args.json.write_text(json.dumps({"tokens": tokens, "forward_flops": flops, "peak": peak, "rows": rows},
                                         indent=2))
     return rows
 

@@ -2,7 +2,10 @@
 
 Each rank trains a random-init model with Qwen3-0.6B's layer shape (hidden 1,024, GQA 16/8 heads of
 128, MLP 3,072; 4 layers instead of 28, a 384-token vocabulary: ~63M parameters, so persistence and
-bucket thresholds see the real tensor sizes) for a few optimizer steps of ``--micro`` micro-batches.
+bucket thresholds see the real tensor sizes) for a few steps of ``--micro`` micro-batches, through the
+trainer's own passes: a step is the no-grad stats pass and the update (``policy_stats`` and
+``update_minibatch``' forward, :func:`stapo.trainer.policy.response_token_stats` on packed rows, with
+exact accumulation), so the ZeRO-3 parameter trace sees the module order the trainer produces.
 The two settings alternate step by step (same machine load). Prints a Markdown table: median step
 time, CPU seconds, and the collectives one step issues (counted with DeepSpeed's comms logger in a
 separate step, since the logger synchronizes every op).
@@ -41,15 +44,38 @@ def _tuning(setting: str):
     return ZeroTuning() if setting == "deepspeed_defaults" else zero_tuning(STAPOConfig())
 
 
-def _step(engine, ids) -> None:
-    """One optimizer step over the micro-batches ``ids`` (micro, 1, T) with DeepSpeed's own API."""
+def _inputs(ids):
+    """Micro-batch rows ``(1, T)`` as the trainer's packed teacher-forced inputs: the first half of
+    each row is the prompt, the second half the response."""
     import torch
 
+    from stapo.trainer.policy import teacher_forced_inputs
+
+    half = ids.shape[-1] // 2
+    out = []
     for micro in ids:
-        logits = engine(input_ids=micro).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), micro[:, 1:].reshape(-1))
-        engine.backward(loss)
-        engine.step()
+        prompt_mask = torch.ones(micro.shape[0], half, dtype=torch.bool)
+        response_mask = torch.ones(micro.shape[0], micro.shape[1] - half, dtype=torch.bool)
+        out.append(teacher_forced_inputs(micro[:, :half], prompt_mask, micro[:, half:], response_mask, packed=True))
+    return out
+
+
+def _step(engine, inputs) -> None:
+    """One trainer step over the micro-batches ``inputs``: the no-grad stats pass, then the update
+    (mean response log-likelihood as the loss, summed exactly over micro-batches)."""
+    import torch
+
+    from stapo.trainer.accumulation import GradientAccumulation
+    from stapo.trainer.policy import response_token_stats
+
+    with torch.no_grad():
+        for micro in inputs:
+            response_token_stats(engine.module, micro, temperature=1.0, chunk_size=1024)
+    accumulation = GradientAccumulation(engine, len(inputs))
+    for micro in inputs:
+        logprobs, _ = response_token_stats(engine.module, micro, temperature=1.0, chunk_size=1024)
+        accumulation.backward(-logprobs.sum() / micro.response_mask.sum() / len(inputs))
+    accumulation.step()
 
 
 def _count_collectives(engine, ids) -> dict[str, int]:
@@ -76,7 +102,7 @@ def worker(shape: str, steps: int, micro: int, tokens: int) -> None:
     info = init_distributed()
     config = Qwen3Config(**SHAPES[shape], tie_word_embeddings=True, attn_implementation="sdpa")
     gen = torch.Generator().manual_seed(info.rank)
-    ids = torch.randint(0, config.vocab_size, (micro, 1, tokens), generator=gen)
+    ids = _inputs(torch.randint(0, config.vocab_size, (micro, 1, tokens), generator=gen))
     engines = {}
     for setting in SETTINGS:
         torch.manual_seed(0)

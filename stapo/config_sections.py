@@ -258,7 +258,9 @@ class TrainerConfig:
     """Token budget of the no-grad stats pass (it holds no activations for backward, so it can take
     more); 0: twice ``max_tokens_per_micro_batch`` (or ``micro_batch_size`` rows when that is 0)."""
     zero_stage: int = 3
-    """DeepSpeed ZeRO stage."""
+    """DeepSpeed ZeRO stage: 3 shards across ranks; 1 on one GPU (it partitions nothing there and keeps
+    bf16 gradient accumulation in fp32); 0 only with fp32 weights (with bf16 it would accumulate in
+    bf16, so it is refused)."""
     offload: bool = False
     """Offload the optimizer state (and its step, DeepSpeedCPUAdam) to CPU (ZeRO-Offload); parameters
     stay on the accelerator."""

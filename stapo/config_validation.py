@@ -55,6 +55,9 @@ def validate(cfg) -> None:
            f"trainer.mini_batch_size ({t.mini_batch_size}) must divide trainer.train_batch_size "
            f"({t.train_batch_size})")
     _check(t.micro_batch_size >= 1, f"trainer.micro_batch_size must be >= 1, got {t.micro_batch_size}")
+    _check(not (t.zero_stage == 0 and cfg.model.dtype == "bf16"),
+           "trainer.zero_stage 0 with model.dtype bf16 would add each step's micro-batch gradients in bf16; "
+           "use trainer.zero_stage 1 (fp32 accumulation; on one GPU it partitions nothing) or model.dtype fp32")
     for name in ("max_tokens_per_micro_batch", "max_tokens_per_stats_micro_batch"):
         _check(getattr(t, name) >= 0, f"trainer.{name} must be >= 0 (0: count rows), got {getattr(t, name)}")
     _check(cfg.model.attn_implementation in ("sdpa", "eager", "flex_attention", "flash_attention_2",

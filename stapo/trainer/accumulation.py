@@ -55,9 +55,10 @@ def backward_sum(engine, loss: torch.Tensor, *, last: bool) -> None:
     engine.set_gradient_accumulation_boundary(last)
     engine.backward(loss * _dp_world_size(engine), scale_wrt_gas=False)
     # ZeRO-3 switches from copying to ACCUMULATING micro-batch gradients when its micro_step_id
-    # advances, which DeepSpeed does at the start of ``engine.forward``. The trainer runs the
-    # decoder and the chunked lm_head directly (never materializing full logits), so advance it
-    # here; without this only the last micro-batch's gradient survives (tests/trainer/test_exactness.py).
+    # advances, which DeepSpeed does at the start of ``engine.forward``. The update runs its forward
+    # through the engine (stapo.trainer.policy.head_on_targets), but a loss computed by calling the
+    # module directly would skip it, so advance it here too (a second call is a no-op); without it
+    # only the last micro-batch's gradient survives (tests/trainer/test_exactness.py).
     if hasattr(engine.optimizer, "clear_backward_seen_flag"):
         engine.optimizer.clear_backward_seen_flag()
     if not last:

@@ -146,7 +146,7 @@ def build_reference(cfg: STAPOConfig, model_path: str, policy=None):
     from stapo.trainer.engine import build_reference as wrap
 
     return wrap(load_policy(model_path, cfg), zero_stage=cfg.trainer.zero_stage,
-                bf16=policy_dtype(cfg) == torch.bfloat16)
+                bf16=policy_dtype(cfg) == torch.bfloat16, zero_tuning=zero_tuning(cfg))
 
 
 def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank: int = 0):

@@ -64,6 +64,16 @@ _ZERO_KEYS = {
 }
 
 
+def _zero_keys(zero_tuning: ZeroTuning | None, zero_stage: int) -> dict[str, Any]:
+    """The ``zero_optimization`` keys of ``zero_tuning`` that apply at ``zero_stage`` (None: none)."""
+    keys = {}
+    for name, (key, min_stage) in _ZERO_KEYS.items():
+        value = getattr(zero_tuning, name) if zero_tuning is not None else None
+        if value is not None and zero_stage >= min_stage:
+            keys[key] = value
+    return keys
+
+
 def deepspeed_config(
     *,
     grad_accum_steps: int,
@@ -78,11 +88,8 @@ def deepspeed_config(
     zero: dict[str, Any] = {"stage": zero_stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    for name, (key, min_stage) in _ZERO_KEYS.items():
-        value = getattr(zero_tuning, name) if zero_tuning is not None else None
-        if value is not None and zero_stage >= min_stage:
-            zero[key] = value
-    return {
+    zero.update(_zero_keys(zero_tuning, zero_stage))
+    config = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum_steps,
         "gradient_clipping": grad_clip,
@@ -91,11 +98,29 @@ def deepspeed_config(
         "steps_per_print": 2**62,  # our metrics sinks do the logging
         "wall_clock_breakdown": False,
     }
+    if bf16:  # see BF16_NEEDS_STAGE: DeepSpeed's default accumulates in the model's dtype
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        if zero_stage == 1:  # the fp32 sum is all-reduced once per step: not rounded back to bf16 for it
+            config["communication_data_type"] = "fp32"
+    return config
+
+
+# Why bf16 needs ZeRO stage >= 1 (docs/distributed.md, "bf16 gradients accumulate in fp32"). A step sums
+# the gradients of a variable number of micro-batches (token budgets: often dozens). DeepSpeed adds
+# them in ``data_types.grad_accum_dtype``, which defaults to the model's dtype: in bf16 every addition
+# rounds to 8 mantissa bits. With ``fp32`` ZeRO-1 hands each micro-batch's bf16 gradient to its bf16
+# optimizer's fp32 buffer (no partitioning on one GPU) and all-reduces the sum once per step, in fp32
+# (DeepSpeed would cast it to bf16 for that: one more rounding of the whole step's gradient); ZeRO-2/3
+# reduce-scatter each micro-batch's bf16 gradient and accumulate their fp32 partitions. Stage 0
+# (DeepSpeed's DDP-bf16 path) refuses fp32 accumulation (NotImplementedError).
+BF16_NEEDS_STAGE = ("bf16 weights need trainer.zero_stage >= 1: DeepSpeed's stage 0 adds the micro-batch "
+                    "gradients of a step in bf16; stage 1 accumulates them in fp32 (on one GPU it partitions "
+                    "nothing)")
 
 
 def _check_args(lr: float, warmup_steps: int, grad_accum_steps: int, micro_batch_size: int,
-                grad_clip: float, zero_stage: int) -> None:
-    problems = []
+                grad_clip: float, zero_stage: int, bf16: bool) -> None:
+    problems = [BF16_NEEDS_STAGE] if bf16 and zero_stage == 0 else []
     if not lr > 0:
         problems.append(f"lr must be > 0, got {lr}")
     if warmup_steps < 0:
@@ -160,7 +185,7 @@ def build_engine(
     """
     import deepspeed
 
-    _check_args(lr, warmup_steps, grad_accum_steps, micro_batch_size, grad_clip, zero_stage)
+    _check_args(lr, warmup_steps, grad_accum_steps, micro_batch_size, grad_clip, zero_stage, bf16)
     _check_same_weights(model)
     if gradient_checkpointing:
         if not hasattr(model, "gradient_checkpointing_enable"):
@@ -190,18 +215,21 @@ def build_engine(
     return engine
 
 
-def build_reference(model: torch.nn.Module, *, zero_stage: int, bf16: bool) -> torch.nn.Module:
+def build_reference(model: torch.nn.Module, *, zero_stage: int, bf16: bool,
+                    zero_tuning: ZeroTuning | None = None) -> torch.nn.Module:
     """A frozen reference policy for the k3 KL term (``loss.kl_coef > 0``): the initial weights,
-    partitioned like the policy under ZeRO-3 (a DeepSpeed inference engine without optimizer), a plain
-    module on the policy's device otherwise. Returns the module to run forwards on."""
+    partitioned like the policy under ZeRO-3 (a DeepSpeed inference engine without optimizer, with the
+    policy's persistence and prefetch settings ``zero_tuning``), a plain module on the policy's device
+    otherwise. Returns the module to run forwards on."""
     model.requires_grad_(False).eval()
     if zero_stage != 3:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         return model.to(device)
     import deepspeed
 
+    zero = {"stage": 3, **_zero_keys(zero_tuning, zero_stage)}
     config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": bf16},
-              "zero_optimization": {"stage": 3}, "steps_per_print": 2**62}
+              "zero_optimization": zero, "steps_per_print": 2**62}
     engine, *_ = deepspeed.initialize(model=model, config=config)
     return engine.module
 

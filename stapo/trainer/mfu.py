@@ -4,14 +4,19 @@ MFU = model FLOPs actually needed by the real (non-padding) tokens / (seconds x 
 Model FLOPs come from the transformers config, never from a profiler, so padding, recomputation
 (gradient checkpointing) and ZeRO communication all show up as lower MFU, which is the point.
 
-Conventions (stated once, used by the trainer's step metrics and ``bench/gpu_step.py``):
+Conventions (stated once, used by the trainer's step metrics and ``bench/gpu_step.py``), for one
+teacher-forced pass (:func:`forward_flops`):
 
-* forward FLOPs per token = ``2 x`` matmul parameters (q/k/v/o with GQA, MLP gate/up/down, lm_head;
-  the embedding lookup is not a matmul) ``+ 2 x 2 x layers x heads x head_dim x context`` (scores
-  ``QK^T`` and the weighted sum ``AV``);
-* ``context`` is the mean number of keys a token attends to. Causal attention over a sequence of ``S``
-  tokens gives ``(S + 1) / 2`` (:func:`causal_context_length`); PaLM's appendix B counts the full ``S``
-  and so reports a higher attention share;
+* the decoder: ``2 x`` its matmul parameters (q/k/v/o with GQA, MLP gate/up/down; the embedding lookup
+  is not a matmul) per real token (prompt and response) ``+ 2 x 2 x layers x heads x head_dim`` per
+  attended (query, key) pair (scores ``QK^T`` and the weighted sum ``AV``);
+* the lm_head: ``2 x hidden x vocab`` only per position it is applied to. The trainer's passes apply
+  it at the hidden states that predict a response token (:func:`stapo.trainer.policy.head_on_targets`),
+  never at prompt positions: counting it on every token would overstate MFU (for Qwen3-1.7B the head
+  is ~18% of the matmul parameters; prompts are often a third of the tokens);
+* causal attention over a sequence of ``S`` tokens has ``S (S + 1) / 2`` pairs (a mean context of
+  ``(S + 1) / 2``, :func:`causal_context_length`); PaLM's appendix B counts the full ``S`` and so
+  reports a higher attention share;
 * forward + backward = ``3 x`` forward (the backward computes gradients w.r.t. both inputs and weights);
   a gradient-checkpointing recompute is NOT counted (that would be hardware FLOPs utilization).
 
@@ -82,22 +87,28 @@ def matmul_params(hf_config) -> int:
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o: heads; k and v: kv_heads
     mlp = 3 * hidden * _field(hf_config, "intermediate_size")  # gate, up, down
-    lm_head = hidden * _field(hf_config, "vocab_size")  # a matmul even when tied to the embedding
-    return _field(hf_config, "num_hidden_layers") * (attention + mlp) + lm_head
+    return _field(hf_config, "num_hidden_layers") * (attention + mlp) + head_params(hf_config)
 
 
-def flops_per_token(hf_config, context_length: float) -> float:
-    """Forward FLOPs per token: ``2 x matmul_params + 4 x layers x heads x head_dim x context_length``.
+def head_params(hf_config) -> int:
+    """Parameters of the lm_head matmul: ``hidden x vocab`` (a matmul even when tied to the embedding)."""
+    return _field(hf_config, "hidden_size") * _field(hf_config, "vocab_size")
 
-    Training (forward + backward) is 3x this (see the module doc); ``context_length`` is the mean
-    number of attended keys per token (:func:`causal_context_length`).
+
+def forward_flops(hf_config, tokens: float, attn_pairs: float, head_tokens: float) -> float:
+    """Forward FLOPs of a pass over ``tokens`` real tokens with ``attn_pairs`` attended (query, key)
+    pairs and the lm_head applied at ``head_tokens`` positions (module doc):
+    ``2 (matmul_params - head_params) tokens + 4 layers heads head_dim attn_pairs + 2 head_params head_tokens``.
+    Training (forward + backward) is 3x this.
     """
-    if context_length < 0:
-        raise ValueError(f"flops_per_token: context_length must be >= 0, got {context_length}")
+    if min(tokens, attn_pairs, head_tokens) < 0:
+        raise ValueError(f"forward_flops: counts must be >= 0, got tokens={tokens}, attn_pairs={attn_pairs}, "
+                         f"head_tokens={head_tokens}")
     heads = _field(hf_config, "num_attention_heads")
     head_dim = getattr(hf_config, "head_dim", None) or _field(hf_config, "hidden_size") // heads
-    attention = 2 * 2 * _field(hf_config, "num_hidden_layers") * heads * head_dim * context_length
-    return 2.0 * matmul_params(hf_config) + attention
+    head = head_params(hf_config)
+    attention = 2 * 2 * _field(hf_config, "num_hidden_layers") * heads * head_dim * attn_pairs
+    return 2.0 * (matmul_params(hf_config) - head) * tokens + attention + 2.0 * head * head_tokens
 
 
 def causal_context_length(sequence_lengths: Sequence[int]) -> float:
@@ -110,19 +121,20 @@ def causal_context_length(sequence_lengths: Sequence[int]) -> float:
     return sum(s * (s + 1) / 2 for s in sequence_lengths) / total if total else 0.0
 
 
-def phase_throughput(phase: str, tokens: float, seconds: float, flops_per_token: float,
+def phase_throughput(phase: str, tokens: float, seconds: float, flops: float,
                      peak: float | None, backward: bool, devices: int = 1) -> dict[str, float]:
     """``{tokens_per_s_<phase>, mfu_<phase>}`` for ``tokens`` real tokens processed in ``seconds``.
 
-    ``mfu_<phase>`` is present only when ``peak`` (one device's FLOP/s) is known; ``backward=True``
-    counts forward + backward (3x the forward FLOPs). ``devices``: how many devices the tokens and
-    seconds cover (1 for one rank's own tokens; the world size for global tokens).
+    ``flops``: the forward FLOPs of those tokens (:func:`forward_flops`). ``mfu_<phase>`` is present
+    only when ``peak`` (one device's FLOP/s) is known; ``backward=True`` counts forward + backward (3x
+    the forward FLOPs). ``devices``: how many devices the tokens and seconds cover (1 for one rank's
+    own tokens; the world size for global tokens).
     """
     if seconds <= 0 or tokens < 0 or devices < 1:
         raise ValueError(f"phase_throughput({phase!r}): need seconds > 0, tokens >= 0 and devices >= 1, "
                          f"got seconds={seconds}, tokens={tokens}, devices={devices}")
     out = {f"tokens_per_s_{phase}": tokens / seconds}
     if peak:
-        model_flops = tokens * flops_per_token * (3.0 if backward else 1.0)
+        model_flops = flops * (3.0 if backward else 1.0)
         out[f"mfu_{phase}"] = model_flops / (seconds * peak * devices)
     return out

@@ -10,6 +10,14 @@ Under ZeRO-3 the lm_head weight is partitioned. The chunked op is therefore run 
 module's forward*: DeepSpeed's module hooks gather the weight for forward and again for backward,
 exactly as they do for the plain ``nn.Linear`` they replace, and reduce-scatter its gradient.
 
+The whole pass (decoder, then the head at the target positions) in turn runs *as the root module's
+forward* (:func:`head_on_targets`): DeepSpeed's stage-3 parameter coordinator starts a new pass of
+its recorded module trace only from a forward pre-hook on the root module. Without that call its
+trace never completes, and it neither prefetches the next layers nor keeps the last ones for the
+backward (``zero.prefetch_bucket_size``, ``zero.max_reuse_distance``); every layer's all-gather then
+blocks, and even ``zero.param_persistence_threshold``'s tensors are released and gathered again at
+every use (docs/distributed.md, "ZeRO-3 prefetch"; tests/trainer/test_prefetch.py).
+
 Rows are fed either padded (:class:`PolicyInputs`) or packed into one padding-free row
 (:class:`PackedInputs`, ``trainer.packing``); both give the same statistics (to float rounding,
 tested to 1e-5 in fp32) and :func:`teacher_forced_inputs` is the one place that builds them.
@@ -161,32 +169,51 @@ def _trim_responses(response_ids, response_mask):
     return response_ids[:, :t_len], response_mask[:, :t_len]
 
 
-def _run_as_lm_head(model, fn, hidden: torch.Tensor):
-    """Call ``fn(hidden, weight)`` inside the lm_head module so ZeRO-3 gathers its weight."""
-    head = model.get_output_embeddings()
-    head.forward = lambda h: fn(h, head.weight)
+def _run_as_forward(module: torch.nn.Module, fn, *args, caller=None):
+    """Call ``fn(*args)`` as ``module``'s forward, so the hooks registered on ``module`` (ZeRO-3's
+    parameter gathering, release and trace bookkeeping) run around it as around the real forward.
+    ``caller``: what calls ``module`` (e.g. the DeepSpeed engine wrapping it); ``None``: ``module``."""
+    module.forward = fn
     try:
-        return head(hidden)
+        return (caller or module)(*args)
     finally:
-        del head.forward  # back to the class's own forward
+        del module.forward  # back to the class's own forward
+
+
+def head_on_targets(model, inputs: TeacherForcedInputs, fn, runner=None):
+    """``fn(hidden, head_weight)`` on the hidden states that predict the valid response tokens.
+
+    One call of the root module ``model``: the decoder runs over the rows, then ``fn`` runs as the
+    lm_head's forward on the ``(N, H)`` target hidden states only (never on prompt positions).
+    ``runner`` is what calls the root module: the DeepSpeed engine wrapping ``model`` for a pass that
+    is backpropagated (its forward registers the backward hooks its optimizer relies on, e.g. the
+    bf16 optimizer's per-micro-batch gradient hand-off); ``None`` calls ``model`` itself.
+    """
+    head = model.get_output_embeddings()
+
+    def forward():
+        hidden = inputs.target_hidden(model.get_decoder())  # (N, H): valid tokens only
+        return _run_as_forward(head, lambda h: fn(h, head.weight), hidden)
+
+    return _run_as_forward(model, forward, caller=runner)
 
 
 def response_token_stats(model, inputs: TeacherForcedInputs, *, temperature: float, chunk_size: int,
-                         entropy_grad: bool = False):
+                         entropy_grad: bool = False, runner=None):
     """``(logprobs, entropy)`` of each response token, ``(b, T)`` fp32, zero on padding.
 
     ``logprobs`` carries gradients when called with grad enabled; ``entropy`` only with
-    ``entropy_grad`` (the entropy bonus, ``loss.entropy_coef``).
+    ``entropy_grad`` (the entropy bonus, ``loss.entropy_coef``). ``runner``: the DeepSpeed engine
+    when the result is backpropagated (:func:`head_on_targets`).
     """
     mask = inputs.response_mask
-    hidden = inputs.target_hidden(model.get_decoder())  # (N, H): valid tokens only
     labels = inputs.response_ids[mask]  # (N,)
 
     def stats(h, weight):
         return token_logprobs_and_entropy(h, weight, labels, temperature=temperature, chunk_size=chunk_size,
                                           entropy_grad=entropy_grad)
 
-    logprobs_flat, entropy_flat = _run_as_lm_head(model, stats, hidden)
+    logprobs_flat, entropy_flat = head_on_targets(model, inputs, stats, runner)
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     entropy_flat = entropy_flat if entropy_grad else entropy_flat.detach()
     return zeros.masked_scatter(mask, logprobs_flat), zeros.masked_scatter(mask, entropy_flat)
@@ -195,7 +222,5 @@ def response_token_stats(model, inputs: TeacherForcedInputs, *, temperature: flo
 @torch.no_grad()
 def response_token_topk(model, inputs: TeacherForcedInputs, *, temperature: float, chunk_size: int, k: int = 5):
     """Top-``k`` alternatives and collision probability of each valid response token (inspector)."""
-    hidden = inputs.target_hidden(model.get_decoder())
-    return _run_as_lm_head(
-        model, lambda h, w: token_topk(h, w, k=k, temperature=temperature, chunk_size=chunk_size), hidden
-    )
+    return head_on_targets(
+        model, inputs, lambda h, w: token_topk(h, w, k=k, temperature=temperature, chunk_size=chunk_size))

@@ -15,7 +15,7 @@ import torch
 
 from stapo.losses import MaskResult, TokenStats
 from stapo.trainer.distributed import all_reduce_max, reduce_metrics
-from stapo.trainer.mfu import causal_context_length, flops_per_token, phase_throughput
+from stapo.trainer.mfu import causal_context_length, forward_flops, phase_throughput
 from stapo.trainer.microbatch import row_lengths
 
 # Quantities that are already global (identical on every rank) before the reduction. (The loss is
@@ -93,27 +93,37 @@ def mask_sums(stats: TokenStats, masked: MaskResult, probe: MaskResult) -> dict[
     }
 
 
-def token_counts(seqs, no_grad_passes: int = 0) -> dict[str, float]:
-    """Real tokens (prompt + response) of ``seqs``, their causal attention pairs (for the attention
-    FLOPs) and the tokens of ``no_grad_passes`` no-grad passes over them."""
+def stats_counts(seqs, passes: int = 1) -> dict[str, float]:
+    """What ``passes`` no-grad passes over ``seqs`` compute: real tokens (prompt + response), their
+    causal attention pairs and the positions the lm_head runs at (one per valid response token)."""
     lengths = row_lengths(seqs)
     real = float(sum(lengths))
-    return {"real_tokens": real, "attn_pairs": causal_context_length(lengths) * real,
-            "stats_tokens": real * no_grad_passes}
+    return {"stats_tokens": real * passes, "stats_attn_pairs": causal_context_length(lengths) * real * passes,
+            "stats_head_tokens": float(seqs.response_mask.sum()) * passes}
+
+
+def token_counts(seqs, no_grad_passes: int = 0) -> dict[str, float]:
+    """The update's counts over ``seqs`` (one forward + backward: ``real_tokens``, ``attn_pairs``,
+    ``head_tokens``, as :func:`stats_counts`) and those of ``no_grad_passes`` no-grad passes."""
+    once = stats_counts(seqs)
+    return {"real_tokens": once["stats_tokens"], "attn_pairs": once["stats_attn_pairs"],
+            "head_tokens": once["stats_head_tokens"], **stats_counts(seqs, no_grad_passes)}
 
 
 def _throughput(s: dict, timer: PhaseTimer, model_config, peak_flops: float | None, world_size: int) -> dict:
-    """tokens/s per phase and, on a device of known peak, MFU of the stats pass and the update."""
+    """tokens/s per phase and, on a device of known peak, MFU of the stats pass and the update (the
+    head counted only where it ran: :func:`stapo.trainer.mfu.forward_flops`)."""
     if model_config is None:
         return {}
-    fpt = flops_per_token(model_config, s["attn_pairs"] / max(s["real_tokens"], 1.0))
+    stats = forward_flops(model_config, s["stats_tokens"], s["stats_attn_pairs"], s["stats_head_tokens"])
+    update = forward_flops(model_config, s["real_tokens"], s["attn_pairs"], s["head_tokens"])
 
     def seconds(phase):
         return max(timer.seconds.get(phase, 0.0), 1e-9)
 
-    return {**phase_throughput("rollout", s["length_sum"], seconds("rollout"), fpt, None, False, world_size),
-            **phase_throughput("stats", s["stats_tokens"], seconds("stats"), fpt, peak_flops, False, world_size),
-            **phase_throughput("update", s["real_tokens"], seconds("update"), fpt, peak_flops, True, world_size)}
+    return {**phase_throughput("rollout", s["length_sum"], seconds("rollout"), 0.0, None, False, world_size),
+            **phase_throughput("stats", s["stats_tokens"], seconds("stats"), stats, peak_flops, False, world_size),
+            **phase_throughput("update", s["real_tokens"], seconds("update"), update, peak_flops, True, world_size)}
 
 
 def skipped_updates(sums: StepSums) -> int:

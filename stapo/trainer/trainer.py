@@ -36,7 +36,7 @@ from stapo.trainer.lora import reference_scope
 from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout
 from stapo.trainer.mfu import device_peak_flops
 from stapo.trainer.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
-                                        skipped_updates, step_metrics, token_counts)
+                                        skipped_updates, stats_counts, step_metrics, token_counts)
 from stapo.trainer.update import TrainBatch, policy_stats, update_minibatch
 from stapo.trainer.weight_sync import sync_weights
 
@@ -129,7 +129,8 @@ class STAPOTrainer:
             with timer("stats"):
                 stats = self._mask_stats(mini, first=k == 0)  # line 8: p and H of the current policy
             if k > 0 and cfg.mask.stats_source == "fresh":
-                sums.add_value("stats_tokens", token_counts(mini)["real_tokens"])
+                for key, value in stats_counts(mini).items():
+                    sums.add_value(key, value)
             masked = self.mask.apply(stats)  # lines 9-10: the S2T mask (or a baseline's)
             probe = self.spurious_probe.apply(stats)  # diagnostic: the S2T criterion, whatever the mask
             if k == 0:

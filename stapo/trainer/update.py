@@ -123,7 +123,7 @@ def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
     sums: dict[str, torch.Tensor] = {}
     for rows, inputs in micro_batches:
         logprobs, entropy = response_token_stats(model, inputs, temperature=opts.temperature,
-                                                 chunk_size=opts.chunk_size, entropy_grad=bonus)
+                                                 chunk_size=opts.chunk_size, entropy_grad=bonus, runner=engine)
         t_len = logprobs.shape[1]
         part = batch.rows(rows)
         old = part.old_logprobs[:, :t_len].to(device)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from stapo.trainer.mfu import (causal_context_length, device_peak_flops, flops_per_token, matmul_params,
+from stapo.trainer.mfu import (causal_context_length, device_peak_flops, forward_flops, head_params, matmul_params,
                                phase_throughput)
 
 
@@ -30,12 +30,19 @@ def test_matmul_params_equal_the_linear_weights_of_the_real_model():
     assert matmul_params(config) == linear  # lm_head is an nn.Linear (tied weight, still a matmul)
 
 
-def test_flops_per_token_by_hand():
-    # 2 x 80,128 = 160,256 matmul FLOPs + attention 2 x 2 x 2 layers x 4 heads x 16 x 10 keys = 5,120
-    assert flops_per_token(_small_config(), context_length=10) == 165_376
-    assert flops_per_token(_small_config(), context_length=0) == 160_256
-    with pytest.raises(ValueError, match="context_length must be >= 0"):
-        flops_per_token(_small_config(), -1)
+def test_forward_flops_count_the_head_only_where_it_runs():
+    # two sequences: prompt 3 + response 2 and prompt 4 + response 1 -> 10 real tokens, the head at the
+    # 3 positions that predict a response token; causal pairs 5 x 6 / 2 + 5 x 6 / 2 = 30.
+    # decoder matmuls 2 x (80,128 - 6,400) x 10 = 1,474,560; attention 2 x 2 x 2 layers x 4 heads x 16 x 30
+    # = 15,360; head 2 x 6,400 x 3 = 38,400 -> 1,528,320 (the head on all 10 tokens would add 89,600)
+    config = _small_config()
+    assert head_params(config) == 64 * 100
+    assert causal_context_length([5, 5]) * 10 == 30
+    assert forward_flops(config, tokens=10, attn_pairs=30, head_tokens=3) == 1_528_320
+    assert forward_flops(config, tokens=10, attn_pairs=30, head_tokens=10) == 1_528_320 + 2 * 6_400 * 7
+    assert forward_flops(config, tokens=0, attn_pairs=0, head_tokens=0) == 0
+    with pytest.raises(ValueError, match="counts must be >= 0"):
+        forward_flops(config, tokens=-1, attn_pairs=0, head_tokens=0)
 
 
 def test_qwen3_0p6b_shape_of_the_gpu_bench():
@@ -56,7 +63,7 @@ def test_missing_field_and_moe_are_refused():
     config = _small_config()
     config.num_experts = 8
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        flops_per_token(config, 1.0)
+        forward_flops(config, 1.0, 1.0, 1.0)
 
 
 def test_causal_context_length():
@@ -76,11 +83,12 @@ def test_device_peak_flops(name, peak):
 
 
 def test_phase_throughput_keys_and_values():
-    # 1,000 tokens in 2 s -> 500 tokens/s; MFU = 1,000 x 165,376 x 3 / (2 s x 1e9) = 0.248064
-    out = phase_throughput("update", tokens=1000, seconds=2.0, flops_per_token=165_376, peak=1e9, backward=True)
+    # 1,000 tokens (165,376,000 forward FLOPs) in 2 s -> 500 tokens/s; MFU = 165,376,000 x 3 / (2 s x 1e9)
+    # = 0.248064
+    out = phase_throughput("update", tokens=1000, seconds=2.0, flops=165_376_000, peak=1e9, backward=True)
     assert out == {"tokens_per_s_update": 500.0, "mfu_update": pytest.approx(0.248064)}
     # no backward: a third of that; 2 devices: half
-    stats = phase_throughput("stats", 1000, 2.0, 165_376, 1e9, backward=False, devices=2)
+    stats = phase_throughput("stats", 1000, 2.0, 165_376_000, 1e9, backward=False, devices=2)
     assert stats["mfu_stats"] == pytest.approx(0.248064 / 3 / 2)
     # unknown peak (CPU): MFU absent, not 0
     assert phase_throughput("rollout", 300, 3.0, 1.0, None, backward=False) == {"tokens_per_s_rollout": 100.0}
@@ -89,22 +97,41 @@ def test_phase_throughput_keys_and_values():
 
 
 def test_step_metrics_throughput_by_hand():
-    # 2 ranks together processed 3,000 real tokens in the update in 2 s and 6,000 no-grad tokens in
-    # 1 s; a made-up peak of 1e12 FLOP/s per device and a config of known FLOPs per token.
+    # 2 ranks together: the update ran over 3,000 real tokens (150,000 attention pairs, the head at the
+    # 1,000 response tokens) in 2 s; the stats phase over twice that (the policy and the reference) in 1 s.
+    # A made-up peak of 1e12 FLOP/s per device.
     from transformers import Qwen3Config
 
-    from stapo.trainer.mfu import flops_per_token
     from stapo.trainer.step_metrics import PhaseTimer, _throughput
 
     config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     timer = PhaseTimer()
     timer.seconds.update({"rollout": 4.0, "stats": 1.0, "update": 2.0})
-    sums = {"real_tokens": 3000.0, "attn_pairs": 3000.0 * 50.0, "stats_tokens": 6000.0, "length_sum": 2000.0}
+    sums = {"real_tokens": 3000.0, "attn_pairs": 150_000.0, "head_tokens": 1000.0, "stats_tokens": 6000.0,
+            "stats_attn_pairs": 300_000.0, "stats_head_tokens": 2000.0, "length_sum": 2000.0}
     out = _throughput(sums, timer, config, 1e12, world_size=2)
-    fpt = flops_per_token(config, 50.0)  # mean context: pairs / tokens = 50
+    # decoder matmul params: 2 layers x (attention 64 x 16 x (2 x 4 + 2 x 2) = 12,288 + MLP 3 x 64 x 128
+    # = 24,576) = 73,728; head 64 x 128 = 8,192. Update forward: 2 x 73,728 x 3,000 = 442,368,000
+    # + attention 2 x 2 x 2 x 4 x 16 x 150,000 = 76,800,000 + head 2 x 8,192 x 1,000 = 16,384,000
+    # = 535,552,000; the stats phase is exactly twice that.
+    update_flops = 535_552_000
     assert out["tokens_per_s_rollout"] == 500.0 and out["tokens_per_s_stats"] == 6000.0
     assert out["tokens_per_s_update"] == 1500.0 and "mfu_rollout" not in out
-    assert out["mfu_stats"] == pytest.approx(6000 * fpt / (1.0 * 1e12 * 2))
-    assert out["mfu_update"] == pytest.approx(3 * 3000 * fpt / (2.0 * 1e12 * 2))  # forward + backward = 3x
+    assert out["mfu_stats"] == pytest.approx(2 * update_flops / (1.0 * 1e12 * 2))
+    assert out["mfu_update"] == pytest.approx(3 * update_flops / (2.0 * 1e12 * 2))  # forward + backward = 3x
     assert "mfu_update" not in _throughput(sums, timer, config, None, world_size=2)  # CPU: absent, not 0
+
+
+def test_token_counts_put_the_head_at_response_tokens_only():
+    # rows: prompt 2 + response 3, prompt 1 + response 0 -> real 6; pairs 5 x 6 / 2 + 1 = 16; head at 3
+    from types import SimpleNamespace
+
+    from stapo.trainer.step_metrics import stats_counts, token_counts
+
+    seqs = SimpleNamespace(prompt_mask=torch.tensor([[1, 1], [0, 1]]).bool(),
+                           response_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]).bool())
+    assert token_counts(seqs, no_grad_passes=2) == {
+        "real_tokens": 6.0, "attn_pairs": 16.0, "head_tokens": 3.0,
+        "stats_tokens": 12.0, "stats_attn_pairs": 32.0, "stats_head_tokens": 6.0}
+    assert stats_counts(seqs) == {"stats_tokens": 6.0, "stats_attn_pairs": 16.0, "stats_head_tokens": 3.0}
