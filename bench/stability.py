@@ -1,0 +1,201 @@
+"""Stability study on the tiny CPU task: masks x seeds x learning rates where plain training wobbles.
+
+The tiny recipe learns steadily at its lr 5e-5; at 2e-4 held-out accuracy rises and then falls back.
+This runs the grid (default: the study of docs/stability.md, in its fixed order), each run in a fresh
+``python -m stapo.cli train`` process, and summarizes every run from its run directory: eval curve,
+peak / final accuracy and drop from peak, max and 95th-percentile grad norm, entropy curve, silenced
+and spurious fractions, and how often the S2T criterion flags the largest-gradient tokens of the
+inspector's token records.
+
+Runs go seed-major (every mask of seed 0, then seed 1, ...) so a study cut short stays balanced. It is
+resumable: a run whose metrics end with the final evaluation is not rerun; an interrupted one
+continues from its last checkpoint (``trainer.resume=auto``). ``--report`` (re)writes the committed
+per-run rows (docs/stability/results.jsonl) and, from that file alone, the generated part of
+docs/stability.md and its figure; runs not finished yet are listed as pending.
+
+    python bench/stability.py --out /tmp/study                 # the study (core grid, then extras)
+    python bench/stability.py --report --out /tmp/study        # results.jsonl, the doc's tables, figure
+    python bench/stability.py --masks none stapo --seeds 0 --lrs 1e-4 --out /tmp/one
+    python bench/stability.py --smoke --out /tmp/smoke          # 2 runs x 2 steps (used by the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+
+from stapo.cli import builtin_recipe  # noqa: E402
+from stapo.run_dir import CONFIG_FILE, METRICS_FILE, latest_checkpoint, read_metrics, step_of  # noqa: E402
+
+from _train_runs import SMOKE, run_training, train_command  # noqa: E402  (bench/ is on sys.path)
+
+# ---- the study's fixed settings (docs/stability.md, "Settings") ----------------------------------
+MASKS = ("none", "stapo", "entropy_top")
+CORE = [(2e-4, seed) for seed in (0, 1, 2)]
+#: Run after the core grid, in this order, while time allows: two more seeds, then the lower lr.
+EXTRAS = [(2e-4, 3), (2e-4, 4), (1e-4, 0), (1e-4, 1), (1e-4, 2)]
+STEPS, EVAL_EVERY = 100, 10
+FIXED = [f"trainer.total_steps={STEPS}", f"trainer.eval_every={EVAL_EVERY}", "trainer.export_hf=false",
+         "logging.tensorboard=false"]
+SMOKE_EXTRA = ["trainer.eval_every=1", "inspect.record_every=1"]
+#: Wall minutes of one full run, measured on the 2 shared cores (first study run); used by the budget
+#: printout until the output directory holds timings of its own.
+MEASURED_RUN_MINUTES = 8.0
+COLLAPSE_POINTS = 10.0  # a run collapses when its final accuracy is this many points below its peak
+TOP_GRAD_FRACTION = 0.01  # "largest-gradient tokens": the top 1% of a record's tokens with A != 0
+TIMINGS_FILE = "timings.jsonl"
+DOC = ROOT / "docs" / "stability.md"
+RESULTS = ROOT / "docs" / "stability" / "results.jsonl"
+FIGURE = ROOT / "docs" / "images" / "stability_curves.png"
+BEGIN, END = "<!-- BEGIN stability -->", "<!-- END stability -->"
+
+
+@dataclass(frozen=True)
+class Run:
+    mask: str
+    seed: int
+    lr: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.mask}_seed{self.seed}_lr{self.lr:g}"
+
+
+def study_grid(pairs: list[tuple[float, int]], masks) -> list[Run]:
+    """Every mask of each (lr, seed) pair, pairs in the given order: seed-major within an lr."""
+    return [Run(mask, seed, lr) for lr, seed in pairs for mask in masks]
+
+
+# ---- running ------------------------------------------------------------------------------------
+
+def is_finished(run_dir: Path) -> bool:
+    """The run's metrics end with the final evaluation (an eval-only row at ``total_steps``)."""
+    if not (run_dir / METRICS_FILE).is_file() or not (run_dir / CONFIG_FILE).is_file():
+        return False
+    total = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))["trainer"]["total_steps"]
+    rows = read_metrics(run_dir / METRICS_FILE)
+    last = rows[-1] if rows else {}
+    return "eval_accuracy" in last and "entropy_mean" not in last and int(last["step"]) == total
+
+
+def read_timings(out: Path) -> dict[str, list[dict]]:
+    """Every attempt of every run (``out/timings.jsonl``), by run name."""
+    found: dict[str, list[dict]] = {}
+    path = out / TIMINGS_FILE
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                found.setdefault(entry["run"], []).append(entry)
+    return found
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_one(run: Run, out: Path, recipe: Path, extra: list[str]) -> dict:
+    """Train (or continue) one run in a fresh process; returns its timing entry."""
+    run_dir = out / run.name
+    checkpoint = latest_checkpoint(run_dir)
+    cmd = train_command(run.mask, run.seed, run_dir, recipe, resume="auto",
+                        extra=[f"optim.lr={run.lr:g}", *extra])
+    wall, cpu = time.perf_counter(), children_cpu_seconds()
+    entry = {"run": run.name, "resumed_from_step": step_of(checkpoint) if checkpoint else 0, "ok": True}
+    try:
+        run_training(cmd, run.name, log_path=out / "logs" / f"{run.name}.log")
+    except RuntimeError as err:
+        entry.update(ok=False, error=str(err).splitlines()[-1][:300])
+    entry.update(wall_s=round(time.perf_counter() - wall, 1), cpu_s=round(children_cpu_seconds() - cpu, 1))
+    with open(out / TIMINGS_FILE, "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry) + "\n")
+    return entry
+
+
+def budget(grid: list[Run], out: Path, smoke: bool) -> str:
+    """The CPU-time estimate printed before the study starts."""
+    timings = read_timings(out)
+    todo = [r for r in grid if not is_finished(out / r.name) and not _failed(timings.get(r.name))]
+    done = [t for runs in timings.values() for t in runs if t["ok"] and t["resumed_from_step"] == 0]
+    if done:
+        wall = statistics.fmean(t["wall_s"] for t in done) / 60
+        cpu = statistics.fmean(t["cpu_s"] for t in done) / 60
+        source = f"mean of {len(done)} finished run(s) in {out}"
+    else:
+        wall = 0.2 if smoke else MEASURED_RUN_MINUTES
+        cpu, source = 2 * wall, "measured per-run estimate, 2 threads"
+    return (f"[stability] grid: {len(grid)} runs, {len(grid) - len(todo)} already finished, {len(todo)} to run; "
+            f"per run ≈ {wall:.1f} min wall, {cpu:.1f} CPU-min ({source}) → "
+            f"≈ {len(todo) * wall / 60:.1f} h wall, {len(todo) * cpu / 60:.1f} CPU-hours")
+
+
+def _failed(attempts: list[dict] | None) -> bool:
+    """The last attempt exited with an error (e.g. aborted on non-finite gradients): not retried."""
+    return bool(attempts) and not attempts[-1]["ok"]
+
+
+def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], smoke: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    print(budget(grid, out, smoke), file=sys.stderr, flush=True)
+    for i, run in enumerate(grid, 1):
+        if is_finished(out / run.name):
+            print(f"[stability] {i}/{len(grid)} {run.name}: finished earlier, not rerun", file=sys.stderr, flush=True)
+            continue
+        if _failed(read_timings(out).get(run.name)):
+            print(f"[stability] {i}/{len(grid)} {run.name}: failed earlier, not retried", file=sys.stderr, flush=True)
+            continue
+        print(f"[stability] {i}/{len(grid)} {run.name} ... ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
+        entry = run_one(run, out, recipe, extra)
+        print(f"[stability] {i}/{len(grid)} {run.name}: {'done' if entry['ok'] else 'FAILED'} in "
+              f"{entry['wall_s']:.0f} s wall, {entry['cpu_s']:.0f} s CPU", file=sys.stderr, flush=True)
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def build_grid(args) -> list[Run]:
+    if args.smoke:
+        return study_grid([(2e-4, 0)], ("none", "stapo"))
+    if args.seeds or args.lrs or args.masks:
+        pairs = [(lr, seed) for lr in (args.lrs or [CORE[0][0]]) for seed in (args.seeds or [0, 1, 2])]
+        return study_grid(pairs, args.masks or MASKS)
+    return study_grid(CORE + EXTRAS, MASKS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="the study's run directories (not committed)")
+    parser.add_argument("--recipe", type=Path, default=builtin_recipe())
+    parser.add_argument("--masks", nargs="+", help=f"default: {' '.join(MASKS)}")
+    parser.add_argument("--seeds", type=int, nargs="+", help="with --masks/--lrs: a custom grid (default 0 1 2)")
+    parser.add_argument("--lrs", type=float, nargs="+", help="with --masks/--seeds: a custom grid (default 2e-4)")
+    parser.add_argument("--smoke", action="store_true", help="2 runs x 2 steps at tiny sizes (tests)")
+    parser.add_argument("--report", action="store_true", help="write results, tables and figure; run nothing")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--doc", type=Path, default=DOC)
+    parser.add_argument("--figure", type=Path, default=FIGURE)
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
+    args = parser.parse_args(argv)
+    grid = build_grid(args)
+    if args.report:
+        write_report(grid, args.out, args.results, args.doc, args.figure)
+        return 0
+    extra = [*FIXED, *(SMOKE + SMOKE_EXTRA if args.smoke else []), *args.overrides]
+    run_study(grid, args.out, args.recipe, extra, args.smoke)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
