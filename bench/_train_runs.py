@@ -25,6 +25,14 @@ SMOKE = ["trainer.total_steps=2", "tiny.warm_start_steps=10", "data.eval_size=8"
          "inspect.record_every=0", "logging.tensorboard=false"]
 
 
+class TrainingFailed(RuntimeError):
+    """A training process exited non-zero; ``returncode`` < 0 means it was killed by that signal."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
 def mask_params(mask: str) -> str | None:
     """The ``mask.params`` override of ``mask``, or None to keep the recipe's."""
     return MASK_PARAMS.get(mask, None if mask in BUILTIN_MASKS else "{}")
@@ -43,7 +51,10 @@ def train_command(mask: str, seed: int, run_dir: Path, recipe: Path, *, imports:
 
 
 def run_training(cmd: list[str], what: str, log_path: Path | None = None) -> None:
-    """Run one training command from the repository root; its stderr goes to ``log_path`` if given."""
+    """Run one training command from the repository root; its output goes to ``log_path`` if given.
+
+    Raises :class:`TrainingFailed` with the tail of the output when the process exits non-zero.
+    """
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if log_path is None:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
@@ -54,4 +65,4 @@ def run_training(cmd: list[str], what: str, log_path: Path | None = None) -> Non
             proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
     if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+        raise TrainingFailed(f"{what} failed (exit {proc.returncode}):\n{tail}", proc.returncode)

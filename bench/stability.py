@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import statistics
 import sys
@@ -39,7 +40,8 @@ import yaml  # noqa: E402
 from stapo.cli import builtin_recipe  # noqa: E402
 from stapo.run_dir import CONFIG_FILE, METRICS_FILE, latest_checkpoint, read_metrics, step_of  # noqa: E402
 
-from _train_runs import SMOKE, run_training, train_command  # noqa: E402  (bench/ is on sys.path)
+from _stability_report import BEGIN, END, plot_curves, render  # noqa: E402  (bench/ is on sys.path)
+from _train_runs import SMOKE, TrainingFailed, run_training, train_command  # noqa: E402
 
 # ---- the study's fixed settings (docs/stability.md, "Settings") ----------------------------------
 MASKS = ("none", "stapo", "entropy_top")
@@ -59,7 +61,6 @@ TIMINGS_FILE = "timings.jsonl"
 DOC = ROOT / "docs" / "stability.md"
 RESULTS = ROOT / "docs" / "stability" / "results.jsonl"
 FIGURE = ROOT / "docs" / "images" / "stability_curves.png"
-BEGIN, END = "<!-- BEGIN stability -->", "<!-- END stability -->"
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,8 @@ def run_one(run: Run, out: Path, recipe: Path, extra: list[str]) -> dict:
     entry = {"run": run.name, "resumed_from_step": step_of(checkpoint) if checkpoint else 0, "ok": True}
     try:
         run_training(cmd, run.name, log_path=out / "logs" / f"{run.name}.log")
-    except RuntimeError as err:
-        entry.update(ok=False, error=str(err).splitlines()[-1][:300])
+    except TrainingFailed as err:  # killed by a signal: interrupted, continued next time; else failed
+        entry.update(ok=False, interrupted=err.returncode < 0, error=str(err).splitlines()[-1][:300])
     entry.update(wall_s=round(time.perf_counter() - wall, 1), cpu_s=round(children_cpu_seconds() - cpu, 1))
     with open(out / TIMINGS_FILE, "a", encoding="utf-8") as f:
         f.write(json.dumps(entry) + "\n")
@@ -143,8 +144,9 @@ def budget(grid: list[Run], out: Path, smoke: bool) -> str:
 
 
 def _failed(attempts: list[dict] | None) -> bool:
-    """The last attempt exited with an error (e.g. aborted on non-finite gradients): not retried."""
-    return bool(attempts) and not attempts[-1]["ok"]
+    """The last attempt exited with an error (e.g. aborted on non-finite gradients): not retried.
+    One killed by a signal was interrupted, not failed: the next invocation continues it."""
+    return bool(attempts) and not attempts[-1]["ok"] and not attempts[-1].get("interrupted", False)
 
 
 def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], smoke: bool) -> None:
@@ -159,8 +161,103 @@ def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], smoke:
             continue
         print(f"[stability] {i}/{len(grid)} {run.name} ... ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
         entry = run_one(run, out, recipe, extra)
-        print(f"[stability] {i}/{len(grid)} {run.name}: {'done' if entry['ok'] else 'FAILED'} in "
+        outcome = "done" if entry["ok"] else "interrupted" if entry["interrupted"] else "FAILED"
+        print(f"[stability] {i}/{len(grid)} {run.name}: {outcome} in "
               f"{entry['wall_s']:.0f} s wall, {entry['cpu_s']:.0f} s CPU", file=sys.stderr, flush=True)
+
+
+# ---- per-run summary rows ------------------------------------------------------------------------
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default) of a non-empty list."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def top_grad_s2t(run_dir: Path) -> dict:
+    """How often the S2T criterion flags the largest-gradient tokens of the run's token records.
+
+    Per record (the first mini-batch of every ``inspect.record_every``-th step, before its update),
+    the tokens with A != 0 are ranked by the inspector's gradient-norm proxy (Lemma A.1 at rho = 1,
+    the norm of the gradient w.r.t. the logits) and the top ``TOP_GRAD_FRACTION`` of them (at least
+    one) are checked against ``A > 0 and p < tau_p and H < tau_h`` with the record's thresholds.
+    """
+    from stapo.inspect.analysis import grad_norm_proxy, spurious_mask
+    from stapo.inspect.records import load_records
+    from stapo.run_dir import token_record_paths
+
+    if not token_record_paths(run_dir):
+        return {"records": 0}
+    counts = {"records": 0, "signed_tokens": 0, "s2t_tokens": 0, "top_tokens": 0, "top_s2t": 0}
+    for record in load_records(run_dir):
+        signed = record.advantage != 0
+        proxy = grad_norm_proxy(record.logprob, record.collision, record.advantage)[signed]
+        spurious = spurious_mask(record)[signed]
+        k = math.ceil(TOP_GRAD_FRACTION * len(proxy)) if len(proxy) else 0  # at least one token when any
+        counts["records"] += 1
+        counts["signed_tokens"] += len(proxy)
+        counts["s2t_tokens"] += int(spurious.sum())
+        counts["top_tokens"] += k
+        counts["top_s2t"] += int(spurious[proxy.topk(k).indices].sum()) if k else 0
+    return counts
+
+
+def summarize_run(run: Run, out: Path, attempts: list[dict]) -> dict:
+    """The committed row of one run: status, curves and the scalar summaries (accuracies as fractions)."""
+    run_dir = out / run.name
+    row = {"run": run.name, "mask": run.mask, "seed": run.seed, "lr": run.lr}
+    rows = read_metrics(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).is_file() else []
+    steps = [r for r in rows if "entropy_mean" in r]
+    if is_finished(run_dir):
+        row["status"] = "done"
+    elif _failed(attempts):
+        row["status"] = "failed"
+        row["error"] = attempts[-1].get("error", "")
+    else:
+        return {**row, "status": "pending", "steps_done": len(steps)}
+    evals = {int(r["step"]): r["eval_accuracy"] for r in rows if "eval_accuracy" in r}  # the final eval repeats
+    curve = sorted(evals.items())                                                        # the last in-loop one
+    peak_step, peak = max(curve, key=lambda c: (c[1], -c[0]))
+    final = curve[-1][1]
+    grad = [r["grad_norm"] for r in steps if math.isfinite(r["grad_norm"])]
+    row.update(
+        steps_done=len(steps),
+        eval_curve=[[s, a] for s, a in curve],
+        peak_acc=peak, peak_step=peak_step, final_acc=final, drop=peak - final,
+        collapsed=100 * (peak - final) >= COLLAPSE_POINTS,
+        grad_norm_max=max(grad), grad_norm_p95=_percentile(grad, 0.95),
+        entropy_curve=[[int(r["step"]), round(r["entropy_mean"], 5)] for r in steps],
+        silenced_frac=statistics.fmean(r["silenced_frac"] for r in steps),
+        spurious_frac=statistics.fmean(r["spurious_frac"] for r in steps),
+        skipped_steps=int(steps[-1]["skipped_steps"]) if steps else 0,
+        top_grad=top_grad_s2t(run_dir),
+        wall_s=round(sum(a["wall_s"] for a in attempts), 1), cpu_s=round(sum(a["cpu_s"] for a in attempts), 1),
+        attempts=len(attempts),
+    )
+    return row
+
+
+def collect_rows(grid: list[Run], out: Path) -> list[dict]:
+    timings = read_timings(out)
+    return [summarize_run(run, out, timings.get(run.name, [])) for run in grid]
+
+
+def write_report(grid: list[Run], out: Path, results: Path, doc: Path, figure: Path) -> None:
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text("".join(json.dumps(r) + "\n" for r in collect_rows(grid, out)), encoding="utf-8")
+    rows = [json.loads(line) for line in results.read_text(encoding="utf-8").splitlines() if line.strip()]
+    plot_curves(rows, figure)
+    link = {path: Path(os.path.relpath(path, doc.parent)).as_posix() for path in (results, figure)}
+    text = doc.read_text(encoding="utf-8") if doc.is_file() else f"{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{doc}: no {BEGIN} ... {END} block to replace")
+    head, rest = text.split(BEGIN, 1)
+    doc.write_text(head + render(rows, link[results], link[figure], COLLAPSE_POINTS) + rest.split(END, 1)[1], encoding="utf-8")
+    print(f"[stability] {sum(r['status'] != 'pending' for r in rows)} of {len(rows)} runs finished; "
+          f"written {results}, {doc}, {figure}", file=sys.stderr)
 
 
 # ---- command line -------------------------------------------------------------------------------
