@@ -14,13 +14,13 @@ from pathlib import Path
 BEGIN, END = "<!-- BEGIN stability -->", "<!-- END stability -->"
 
 
-def _mean_se(values: list[float], scale: float = 100.0) -> str:
+def _mean_se(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
     if not values:
         return "–"
     mean = scale * statistics.fmean(values)
     if len(values) < 2:
-        return f"{mean:.1f}"
-    return f"{mean:.1f} ± {scale * statistics.stdev(values) / math.sqrt(len(values)):.1f}"
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {scale * statistics.stdev(values) / math.sqrt(len(values)):.{digits}f}"
 
 
 def _groups(rows: list[dict]) -> list[tuple[float, str, list[dict]]]:
@@ -29,21 +29,35 @@ def _groups(rows: list[dict]) -> list[tuple[float, str, list[dict]]]:
     return [(lr, mask, [r for r in rows if (r["lr"], r["mask"]) == (lr, mask)]) for lr, mask in keys]
 
 
+def balanced_seeds(rows: list[dict]) -> dict[float, list[int]]:
+    """Per lr, the seeds every mask has finished (done or failed): the summary's paired, balanced set."""
+    out = {}
+    for lr in dict.fromkeys(r["lr"] for r in rows):
+        at_lr = [r for r in rows if r["lr"] == lr]
+        masks = set(r["mask"] for r in at_lr)
+        seeds = dict.fromkeys(r["seed"] for r in at_lr)
+        out[lr] = [s for s in seeds if all(any(r["mask"] == m and r["seed"] == s and r["status"] != "pending"
+                                               for r in at_lr) for m in masks)]
+    return out
+
+
 def summary_table(rows: list[dict]) -> str:
-    lines = ["| lr | mask | runs done | peak acc. | final acc. | drop from peak | collapsed | max grad norm "
+    lines = ["| lr | mask | seeds | peak acc. | final acc. | drop from peak | collapsed | max grad norm "
              "| silenced % | spurious % | S2T among top-1% grad tokens |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    balanced = balanced_seeds(rows)
     for lr, mask, group in _groups(rows):
-        done = [r for r in group if r["status"] != "pending"]
+        done = [r for r in group if r["seed"] in balanced[lr]]
         top = [r["top_grad"] for r in done if r["top_grad"].get("records")]
         hits = (f"{sum(t['top_s2t'] for t in top)} / {sum(t['top_tokens'] for t in top)}" if top else "–")
+        seeds = ", ".join(str(r["seed"]) for r in done) or "none yet"
         lines.append(
-            f"| {lr:g} | `{mask}` | {len(done)} / {len(group)} | {_mean_se([r['peak_acc'] for r in done])} "
+            f"| {lr:g} | `{mask}` | {seeds} (of {len(group)}) | {_mean_se([r['peak_acc'] for r in done])} "
             f"| {_mean_se([r['final_acc'] for r in done])} | {_mean_se([r['drop'] for r in done])} "
             f"| {sum(r['collapsed'] for r in done)} / {len(done)} "
-            f"| {_mean_se([r['grad_norm_max'] for r in done], 1.0)} "
-            f"| {_mean_se([r['silenced_frac'] for r in done], 100.0) if done else '–'} "
-            f"| {_mean_se([r['spurious_frac'] for r in done], 100.0) if done else '–'} | {hits} |")
+            f"| {_mean_se([r['grad_norm_max'] for r in done], 1.0, 2)} "
+            f"| {_mean_se([r['silenced_frac'] for r in done], 100.0, 4)} "
+            f"| {_mean_se([r['spurious_frac'] for r in done], 100.0, 4)} | {hits} |")
     return "\n".join(lines)
 
 
@@ -83,12 +97,16 @@ def _mean_curve(done: list[dict]) -> tuple[list[int], list[float], list[float]]:
 
 
 def plot_curves(rows: list[dict], out_png: Path) -> Path:
-    """Per lr: one panel per mask (every seed thin, their mean thick), then the masks' means side by side."""
+    """Per lr: one panel per mask (every finished seed thin; the mean over the balanced seeds, as in the
+    summary table, thick), then the masks' means side by side. Learning rates with no finished run yet
+    are left out (the tables list them as pending)."""
     from stapo.plots import new_figure, save_figure
 
     groups = _groups(rows)
-    lrs = list(dict.fromkeys(lr for lr, _, _ in groups))
+    lrs = list(dict.fromkeys(lr for lr, _, group in groups if any(r["status"] != "pending" for r in group)))
+    lrs = lrs or [groups[0][0]]
     masks = list(dict.fromkeys(mask for _, mask, _ in groups))
+    balanced = balanced_seeds(rows)
     fig, axes = new_figure(len(lrs) * (len(masks) + 1), max_cols=len(masks) + 1)
     for i, lr in enumerate(lrs):
         means_ax = axes[i * (len(masks) + 1) + len(masks)]
@@ -99,12 +117,14 @@ def plot_curves(rows: list[dict], out_png: Path) -> Path:
             for r in done:
                 steps, accs = zip(*r["eval_curve"])
                 ax.plot(steps, [100 * a for a in accs], linewidth=0.9, alpha=0.6, label=f"seed {r['seed']}")
-            steps, mean, se = _mean_curve(done)
+            paired = [r for r in done if r["seed"] in balanced[lr]]
+            steps, mean, se = _mean_curve(paired)
             if steps:
-                ax.plot(steps, mean, color="black", linewidth=2.2, label=f"mean of {len(done)}")
-                line, = means_ax.plot(steps, mean, linewidth=2, label=f"{mask} ({len(done)})")
+                ax.plot(steps, mean, color="black", linewidth=2.2, label=f"mean of {len(paired)}")
+                line, = means_ax.plot(steps, mean, linewidth=2, label=f"{mask} ({len(paired)})")
                 means_ax.fill_between(steps, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)],
                                       color=line.get_color(), alpha=0.15)
+            if done:
                 ax.legend(fontsize=7)
             ax.set_title(f"{mask}, lr {lr:g} ({len(done)}/{len(group)} runs)", fontsize=10)
         means_ax.set_title(f"mean ± s.e. over seeds, lr {lr:g}", fontsize=10)
@@ -127,7 +147,8 @@ def render(rows: list[dict], results_link: str, figure_link: str, collapse_point
     return "\n".join([
         BEGIN,
         f"_Generated by `python bench/stability.py --report` from [{Path(results_link).name}]({results_link}): "
-        f"{done} of {len(rows)} runs finished; mean ± standard error over seeds; accuracies in points; "
+        f"{done} of {len(rows)} runs finished. Summary: mean ± standard error over the seeds every mask has "
+        f"finished at that lr (paired, balanced); accuracies in points; "
         f"collapsed = final ≥ {collapse_points:g} points below peak._",
         "", summary_table(rows), "", "Every run:", "", runs_table(rows), "",
         f"![held-out accuracy curves per mask, every seed and their mean]({figure_link})", END])

@@ -9,6 +9,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "stability.py"
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _stability_report import balanced_seeds, render, summary_table  # noqa: E402
 
 
 def _stability(*args):
@@ -68,3 +71,34 @@ def test_report_marks_runs_without_metrics_pending(tmp_path):
     assert [(r["mask"], r["seed"], r["status"]) for r in rows] == [
         ("none", 0, "pending"), ("stapo", 0, "pending"), ("none", 1, "pending"), ("stapo", 1, "pending")]
     assert "0 of 4 runs finished" in doc.read_text() and doc.read_text().count("pending (0 steps)") == 4
+
+
+def _row(mask, seed, status="done", curve=(), grad=1.0):
+    row = {"run": f"{mask}_seed{seed}_lr0.0002", "mask": mask, "seed": seed, "lr": 2e-4, "status": status,
+           "steps_done": 20 if status != "pending" else 7}
+    if status == "pending":
+        return row
+    peak = max(a for _, a in curve)
+    return {**row, "eval_curve": [list(c) for c in curve], "peak_acc": peak, "peak_step": 0, "final_acc": curve[-1][1],
+            "drop": peak - curve[-1][1], "collapsed": peak - curve[-1][1] >= 0.1, "grad_norm_max": grad,
+            "grad_norm_p95": grad / 2, "entropy_curve": [[1, 0.5], [20, 0.25]], "silenced_frac": 0.0,
+            "spurious_frac": 2e-5, "top_grad": {"records": 2, "top_tokens": 4, "top_s2t": 1}, "wall_s": 60.0}
+
+
+def test_summary_pairs_seeds_every_mask_has_finished():
+    rows = [_row("none", 0, curve=[(0, 0.5), (10, 0.8), (20, 0.6)], grad=3.0),
+            _row("stapo", 0, curve=[(0, 0.5), (10, 0.9), (20, 0.85)], grad=2.0),
+            _row("none", 1, curve=[(0, 0.5), (10, 0.7), (20, 0.7)], grad=1.0),
+            _row("stapo", 1, status="pending")]
+    assert balanced_seeds(rows) == {2e-4: [0]}
+    table = summary_table(rows).splitlines()
+    # seed 1 is left out until stapo has it: none 80 -> 60 (a 20-point drop: collapsed), stapo 90 -> 85
+    assert table[2] == ("| 0.0002 | `none` | 0 (of 2) | 80.0 | 60.0 | 20.0 | 1 / 1 | 3.00 | 0.0000 | 0.0020 "
+                        "| 1 / 4 |")
+    assert table[3].startswith("| 0.0002 | `stapo` | 0 (of 2) | 90.0 | 85.0 | 5.0 | 0 / 1 | 2.00 |")
+    rows[3] = _row("stapo", 1, curve=[(0, 0.5), (10, 0.7), (20, 0.7)])
+    table = summary_table(rows).splitlines()
+    # none: peak (80 + 70) / 2 = 75, s.e. = stdev(80, 70) / sqrt(2) = 7.07 / 1.414 = 5.0; final 65 ± 5; drop 10 ± 10
+    assert table[2].startswith("| 0.0002 | `none` | 0, 1 (of 2) | 75.0 ± 5.0 | 65.0 ± 5.0 | 10.0 ± 10.0 | 1 / 2 |")
+    block = render(rows, "r.jsonl", "f.png", 10.0)
+    assert "4 of 4 runs finished" in block and block.count("\n| 0.0002 | `") == 6  # 2 summary + 4 run rows
