@@ -41,15 +41,24 @@ def balanced_seeds(rows: list[dict]) -> dict[float, list[int]]:
     return out
 
 
+def _top_grad_hits(counts: list[dict]) -> str:
+    """``hits / top tokens (share of S2T tokens among all recorded tokens with A != 0)``, summed over records."""
+    counts = [c for c in counts if c.get("records")]
+    if not counts:
+        return "–"
+    top, hits = sum(c["top_tokens"] for c in counts), sum(c["top_s2t"] for c in counts)
+    share = sum(c["s2t_tokens"] for c in counts) / max(sum(c["signed_tokens"] for c in counts), 1)
+    return f"{hits} / {top} (all: {100 * share:.3f}%)"
+
+
 def summary_table(rows: list[dict]) -> str:
     lines = ["| lr | mask | seeds | peak acc. | final acc. | drop from peak | collapsed | max grad norm "
-             "| silenced % | spurious % | S2T among top-1% grad tokens |",
+             "| silenced % | spurious % | S2T among the top-1% grad tokens (among all) |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     balanced = balanced_seeds(rows)
     for lr, mask, group in _groups(rows):
         done = [r for r in group if r["seed"] in balanced[lr]]
-        top = [r["top_grad"] for r in done if r["top_grad"].get("records")]
-        hits = (f"{sum(t['top_s2t'] for t in top)} / {sum(t['top_tokens'] for t in top)}" if top else "–")
+        hits = _top_grad_hits([r["top_grad"] for r in done])
         seeds = ", ".join(str(r["seed"]) for r in done) or "none yet"
         lines.append(
             f"| {lr:g} | `{mask}` | {seeds} (of {len(group)}) | {_mean_se([r['peak_acc'] for r in done])} "
@@ -73,8 +82,7 @@ def runs_table(rows: list[dict]) -> str:
             continue
         curve = " ".join(f"{100 * a:.0f}" for _, a in r["eval_curve"])
         ent = r["entropy_curve"]
-        top = r["top_grad"]
-        hits = f"{top['top_s2t']} / {top['top_tokens']}" if top.get("records") else "–"
+        hits = _top_grad_hits([r["top_grad"]])
         status = "**collapsed**" if r["collapsed"] else r["status"]
         if r["status"] == "failed":
             status = f"failed at step {r['steps_done']}"

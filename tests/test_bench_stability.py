@@ -82,7 +82,8 @@ def _row(mask, seed, status="done", curve=(), grad=1.0):
     return {**row, "eval_curve": [list(c) for c in curve], "peak_acc": peak, "peak_step": 0, "final_acc": curve[-1][1],
             "drop": peak - curve[-1][1], "collapsed": peak - curve[-1][1] >= 0.1, "grad_norm_max": grad,
             "grad_norm_p95": grad / 2, "entropy_curve": [[1, 0.5], [20, 0.25]], "silenced_frac": 0.0,
-            "spurious_frac": 2e-5, "top_grad": {"records": 2, "top_tokens": 4, "top_s2t": 1}, "wall_s": 60.0}
+            "spurious_frac": 2e-5, "top_grad": {"records": 2, "signed_tokens": 400, "s2t_tokens": 2,
+                                                            "top_tokens": 4, "top_s2t": 1}, "wall_s": 60.0}
 
 
 def test_summary_pairs_seeds_every_mask_has_finished():
@@ -94,7 +95,7 @@ def test_summary_pairs_seeds_every_mask_has_finished():
     table = summary_table(rows).splitlines()
     # seed 1 is left out until stapo has it: none 80 -> 60 (a 20-point drop: collapsed), stapo 90 -> 85
     assert table[2] == ("| 0.0002 | `none` | 0 (of 2) | 80.0 | 60.0 | 20.0 | 1 / 1 | 3.00 | 0.0000 | 0.0020 "
-                        "| 1 / 4 |")
+                        "| 1 / 4 (all: 0.500%) |")
     assert table[3].startswith("| 0.0002 | `stapo` | 0 (of 2) | 90.0 | 85.0 | 5.0 | 0 / 1 | 2.00 |")
     rows[3] = _row("stapo", 1, curve=[(0, 0.5), (10, 0.7), (20, 0.7)])
     table = summary_table(rows).splitlines()
