@@ -2,7 +2,8 @@
 
 ``render`` gives the generated block of docs/stability.md (per-mask summary with mean ± standard error
 over seeds, every run's row), ``plot_curves`` its figure. Rows are those of ``bench/stability.py``:
-accuracies and fractions as fractions, ``status`` done / failed / pending.
+accuracies and fractions as fractions, ``status`` done / failed / pending; pending rows, and failed ones
+that stopped before their first iteration, have no ``eval_curve`` and no summaries.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def balanced_seeds(rows: list[dict]) -> dict[float, list[int]]:
         at_lr = [r for r in rows if r["lr"] == lr]
         masks = set(r["mask"] for r in at_lr)
         seeds = dict.fromkeys(r["seed"] for r in at_lr)
-        out[lr] = [s for s in seeds if all(any(r["mask"] == m and r["seed"] == s and r["status"] != "pending"
+        out[lr] = [s for s in seeds if all(any(r["mask"] == m and r["seed"] == s and "eval_curve" in r
                                                for r in at_lr) for m in masks)]
     return out
 
@@ -71,14 +72,14 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def runs_table(rows: list[dict]) -> str:
-    lines = ["| lr | mask | seed | status | held-out accuracy, step 0 → 100 every 10 | peak (step) | final "
+    lines = ["| lr | mask | seed | status | held-out accuracy at each eval | peak (step) | final "
              "| drop | max / p95 grad norm | entropy first → last | silenced % | spurious % "
              "| S2T in top-grad | wall min |",
              "|---:|---|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         head = f"| {r['lr']:g} | `{r['mask']}` | {r['seed']} |"
-        if r["status"] == "pending":
-            lines.append(f"{head} pending ({r['steps_done']} steps) |" + " |" * 10)
+        if "eval_curve" not in r:
+            lines.append(f"{head} {r['status']} ({r['steps_done']} steps) |" + " |" * 10)
             continue
         curve = " ".join(f"{100 * a:.0f}" for _, a in r["eval_curve"])
         ent = r["entropy_curve"]
@@ -111,7 +112,7 @@ def plot_curves(rows: list[dict], out_png: Path) -> Path:
     from stapo.plots import new_figure, save_figure
 
     groups = _groups(rows)
-    lrs = list(dict.fromkeys(lr for lr, _, group in groups if any(r["status"] != "pending" for r in group)))
+    lrs = list(dict.fromkeys(lr for lr, _, group in groups if any("eval_curve" in r for r in group)))
     lrs = lrs or [groups[0][0]]
     masks = list(dict.fromkeys(mask for _, mask, _ in groups))
     balanced = balanced_seeds(rows)
@@ -121,7 +122,7 @@ def plot_curves(rows: list[dict], out_png: Path) -> Path:
         for j, mask in enumerate(masks):
             ax = axes[i * (len(masks) + 1) + j]
             group = [r for r in rows if (r["lr"], r["mask"]) == (lr, mask)]
-            done = [r for r in group if r["status"] != "pending"]
+            done = [r for r in group if "eval_curve" in r]
             for r in done:
                 steps, accs = zip(*r["eval_curve"])
                 ax.plot(steps, [100 * a for a in accs], linewidth=0.9, alpha=0.6, label=f"seed {r['seed']}")

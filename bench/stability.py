@@ -220,6 +220,8 @@ def summarize_run(run: Run, out: Path, attempts: list[dict]) -> dict:
         return {**row, "status": "pending", "steps_done": len(steps)}
     evals = {int(r["step"]): r["eval_accuracy"] for r in rows if "eval_accuracy" in r}  # the final eval repeats
     curve = sorted(evals.items())                                                        # the last in-loop one
+    if not curve or not steps:  # failed before its first iteration: nothing to summarize
+        return {**row, "steps_done": len(steps)}
     peak_step, peak = max(curve, key=lambda c: (c[1], -c[0]))
     final = curve[-1][1]
     grad = [r["grad_norm"] for r in steps if math.isfinite(r["grad_norm"])]
@@ -255,7 +257,8 @@ def write_report(grid: list[Run], out: Path, results: Path, doc: Path, figure: P
     if BEGIN not in text or END not in text:
         raise ValueError(f"{doc}: no {BEGIN} ... {END} block to replace")
     head, rest = text.split(BEGIN, 1)
-    doc.write_text(head + render(rows, link[results], link[figure], COLLAPSE_POINTS) + rest.split(END, 1)[1], encoding="utf-8")
+    block = render(rows, link[results], link[figure], COLLAPSE_POINTS)
+    doc.write_text(head + block + rest.split(END, 1)[1], encoding="utf-8")
     print(f"[stability] {sum(r['status'] != 'pending' for r in rows)} of {len(rows)} runs finished; "
           f"written {results}, {doc}, {figure}", file=sys.stderr)
 
