@@ -52,9 +52,12 @@ STEPS, EVAL_EVERY = 100, 10
 FIXED = [f"trainer.total_steps={STEPS}", f"trainer.eval_every={EVAL_EVERY}", "trainer.export_hf=false",
          "logging.tensorboard=false"]
 SMOKE_EXTRA = ["trainer.eval_every=1", "inspect.record_every=1"]
-#: Wall minutes of one full run, measured on the 2 shared cores (first study run); used by the budget
-#: printout until the output directory holds timings of its own.
-MEASURED_RUN_MINUTES = 8.0
+#: Wall minutes of one 100-step run while the 2 cores were otherwise quiet: the study's first run took
+#: 3.4 s per iteration, evaluations included, over its first 40 iterations. Under a saturated machine
+#: (load 8-10) the same iterations took 14-190 s, and each new seed's warm start (600 supervised steps,
+#: cached per seed) took 37 min. The budget printout uses this until the output directory holds
+#: timings of its own (then the mean of its finished runs, warm starts and contention included).
+RUN_MINUTES_ESTIMATE = 6.0
 COLLAPSE_POINTS = 10.0  # a run collapses when its final accuracy is this many points below its peak
 TOP_GRAD_FRACTION = 0.01  # "largest-gradient tokens": the top 1% of a record's tokens with A != 0
 TIMINGS_FILE = "timings.jsonl"
@@ -136,8 +139,8 @@ def budget(grid: list[Run], out: Path, smoke: bool) -> str:
         cpu = statistics.fmean(t["cpu_s"] for t in done) / 60
         source = f"mean of {len(done)} finished run(s) in {out}"
     else:
-        wall = 0.2 if smoke else MEASURED_RUN_MINUTES
-        cpu, source = 2 * wall, "measured per-run estimate, 2 threads"
+        wall = 0.2 if smoke else RUN_MINUTES_ESTIMATE
+        cpu, source = 2 * wall, "quiet-machine estimate, 2 threads; a new seed's warm start and a busy machine add more"
     return (f"[stability] grid: {len(grid)} runs, {len(grid) - len(todo)} already finished, {len(todo)} to run; "
             f"per run ≈ {wall:.1f} min wall, {cpu:.1f} CPU-min ({source}) → "
             f"≈ {len(todo) * wall / 60:.1f} h wall, {len(todo) * cpu / 60:.1f} CPU-hours")
