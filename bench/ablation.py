@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,31 +30,15 @@ from stapo.cli import builtin_recipe  # noqa: E402
 from stapo.plots import plot_comparison  # noqa: E402
 from stapo.run_dir import METRICS_FILE, read_metrics  # noqa: E402
 
-BUILTIN_MASKS = ("none", "stapo", "entropy_top", "prob_only", "high_entropy_low_prob")
-MASK_PARAMS = {"none": "{}", "entropy_top": "{entropy_quantile: 0.8}", "prob_only": "{tau_p: 0.002}"}
-SMOKE = ["trainer.total_steps=2", "tiny.warm_start_steps=10", "data.eval_size=8", "data.num_builtin_problems=64",
-         "trainer.train_batch_size=4", "trainer.mini_batch_size=2", "rollout.group_size=4",
-         "rollout.max_response_length=16", "trainer.save_every=0", "trainer.export_hf=false",
-         "inspect.record_every=0", "logging.tensorboard=false"]
+from _train_runs import BUILTIN_MASKS, SMOKE, run_training, train_command  # noqa: E402  (bench/ is on sys.path)
 
 
 def run_one(mask: str, seed: int, out: Path, recipe: Path, imports: list[str], extra: list[str]) -> dict:
     """One training run in a fresh process; returns its summary row."""
     run_dir = out / f"{mask}_seed{seed}"
-    # built-in S2T-style masks keep the recipe's {tau_p, entropy_quantile}; others get their own defaults
-    params = MASK_PARAMS.get(mask, None if mask in BUILTIN_MASKS else "{}")
-    overrides = [f"mask.name={mask}", f"trainer.output_dir={run_dir}", f"trainer.seed={seed}",
-                 f"tiny.seed={seed}", "trainer.resume=never", "logging.progress=false", *extra]
-    if params is not None:
-        overrides.append(f"mask.params={params}")
-    cmd = [sys.executable, "-m", "stapo.cli", "train", str(recipe), *overrides]
-    for path in imports:
-        cmd[4:4] = ["--import", path]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mask} seed {seed} failed:\n{proc.stderr[-3000:]}")
+    run_training(train_command(mask, seed, run_dir, recipe, imports=imports, extra=extra),
+                 f"{mask} seed {seed}")
     rows = read_metrics(run_dir / METRICS_FILE)
     steps = [r for r in rows if "entropy_mean" in r]
     evals = [r for r in rows if "eval_accuracy" in r]
