@@ -296,11 +296,6 @@ class VLLMEngine:
         payload = bucket if self.in_process else pack_bucket(bucket)
         self.llm.collective_rpc("stapo_load_weights", args=(payload,))
 
-    def weight_checksums(self) -> dict[str, tuple[float, float]]:
-        """``{vLLM tensor name: (sum, sum of squares)}`` of the running model, in fp64 (tests)."""
-        (sums,) = self.llm.collective_rpc("stapo_weight_checksums")[:1]
-        return {name: (a, b) for name, (a, b) in sums.items()}
-
     # ------------------------------------------------------------ memory
     def sleep(self) -> None:
         """Offload weights to CPU and free the KV cache (`llm.sleep(level=1)`); no-op without sleep mode."""

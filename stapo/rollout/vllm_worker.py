@@ -163,12 +163,3 @@ class StapoWorkerExtension:
                 reprocess_tied_layers(self._stapo_model())
         finally:
             self._stapo_updating = False
-
-    def stapo_weight_checksums(self) -> dict[str, list[float]]:
-        """``{name: [sum, sum of squares]}`` of the running model's tensors, in fp64 (tests compare a
-        synced engine with the trainer through these)."""
-        out = {}
-        for name, tensor in self._stapo_model().state_dict().items():
-            t = tensor.detach().double()
-            out[name] = [float(t.sum()), float((t * t).sum())]
-        return out
