@@ -2,11 +2,9 @@
 
 import sys
 
+from _rewards import digit_one_reward
+
 from stapo import STAPOConfig, STAPOTrainer
-
-
-def digit_one_reward(response: str, ground_truth: str) -> float:
-    return 1.0 if "1" in response else -1.0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from test_trainer import digit_one_reward, tiny_config
+from _rewards import digit_one_reward
+from test_trainer import tiny_config
 
 pytestmark = pytest.mark.slow
 

@@ -11,22 +11,11 @@ import torch
 from stapo.config import STAPOConfig
 from stapo.run_dir import FINAL_DIR, MERGED_DIR, read_metrics
 
+from _rewards import alternating_reward
+
 pytestmark = pytest.mark.slow
 
 IDS = torch.tensor([[3, 17, 40, 9, 11, 25]])
-
-
-def alternating_reward():
-    """+1, -1, +1, ... in call order: every group has mixed rewards, so every mini-batch updates (and
-    a step's second mini-batch already sees a policy that left the base: KL > 0). A step scores an
-    even number of responses, so a resumed run continues the same sequence."""
-    calls = {"n": 0}
-
-    def reward(response: str, ground_truth: str) -> float:
-        calls["n"] += 1
-        return 1.0 if calls["n"] % 2 else -1.0
-
-    return reward
 
 
 def lora_config(out, model_dir, data, *extra: str) -> STAPOConfig:

@@ -18,24 +18,9 @@ from stapo.losses import available_masks
 from stapo.run_dir import read_metrics
 from stapo.trainer.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS
 
+from _rewards import alternating_reward, digit_one_reward
+
 pytestmark = pytest.mark.slow
-
-
-def digit_one_reward(response: str, ground_truth: str) -> float:
-    return 1.0 if "1" in response else -1.0
-
-
-def alternating_reward():
-    """+1, -1, +1, ... in call order, whatever was sampled: with an even group size every group
-    has mixed rewards, so every update has non-zero advantages and a non-zero gradient on any
-    device (greedy-ish GPU sampling can make "has the digit 1" equal across a whole group)."""
-    calls = {"n": 0}
-
-    def reward(response: str, ground_truth: str) -> float:
-        calls["n"] += 1
-        return 1.0 if calls["n"] % 2 else -1.0
-
-    return reward
 
 
 def tiny_config(tmp_path, model_dir, data, *extra: str) -> STAPOConfig:
