@@ -17,6 +17,12 @@ docs/stability.md and its figure; runs not finished yet are listed as pending.
     python bench/stability.py --report --out /tmp/study        # results.jsonl, the doc's tables, figure
     python bench/stability.py --masks none stapo --seeds 0 --lrs 1e-4 --out /tmp/one
     python bench/stability.py --smoke --out /tmp/smoke          # 2 runs x 2 steps (used by the tests)
+    python bench/stability.py --inspect stapo_seed0_lr0.0002 --out /tmp/study   # the inspector's view
+
+``--inspect RUN`` reruns one finished run recording every token the mask saw (every mini-batch of every
+step: S2T tokens are ~0.003% here, and the study's records, one mini-batch every 10 steps, hold about
+one in forty of them), checks that the rerun reproduced the run metric for metric, and writes
+``stapo inspect``'s report into ``OUT/inspect_reruns/RUN/inspect/``.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ RUN_MINUTES_ESTIMATE = 6.0
 COLLAPSE_POINTS = 10.0  # a run collapses when its final accuracy is this many points below its peak
 TOP_GRAD_FRACTION = 0.01  # "largest-gradient tokens": the top 1% of a record's tokens with A != 0
 TIMINGS_FILE = "timings.jsonl"
+INSPECT_RERUNS = "inspect_reruns"
+FULL_RECORDING = ["inspect.record_every=1", "inspect.record_minibatches=all"]
 DOC = ROOT / "docs" / "stability.md"
 RESULTS = ROOT / "docs" / "stability" / "results.jsonl"
 FIGURE = ROOT / "docs" / "images" / "stability_curves.png"
@@ -167,6 +175,39 @@ def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], smoke:
         outcome = "done" if entry["ok"] else "interrupted" if entry["interrupted"] else "FAILED"
         print(f"[stability] {i}/{len(grid)} {run.name}: {outcome} in "
               f"{entry['wall_s']:.0f} s wall, {entry['cpu_s']:.0f} s CPU", file=sys.stderr, flush=True)
+
+
+# ---- the inspector's view of one run --------------------------------------------------------------
+
+def training_rows(run_dir: Path) -> list[dict]:
+    """The run's metrics without its timings: what two runs of the same training share exactly."""
+    return [{k: v for k, v in row.items() if not k.startswith(("time_", "tokens_per_s"))}
+            for row in read_metrics(run_dir / METRICS_FILE)]
+
+
+def inspect_rerun(run: Run, out: Path, recipe: Path, extra: list[str]) -> Path:
+    """Rerun a finished run with every mini-batch recorded, check it reproduced the run, inspect it."""
+    from stapo.inspect import inspect_run
+
+    source, rerun = out / run.name, out / INSPECT_RERUNS / run.name
+    if not is_finished(source):
+        raise SystemExit(f"{source} is not a finished run of this study: run the study first")
+    if not is_finished(rerun):
+        print(f"[stability] rerunning {run.name} with every mini-batch recorded ... ({time.strftime('%H:%M:%S')})",
+              file=sys.stderr, flush=True)
+        cmd = train_command(run.mask, run.seed, rerun, recipe, resume="auto",
+                            extra=[f"optim.lr={run.lr:g}", *extra, *FULL_RECORDING])
+        run_training(cmd, f"{run.name} (inspect rerun)", log_path=out / "logs" / f"{run.name}_inspect.log")
+    want, got = training_rows(source), training_rows(rerun)
+    differ = [a.get("step") for a, b in zip(want, got) if a != b]
+    if differ or len(want) != len(got):
+        raise SystemExit(f"the rerun {rerun} does not reproduce {source} (metrics differ at steps "
+                         f"{differ[:5] or 'after ' + str(min(len(want), len(got)))}): its records would "
+                         f"not describe the study's run")
+    report = inspect_run(rerun)
+    print(f"[stability] {run.name}: the rerun reproduced all {len(want)} metric rows; inspector report: {report}",
+          file=sys.stderr)
+    return report
 
 
 # ---- per-run summary rows ------------------------------------------------------------------------
@@ -286,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lrs", type=float, nargs="+", help="with --masks/--seeds: a custom grid (default 2e-4)")
     parser.add_argument("--smoke", action="store_true", help="2 runs x 2 steps at tiny sizes (tests)")
     parser.add_argument("--report", action="store_true", help="write results, tables and figure; run nothing")
+    parser.add_argument("--inspect", metavar="RUN", help="rerun the finished RUN (e.g. stapo_seed0_lr0.0002) "
+                        "recording every mini-batch, check it reproduced, write the inspector's report")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--doc", type=Path, default=DOC)
     parser.add_argument("--figure", type=Path, default=FIGURE)
@@ -296,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
         write_report(grid, args.out, args.results, args.doc, args.figure)
         return 0
     extra = [*FIXED, *(SMOKE + SMOKE_EXTRA if args.smoke else []), *args.overrides]
+    if args.inspect:
+        runs = {run.name: run for run in grid}
+        if args.inspect not in runs:
+            parser.error(f"--inspect {args.inspect}: not a run of this grid ({', '.join(runs)})")
+        inspect_rerun(runs[args.inspect], args.out, args.recipe, extra)
+        return 0
     run_study(grid, args.out, args.recipe, extra, args.smoke)
     return 0
 

@@ -335,3 +335,6 @@ class InspectConfig:
     record_every: int = 0
     """Record per-token statistics of the first mini-batch every N iterations for ``stapo inspect``
     (0: off)."""
+    record_minibatches: str = "first"
+    """Which mini-batches of a recorded iteration: ``first`` or ``all`` (every token the mask saw in
+    that iteration; one record file per mini-batch, for rare classes such as the ~0.01% S2T tokens)."""

@@ -14,6 +14,7 @@ from stapo.rewards.user_function import parse_function_spec
 _CHOICES = {
     "model.dtype": ("auto", "bf16", "fp32"),
     "mask.stats_source": ("fresh", "old"),
+    "inspect.record_minibatches": ("first", "all"),
     "reward.mode": REWARD_MODES,  # the registry itself: modes registered later are valid too
     "loss.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "loss.advantage_scale": ("group", "none"),

@@ -62,6 +62,18 @@ def test_stability_smoke_runs_resumes_and_reports(tmp_path):
     assert "old" not in text and "2 of 2 runs finished" in text and text.count("| 0.0002 | `") == 4
     assert figure.stat().st_size > 10_000
 
+    # --inspect: a rerun recording every mini-batch (2 steps x 2) reproduces the (resumed) run exactly
+    log = _stability("--smoke", "--inspect", "stapo_seed0_lr0.0002", "--out", str(out))
+    rerun = out / "inspect_reruns" / "stapo_seed0_lr0.0002"
+    assert "the rerun reproduced all" in log and (rerun / "inspect" / "index.md").is_file()
+    assert sorted(p.name for p in (rerun / "token_records").iterdir()) == [
+        "step_000001.pt", "step_000001_mb1.pt", "step_000002.pt", "step_000002_mb1.pt"]
+    tampered = metrics.read_text().replace('"grad_norm": ', '"grad_norm": 1', 1)
+    metrics.write_text(tampered)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--inspect", "stapo_seed0_lr0.0002", "--out",
+                           str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "does not reproduce" in proc.stderr and "steps [1]" in proc.stderr
+
 
 def test_report_marks_runs_without_metrics_pending(tmp_path):
     results, doc, figure = tmp_path / "results.jsonl", tmp_path / "doc.md", tmp_path / "fig.png"

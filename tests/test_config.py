@@ -59,6 +59,7 @@ def test_unknown_key_names_the_closest_valid_key(tmp_path):
         ("trainer.mini_batch_size=100", "must divide"),
         ("loss.agg=mean", "loss.agg must be one of"),
         ("mask.stats_source=stale", "mask.stats_source"),
+        ("inspect.record_minibatches=some", "inspect.record_minibatches must be one of"),
         ("rollout.top_p=0", "top_p"),
         ("rollout.group_size=2.5", "expected an integer"),
         ("optim.lr=fast", "expected a number"),

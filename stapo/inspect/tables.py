@@ -96,6 +96,12 @@ def _md_token(token: str) -> str:
     return f"{_md(lead)}**{_md(core)}**{_md(trail)}"
 
 
+def _step_label(r: SilencedToken) -> str:
+    """``step`` for the first mini-batch, ``step/mbK`` for mini-batch K (``inspect.record_minibatches=all``):
+    rows are numbered within their mini-batch."""
+    return f"{r.step}/mb{r.minibatch}" if r.minibatch else str(r.step)
+
+
 def _truncation_note(total: int, shown: int) -> str:
     return f"showing {shown} of {total} silenced tokens" if shown < total else ""
 
@@ -107,7 +113,7 @@ def silenced_table_markdown(rows: Sequence[SilencedToken], max_rows: int | None 
              "|---:|---:|---|---:|---:|---:|---|"]
     for r in shown:
         top = ", ".join(f"{_md(display_token(t))} ({_pct(p)})" for t, p in r.top)
-        lines.append(f"| {r.step} | {r.row}:{r.position} | {_md(r.context)}{_md_token(r.token)} "
+        lines.append(f"| {_step_label(r)} | {r.row}:{r.position} | {_md(r.context)}{_md_token(r.token)} "
                      f"| {_pct(r.prob)} | {r.entropy:.3f} | {r.advantage:.2f} | {top} |")
     note = _truncation_note(len(rows), len(shown))
     if not rows:
@@ -124,7 +130,7 @@ def silenced_table_html(rows: Sequence[SilencedToken], max_rows: int | None = No
            "<th>A</th><th>top alternatives</th></tr>"]
     for r in shown:
         top = "<br>".join(f"<code>{esc(display_token(t))}</code> {_pct(p)}" for t, p in r.top)
-        out.append(f"<tr><td>{r.step}</td><td>{r.row}:{r.position}</td>"
+        out.append(f"<tr><td>{_step_label(r)}</td><td>{r.row}:{r.position}</td>"
                    f'<td class="ctx">{esc(r.context)}<mark>{esc(r.token)}</mark></td>'
                    f"<td>{_pct(r.prob)}</td><td>{r.entropy:.3f}</td><td>{r.advantage:.2f}</td>"
                    f"<td>{top}</td></tr>")

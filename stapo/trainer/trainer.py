@@ -101,7 +101,8 @@ class STAPOTrainer:
             wandb={"project": cfg.logging.wandb_project, "config": cfg.to_dict()} if cfg.logging.wandb_project else None,
             total_steps=cfg.trainer.total_steps, progress=cfg.logging.progress,
         )
-        self.recorder = TokenRecorder(self.output_dir, every=cfg.inspect.record_every, is_main=self.dist.is_main)
+        self.recorder = TokenRecorder(self.output_dir, every=cfg.inspect.record_every, is_main=self.dist.is_main,
+                                      all_minibatches=cfg.inspect.record_minibatches == "all")
         self.step_count = 0
         self.skipped_steps = 0
         self._consecutive_skips = 0
@@ -133,8 +134,7 @@ class STAPOTrainer:
                     sums.add_value(key, value)
             masked = self.mask.apply(stats)  # lines 9-10: the S2T mask (or a baseline's)
             probe = self.spurious_probe.apply(stats)  # diagnostic: the S2T criterion, whatever the mask
-            if k == 0:
-                self._observe(mini, stats, masked, probe, rollout.select(rows), rewards[rows])
+            self._observe(k, mini, stats, masked, probe, rollout.select(rows), rewards[rows])
             with timer("update"):  # lines 11-12: Eq. 1 over kept tokens, optimizer step
                 update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts)
             sums.add({**update_sums, **mask_sums(stats, masked, probe)})
@@ -266,15 +266,16 @@ class STAPOTrainer:
         self._close_scorer()
         return summary
 
-    def _observe(self, mini, stats, masked, probe, rollout, rewards) -> None:
-        """Sample completions and token records of the first mini-batch, when due. Runs BEFORE its
-        update, so the recorder's top-k alternatives come from the same theta_old as p, H and A."""
+    def _observe(self, k, mini, stats, masked, probe, rollout, rewards) -> None:
+        """Sample completions of the first mini-batch and token records of mini-batch ``k``, when due.
+        Runs BEFORE its update, so the recorder's top-k alternatives come from the same theta_old as
+        p, H and A."""
         step, every = self.step_count + 1, self.config.logging.log_samples_every
-        if every and step % every == 0:
+        if k == 0 and every and step % every == 0:
             self.logger.log_samples(step, sample_completions(rollout, rewards, masked.silenced, self.tokenizer))
-        if self.recorder.due(step):
+        if self.recorder.due(step, k):
             thresholds = {"tau_p": self.spurious_probe.tau_p, **probe.thresholds, **masked.thresholds}
-            self.recorder.record(step, self.model, mini, stats, masked, thresholds, rollout, rewards,
+            self.recorder.record(step, k, self.model, mini, stats, masked, thresholds, rollout, rewards,
                                  self.tokenizer, registered_name(self.mask) or type(self.mask).__name__, self.opts)
 
     def _track_skips(self, skipped_updates: int) -> None:

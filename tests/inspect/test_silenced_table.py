@@ -89,3 +89,13 @@ def test_empty_table(make_record):
     assert rows == []
     assert "no silenced tokens" in silenced_table_markdown(rows)
     assert "no silenced tokens" in silenced_table_html(rows)
+
+
+def test_later_minibatches_are_labelled_by_step_and_minibatch(record):
+    # rows are numbered within a mini-batch, so inspect.record_minibatches=all needs the label
+    later = TokenRecord(**{**record.to_dict(), "minibatch": 2})
+    md = silenced_table_markdown(silenced_token_table([record, later]))
+    html = silenced_table_html(silenced_token_table([record, later]))
+    steps = [line.split("|")[1].strip() for line in md.splitlines()[2:]]
+    assert steps == ["10", "10", "10/mb2", "10/mb2"]
+    assert html.count("<td>10/mb2</td>") == 2 and html.count("<td>10</td>") == 2

@@ -86,3 +86,37 @@ def test_topk_comes_from_the_same_theta_as_p_and_h(tmp_path, tiny_model_dir, ari
         torch.testing.assert_close(got, rec.logprob[rows].exp(), rtol=1e-4, atol=1e-6)
         matched += int(rows.sum())
     assert matched > 20, "too few sampled tokens among the top-5 to compare"
+
+
+def test_recording_every_minibatch_keeps_each_one_and_changes_no_training(tmp_path, tiny_model_dir,
+                                                                          arithmetic_jsonl):
+    # inspect.record_minibatches=all: one record per (step, mini-batch), each taken before its own
+    # update (mini-batch 1's top-k agrees with the p the mask saw after mini-batch 0's update), and
+    # the run's metrics equal, bit for bit, those of the same run recording nothing.
+    from stapo import STAPOTrainer
+    from stapo.inspect import load_records, silenced_token_table
+    from stapo.run_dir import read_metrics
+
+    runs = {}
+    for name, extra in {"all": ("inspect.record_every=1", "inspect.record_minibatches=all"),
+                        "off": ("inspect.record_every=0",)}.items():
+        cfg = tiny_config(tmp_path / name, tiny_model_dir, arithmetic_jsonl, "rollout.temperature=0.1",
+                          "optim.lr=1e-2", "mask.params={tau_p: 0.05}", *extra)
+        STAPOTrainer(cfg, reward_fn=length_parity_reward).train()
+        runs[name] = tmp_path / name / "run"
+    records = load_records(runs["all"])
+    assert [(r.step, r.minibatch) for r in records] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    for rec in records:
+        hit = rec.topk_ids == rec.token_id[:, None]
+        rows = hit.any(dim=1)
+        assert int(rows.sum()) > 5
+        torch.testing.assert_close((rec.topk_probs * hit).sum(dim=1)[rows], rec.logprob[rows].exp(),
+                                   rtol=1e-4, atol=1e-6)
+    labels = {(t.step, t.minibatch) for t in silenced_token_table(records)}
+    assert any(mb > 0 for _, mb in labels), "no silenced token in a later mini-batch to label"
+
+    def training(run):
+        return [{k: v for k, v in row.items() if not k.startswith(("time_", "tokens_per_s"))}
+                for row in read_metrics(run / "metrics.jsonl")]
+
+    assert training(runs["all"]) == training(runs["off"])
