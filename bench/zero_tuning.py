@@ -73,7 +73,7 @@ def _step(engine, inputs) -> None:
             response_token_stats(engine.module, micro, temperature=1.0, chunk_size=1024)
     accumulation = GradientAccumulation(engine, len(inputs))
     for micro in inputs:
-        logprobs, _ = response_token_stats(engine.module, micro, temperature=1.0, chunk_size=1024)
+        logprobs, _ = response_token_stats(engine.module, micro, temperature=1.0, chunk_size=1024, runner=engine)
         accumulation.backward(-logprobs.sum() / micro.response_mask.sum() / len(inputs))
     accumulation.step()
 

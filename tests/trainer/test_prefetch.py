@@ -88,7 +88,7 @@ def _prefetch_worker(out_dir, **_):
         accumulation = GradientAccumulation(engine, len(micro_batches))
         for i, (_, inputs) in enumerate(micro_batches):
             phase[0] = f"policy:{name}:{i}"
-            logprobs, _ = response_token_stats(engine.module, inputs, temperature=1.0, chunk_size=4)
+            logprobs, _ = response_token_stats(engine.module, inputs, temperature=1.0, chunk_size=4, runner=engine)
             accumulation.backward(-logprobs.sum() / n_global)  # summed over ranks: the global mean
         out["grads"][name] = gather_full_grads(engine)
         accumulation.step()
