@@ -1,8 +1,9 @@
 """Token recording for ``stapo inspect`` (option ``inspect.record_every``).
 
-Every N iterations the first mini-batch's (or every mini-batch's) per-token statistics — exactly the ``p``, ``H`` and ``A``
-the mask saw, what it silenced, plus top-5 alternatives and the collision probability (paper
-Fig. 2, App. C) — are written to ``output_dir/token_records/``.
+Every N iterations the per-token statistics of the first mini-batch (``inspect.record_minibatches``:
+or of every one) — exactly the ``p``, ``H`` and ``A`` the mask saw, what it silenced, plus top-5
+alternatives and the collision probability (paper Fig. 2, App. C) — are written to
+``output_dir/token_records/``.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from stapo.trainer.policy import response_token_topk
 
 
 class TokenRecorder:
-    def __init__(self, output_dir: Path, *, every: int, is_main: bool, all_minibatches: bool = False,
-                 top_k: int = 5):
+    def __init__(self, output_dir: Path, *, every: int, is_main: bool, all_minibatches: bool, top_k: int = 5):
         self.output_dir, self.every, self.is_main, self.top_k = Path(output_dir), every, is_main, top_k
         self.all_minibatches = all_minibatches
 
-    def due(self, step: int, minibatch: int = 0) -> bool:
+    def due(self, step: int, minibatch: int) -> bool:
         return self.every > 0 and step % self.every == 0 and (minibatch == 0 or self.all_minibatches)
 
     @torch.no_grad()
@@ -48,7 +48,8 @@ class TokenRecorder:
         if not self.is_main:
             return
         record = build_token_record(
-            step=step, minibatch=minibatch, mask_name=mask_name, thresholds={k: float(v) for k, v in thresholds.items()},
+            step=step, minibatch=minibatch, mask_name=mask_name,
+            thresholds={k: float(v) for k, v in thresholds.items()},
             token_ids=mini.response_ids, logprobs=stats.logprobs, entropy=stats.entropy,
             advantages=stats.advantages, response_mask=stats.response_mask, keep=masked.keep,
             topk_ids=topk_ids, topk_probs=topk_probs, collision=collision,

@@ -134,7 +134,7 @@ class STAPOTrainer:
                     sums.add_value(key, value)
             masked = self.mask.apply(stats)  # lines 9-10: the S2T mask (or a baseline's)
             probe = self.spurious_probe.apply(stats)  # diagnostic: the S2T criterion, whatever the mask
-            self._observe(k, mini, stats, masked, probe, rollout.select(rows), rewards[rows])
+            self._observe(k, mini, stats, masked, probe, rollout, rewards, rows)
             with timer("update"):  # lines 11-12: Eq. 1 over kept tokens, optimizer step
                 update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts)
             sums.add({**update_sums, **mask_sums(stats, masked, probe)})
@@ -266,14 +266,19 @@ class STAPOTrainer:
         self._close_scorer()
         return summary
 
-    def _observe(self, k, mini, stats, masked, probe, rollout, rewards) -> None:
-        """Sample completions of the first mini-batch and token records of mini-batch ``k``, when due.
-        Runs BEFORE its update, so the recorder's top-k alternatives come from the same theta_old as
-        p, H and A."""
+    def _observe(self, k, mini, stats, masked, probe, rollout, rewards, rows) -> None:
+        """Sample completions of the first mini-batch and token records of mini-batch ``k`` (its
+        ``rows`` of the rollout), when due. Runs BEFORE its update, so the recorder's top-k
+        alternatives come from the same theta_old as p, H and A."""
         step, every = self.step_count + 1, self.config.logging.log_samples_every
-        if k == 0 and every and step % every == 0:
+        log_samples = k == 0 and every and step % every == 0
+        record = self.recorder.due(step, k)
+        if not (log_samples or record):
+            return
+        rollout, rewards = rollout.select(rows), rewards[rows]
+        if log_samples:
             self.logger.log_samples(step, sample_completions(rollout, rewards, masked.silenced, self.tokenizer))
-        if self.recorder.due(step, k):
+        if record:
             thresholds = {"tau_p": self.spurious_probe.tau_p, **probe.thresholds, **masked.thresholds}
             self.recorder.record(step, k, self.model, mini, stats, masked, thresholds, rollout, rewards,
                                  self.tokenizer, registered_name(self.mask) or type(self.mask).__name__, self.opts)
