@@ -45,6 +45,7 @@ import yaml  # noqa: E402
 
 from stapo.cli import builtin_recipe  # noqa: E402
 from stapo.run_dir import CONFIG_FILE, METRICS_FILE, latest_checkpoint, read_metrics, step_of  # noqa: E402
+from stapo.trainer.metrics import training_metrics  # noqa: E402
 
 from _stability_report import BEGIN, END, plot_curves, render  # noqa: E402  (bench/ is on sys.path)
 from _train_runs import SMOKE, TrainingFailed, run_training, train_command  # noqa: E402
@@ -181,8 +182,7 @@ def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], smoke:
 
 def training_rows(run_dir: Path) -> list[dict]:
     """The run's metrics without its timings: what two runs of the same training share exactly."""
-    return [{k: v for k, v in row.items() if not k.startswith(("time_", "tokens_per_s"))}
-            for row in read_metrics(run_dir / METRICS_FILE)]
+    return [training_metrics(row) for row in read_metrics(run_dir / METRICS_FILE)]
 
 
 def inspect_rerun(run: Run, out: Path, recipe: Path, extra: list[str]) -> Path:
@@ -278,7 +278,7 @@ def summarize_run(run: Run, out: Path, attempts: list[dict]) -> dict:
         entropy_curve=[[int(r["step"]), round(r["entropy_mean"], 5)] for r in steps],
         silenced_frac=statistics.fmean(r["silenced_frac"] for r in steps),
         spurious_frac=statistics.fmean(r["spurious_frac"] for r in steps),
-        skipped_steps=int(steps[-1]["skipped_steps"]) if steps else 0,
+        skipped_steps=int(steps[-1]["skipped_steps"]),
         top_grad=top_grad_s2t(run_dir),
         wall_s=round(sum(a["wall_s"] for a in attempts), 1), cpu_s=round(sum(a["cpu_s"] for a in attempts), 1),
         attempts=len(attempts),

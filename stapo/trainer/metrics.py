@@ -78,6 +78,16 @@ OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "k
                                          "mfu_update",
                                          "sampling_rounds", "groups_kept", "groups_dropped", "groups_surplus",
                                          "sampling_capped")
+#: Metrics measured from wall time: they differ between two runs of the same training.
+TIMING_METRIC_KEYS: tuple[str, ...] = (
+    "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",
+    "tokens_per_s_rollout", "tokens_per_s_stats", "tokens_per_s_update", "tokens_per_s", "mfu_stats", "mfu_update",
+)
+
+
+def training_metrics(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row without its timings (``TIMING_METRIC_KEYS``): what reruns of one training share exactly."""
+    return {k: v for k, v in row.items() if k not in TIMING_METRIC_KEYS}
 
 logger = logging.getLogger(__name__)
 

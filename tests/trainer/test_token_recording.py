@@ -96,6 +96,7 @@ def test_recording_every_minibatch_keeps_each_one_and_changes_no_training(tmp_pa
     from stapo import STAPOTrainer
     from stapo.inspect import load_records, silenced_token_table
     from stapo.run_dir import read_metrics
+    from stapo.trainer.metrics import training_metrics
 
     runs = {}
     for name, extra in {"all": ("inspect.record_every=1", "inspect.record_minibatches=all"),
@@ -116,7 +117,6 @@ def test_recording_every_minibatch_keeps_each_one_and_changes_no_training(tmp_pa
     assert any(mb > 0 for _, mb in labels), "no silenced token in a later mini-batch to label"
 
     def training(run):
-        return [{k: v for k, v in row.items() if not k.startswith(("time_", "tokens_per_s"))}
-                for row in read_metrics(run / "metrics.jsonl")]
+        return [training_metrics(row) for row in read_metrics(run / "metrics.jsonl")]
 
     assert training(runs["all"]) == training(runs["off"])
