@@ -122,7 +122,7 @@ def sample_benchmark(engine, scorer, dataset: PromptDataset, *, name: str, setti
                      batch_rows: int = 1024, keep_responses: bool = True) -> BenchmarkResult:
     """N samples per problem of `dataset` under `setting`, judged by `scorer` (`.score(responses,
     answers, row_fields)`, e.g. a `MathVerifier`): a response is correct when its reward is > 0."""
-    from stapo.rollout import SamplingParams
+    from stapo.rollout.sampling import SamplingParams, derived_seed
 
     n, examples = num_samples, list(dataset)
     per_call = max(1, batch_rows // n)
@@ -131,7 +131,7 @@ def sample_benchmark(engine, scorer, dataset: PromptDataset, *, name: str, setti
     for first in range(0, len(examples), per_call):
         chunk = examples[first: first + per_call]
         sampling = SamplingParams(temperature=setting.temperature, top_p=setting.top_p,
-                                  max_new_tokens=max_new_tokens, seed=_chunk_seed(seed, first))
+                                  max_new_tokens=max_new_tokens, seed=derived_seed(seed, first))
         rollout = engine.generate([e.prompt_ids for e in chunk], n, sampling)  # rows: prompt i // n
         answers = [e.ground_truth for e in chunk for _ in range(n)]
         fields = [e.fields for e in chunk for _ in range(n)]
@@ -170,7 +170,3 @@ def _load_tokenizer(model_path: str | Path):
 
     return AutoTokenizer.from_pretrained(str(model_path))
 
-
-def _chunk_seed(seed: int, first_problem: int) -> int:
-    """Independent, reproducible seed per generate call (problem offset `first_problem`)."""
-    return int(np.random.SeedSequence([seed, first_problem]).generate_state(1)[0] % (2**31 - 1))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["SamplingParams", "processed_logprobs", "sample_from_logprobs"]
@@ -93,3 +94,9 @@ def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator | No
     else:
         tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # (N,)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """A reproducible seed for item ``index`` of a run seeded with ``seed``, independent across items
+    (NumPy's SeedSequence), in vLLM's accepted range."""
+    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0] % (2**31 - 1))

@@ -51,7 +51,7 @@ import torch
 
 from stapo.rollout.batch import Rollout, left_pad, right_pad
 from stapo.rollout.engine import check_prompts
-from stapo.rollout.sampling import SamplingParams
+from stapo.rollout.sampling import SamplingParams, derived_seed
 from stapo.rollout.vllm_worker import WORKER_EXTENSION, pack_bucket
 
 __all__ = ["VLLMEngine", "ExecutorPlan", "GroupFacts", "plan_executor", "request_seeds", "vllm_sampling_kwargs",
@@ -140,7 +140,7 @@ def _spare_port() -> int:
 def request_seeds(seed: int, num_prompts: int) -> list[int]:
     """One seed per prompt, reproducible from ``seed`` (the trainer's run/step/rank/round seed) and
     the prompt's index; independent streams per prompt (NumPy's SeedSequence)."""
-    return [int(np.random.SeedSequence([seed, p]).generate_state(1)[0] % (2**31 - 1)) for p in range(num_prompts)]
+    return [derived_seed(seed, p) for p in range(num_prompts)]
 
 
 def vllm_sampling_kwargs(sampling: SamplingParams, n: int, num_prompts: int) -> tuple[dict, list[int] | None]:
