@@ -1,8 +1,8 @@
 """Benchmark: `VLLMEngine.generate` vs plain `vllm.LLM.generate` on the same prompts and sampling.
 
-Both sides use the SAME `vllm.LLM` (the engine's own), so the ratio is stapo's overhead only:
-request building, the per-request seeds and the
-conversion of vLLM's outputs into a `Rollout`. Runs alternate (plain, stapo, plain, ...) after a
+Both sides use the SAME `vllm.LLM` (the engine's own) and the same per-request seeded sampling
+parameters (vLLM's seeded sampling is slower than unseeded), so the ratio is stapo's overhead only:
+request building and the conversion of vLLM's outputs into a `Rollout`. Runs alternate (plain, stapo, plain, ...) after a
 warm-up; prints the median seconds of each and the ratio (issue #13 target: <= 1.2x).
 
     python bench/vllm_generate.py                          # builtin tiny model, 256 prompts x 8
@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     import vllm
 
     from stapo.rollout import SamplingParams, VLLMEngine
+    from stapo.rollout.vllm_engine import vllm_sampling_kwargs
 
     model = args.model
     if model == "builtin:tiny":
@@ -68,8 +69,8 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, vocab - 1, (args.prompts, args.prompt_len), generator=gen).tolist()
     ours = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens, seed=1234)
-    plain_params = vllm.SamplingParams(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
-                                       logprobs=0, seed=None)
+    base, seeds = vllm_sampling_kwargs(ours, args.n, len(prompts))
+    plain_params = [vllm.SamplingParams(**base, seed=s) for s in seeds]
     requests = [{"prompt_token_ids": p} for p in prompts]
 
     def run_plain() -> tuple[float, int]:
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
             times[name].append(seconds)
             tokens[name].append(n_tokens)
     print(f"| side | median s | tokens/s | ({args.prompts} prompts x {args.n}, <= {args.max_tokens} tokens, "
-          "VLLMEngine: per-request seeds) |")
+          "both: per-request seeds) |")
     print("|---|---|---|---|")
     for name in times:
         med = statistics.median(times[name])

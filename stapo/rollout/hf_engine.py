@@ -141,11 +141,11 @@ class HFEngine:
             group_index=torch.arange(len(prompts)).repeat_interleave(n), group_size=n, pad_token_id=pad)
 
     # ------------------------------------------------------------ weight sync
-    @torch.no_grad()
     def weight_update(self) -> contextlib.AbstractContextManager:
         """A sync session; nothing to set up: `load_weights` copies each tensor as it arrives."""
         return contextlib.nullcontext()
 
+    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy one bucket of full tensors (HF names) into the model; tied aliases (e.g.
         `lm_head.weight` ↔ `model.embed_tokens.weight`) share storage, so either name works.

@@ -7,7 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash tests/vllm_cpu/setup_env.sh
 VENV=${STAPO_VLLM_CPU_VENV:-.vllm-cpu-venv}
-# vLLM's CPU worker pins OpenMP threads when it starts in a process; leave the cores to it and the
-# trainer alike (2-core CI boxes), and keep its KV cache small.
+# Keep vLLM's CPU KV cache small (2-core, shared CI boxes).
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vllm_cpu "$@"

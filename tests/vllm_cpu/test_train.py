@@ -18,7 +18,7 @@ COMMON = ["rollout.engine=vllm", "trainer.train_batch_size=8", "trainer.mini_bat
           "trainer.micro_batch_size=64", "rollout.group_size=4", "rollout.max_response_length=40",
           "data.eval_size=16", "trainer.eval_every=0", "inspect.record_every=0", "logging.log_samples_every=1",
           "logging.tensorboard=false", "logging.plot=false", "logging.progress=false", "optim.lr=2e-4",
-          "trainer.export_hf=true"]
+          "trainer.export_hf=true", "model.dtype=fp32"]  # fp32 on a GPU too: the bound is an fp32 bound
 
 
 def train(out: Path, model_dir: Path, *overrides: str, launcher: tuple[str, ...] = ()) -> list[dict]:
@@ -74,6 +74,7 @@ def test_resumed_run_regenerates_the_same_rollouts(four_steps, warm_model_dir, t
         assert here["reward_mean"] == ref["reward_mean"] and here["response_length_mean"] == ref["response_length_mean"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="an engine per rank needs 2 GPUs")
 def test_two_torchrun_ranks_with_zero3_and_an_engine_each(warm_model_dir, tmp_path):
     out = tmp_path / "ranks2"
     steps = train(out, warm_model_dir, "trainer.total_steps=2", "trainer.save_every=0", "trainer.zero_stage=3",
