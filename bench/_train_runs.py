@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 BUILTIN_MASKS = ("none", "stapo", "entropy_top", "prob_only", "high_entropy_low_prob")
 #: Explicit mask params: ``none`` takes none, ``entropy_top`` (20-Entropy) keeps the top 20% entropy,
-#: ``prob_only`` its own tau_p; the other built-in S2T-style masks keep the recipe's
-#: {tau_p, entropy_quantile}; user-registered masks get their own defaults ({}).
+#: ``prob_only`` its own tau_p; for the other masks no override: ``stapo``, the recipe's mask, keeps the
+#: recipe's {tau_p, entropy_quantile}, any other mask (switching ``mask.name`` drops the recipe's
+#: params) gets its own defaults; user-registered masks get ``{}``, i.e. their defaults too.
 MASK_PARAMS = {"none": "{}", "entropy_top": "{entropy_quantile: 0.8}", "prob_only": "{tau_p: 0.002}"}
 SMOKE = ["trainer.total_steps=2", "tiny.warm_start_steps=10", "data.eval_size=8", "data.num_builtin_problems=64",
          "trainer.train_batch_size=4", "trainer.mini_batch_size=2", "rollout.group_size=4",

@@ -69,7 +69,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _dry_run(cfg: STAPOConfig, world_size: int | None) -> int:
     """Every check ``train`` makes before loading weights (``stapo.trainer.preflight``), then the
-    resolved config and the run's shape; a missing GPU, engine package or cached model is reported,
+    resolved config and the run's shape; a missing engine package or uncached model is reported,
     not an error: the recipe is usually meant for another machine."""
     from stapo.trainer.components import build_scorer
     from stapo.trainer.distributed import launcher_world_size

@@ -114,10 +114,9 @@ TINY_RECIPE = ROOT / "examples" / "recipes" / "tiny_cpu.yaml"  # mask stapo, {ta
 
 def _load_custom_mask_example():
     """Import examples/custom_mask.py as `stapo train --import` does (registers low_confidence_positive)."""
-    import importlib.util
+    from stapo.cli import _load_user_modules
 
-    spec = importlib.util.spec_from_file_location("custom_mask", ROOT / "examples" / "custom_mask.py")
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    _load_user_modules([str(ROOT / "examples" / "custom_mask.py")])
 
 
 @pytest.mark.parametrize("name, built", [

@@ -10,7 +10,7 @@ examples/recipes/*.yaml. How each kind of line runs (in this process, offline, o
   placeholders (``RUN_DIR``, ``MODEL``, ``my.jsonl``, ...) become that run and its files (PLACEHOLDERS).
 * ``python examples/X.py ARGS``: dry — the script's config (EXAMPLES: how it reads its arguments)
   through ``stapo train --dry-run``; training them takes minutes.
-* ``python bench/X.py ARGS``: parsed — the script exists and declares every option shown; the
+* ``python bench/X.py ARGS``: checked — the script exists and its source declares every option shown; the
   ``--smoke`` runs themselves are tests/test_bench_*.py (checked here to exist).
 
 A synopsis's optional parts (``[key=value ...]``) are dropped; a bare command name in prose
@@ -36,7 +36,7 @@ TINY = "examples/recipes/tiny_cpu.yaml"
 
 # How each example script reads its arguments, as `stapo train` arguments (a new script needs a line).
 EXAMPLES = {
-    "examples/train.py": lambda args: args,  # [RECIPE] [key=value ...], exactly like `stapo train`
+    "examples/train.py": lambda args: args,  # [RECIPE] [key=value ...]: a first argument is the recipe, as in `stapo train`
     "examples/custom_mask.py": lambda args: ["--import", "examples/custom_mask.py",
                                              "trainer.output_dir=outputs/custom_mask", *args],
 }

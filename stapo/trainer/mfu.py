@@ -69,7 +69,7 @@ def device_peak_flops(device_name: str | None) -> float | None:
 def _field(hf_config, name: str):
     value = getattr(hf_config, name, None)
     if value is None:
-        raise ValueError(f"flops_per_token: the model config ({type(hf_config).__name__}) has no {name!r}")
+        raise ValueError(f"MFU: the model config ({type(hf_config).__name__}) has no {name!r}")
     return value
 
 
@@ -79,7 +79,7 @@ def matmul_params(hf_config) -> int:
     Dense decoders only (Llama/Qwen/Mistral-style); MoE configs are refused rather than miscounted.
     """
     if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
-        raise ValueError(f"flops_per_token: mixture-of-experts configs ({type(hf_config).__name__}) are not "
+        raise ValueError(f"MFU: mixture-of-experts configs ({type(hf_config).__name__}) are not "
                          "supported (active parameters per token differ from the dense count)")
     hidden = _field(hf_config, "hidden_size")
     heads = _field(hf_config, "num_attention_heads")

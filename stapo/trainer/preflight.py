@@ -7,7 +7,7 @@ loaded and the reward scorer is checked by building it (``components.build_score
 message is the one ``stapo train`` gives. Nothing here loads weights or starts a process group.
 
 Two kinds of findings: errors in the run itself (an indivisible batch, a missing checkpoint) raise;
-what this machine lacks (the engine's GPU or package, a model not in the cache) is reported on
+what this machine lacks (the engine's package, a model not in the cache) is reported on
 :class:`RunPlan`, because a dry run usually checks a recipe for another machine (docs/distributed.md).
 """
 
