@@ -7,6 +7,8 @@ so DeepSpeed's padded partition layout is exercised.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -221,3 +223,26 @@ def test_plain_module_gather_includes_persistent_buffers_and_loads_strictly():
 def test_consumer_rejects_unknown_names():
     with pytest.raises(KeyError, match="'nope' is not a parameter or buffer of Linear"):
         StateDictConsumer(torch.nn.Linear(2, 2)).load_weights([("nope", torch.zeros(1))])
+
+
+def test_sync_loads_every_bucket_inside_one_update_session():
+    # the rollout engines' contract (docs/rollout.md): begin, every bucket, finish — once per sync
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        @contextlib.contextmanager
+        def weight_update(self):
+            self.calls.append("begin")
+            yield
+            self.calls.append("finish")
+
+        def load_weights(self, bucket):
+            self.calls.append([name for name, _ in bucket])
+
+    src = torch.nn.BatchNorm1d(3)
+    recorder = Recorder()
+    stats = sync_weights(src, recorder, bucket_bytes=12)
+    assert recorder.calls == ["begin", ["weight"], ["bias"], ["running_mean", "running_var", "num_batches_tracked"],
+                              "finish"]
+    assert stats.num_buckets == 3 and stats.num_tensors == 5
