@@ -31,7 +31,7 @@ setup(
     ],
     extras_require={
         "vllm": ["vllm>=0.26,<0.33"],  # weight-update session read against 0.26, run on the CPU build 0.32
-        "lora": ["peft>=0.17,<0.22"],  # model.lora (stapo/trainer/lora.py); tested with 0.21.2
+        "lora": ["peft>=0.17,<0.22"],  # model.lora (stapo/distributed/lora.py); tested with 0.21.2
         "test": ["pytest>=8.0", "hypothesis>=6.100", "pytest-timeout>=2.3", "peft>=0.17,<0.22"],
         "bench": ["math-verify==0.8.0", "trl==1.16.0", "psutil>=5.9"],
     },

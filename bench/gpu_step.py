@@ -13,7 +13,7 @@ mini-batches (mask ``stapo``, clipped surrogate, backward, optimizer step), afte
 
 each under ZeRO-1 (the one-GPU setting: bf16 needs stage >= 1 for fp32 gradient accumulation) and ZeRO-3
 (the project's ``build_engine`` with the ``zero:`` defaults, in a 1-rank process group). Prints a Markdown
-table: seconds, real tokens/s and MFU per phase (:mod:`stapo.trainer.mfu`: the lm_head counted at response
+table: seconds, real tokens/s and MFU per phase (:mod:`stapo.telemetry.mfu`: the lm_head counted at response
 positions only, where the passes apply it; MFU is left blank without a known GPU), peak memory, and
 speed-ups.
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from stapo.tiny.tokenizer import VOCAB_SIZE
-from stapo.trainer.mfu import causal_context_length, device_peak_flops, forward_flops, phase_throughput
+from stapo.telemetry.mfu import causal_context_length, device_peak_flops, forward_flops, phase_throughput
 
 SHAPES = {
     "qwen3_0p6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -118,7 +118,7 @@ def _build_engine(config, zero_stage: int, grad_accum_steps: int, micro: int, bf
 
     from stapo.config import STAPOConfig
     from stapo.trainer.components import zero_tuning
-    from stapo.trainer.engine import build_engine
+    from stapo.distributed.deepspeed_engine import build_engine
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).to(torch.bfloat16 if bf16 else torch.float32)
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     from transformers import Qwen3Config
 
-    from stapo.trainer.distributed import init_distributed
+    from stapo.distributed.process_group import init_distributed
 
     shape = "smoke" if args.smoke else "qwen3_0p6b"
     work = dict(WORKLOADS[shape], **{k: v for k, v in (("micro", args.micro), ("budget", args.budget)) if v})

@@ -58,10 +58,10 @@ def worker(variant: str, shape: dict, layers: int, tokens: int, steps: int, rank
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import build_engine
-    from stapo.trainer.lora import QWEN3_TARGET_MODULES, wrap_with_lora
-    from stapo.trainer.policy import PackedInputs, response_token_stats
+    from stapo.distributed.process_group import init_distributed
+    from stapo.distributed.deepspeed_engine import build_engine
+    from stapo.distributed.lora import QWEN3_TARGET_MODULES, wrap_with_lora
+    from stapo.distributed.policy import PackedInputs, response_token_stats
 
     init_distributed()
     torch.manual_seed(0)

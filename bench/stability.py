@@ -45,7 +45,7 @@ import yaml  # noqa: E402
 
 from stapo.cli import builtin_recipe  # noqa: E402
 from stapo.run_dir import CONFIG_FILE, METRICS_FILE, latest_checkpoint, read_metrics, step_of  # noqa: E402
-from stapo.trainer.metrics import training_metrics  # noqa: E402
+from stapo.telemetry.metrics import training_metrics  # noqa: E402
 
 from _stability_report import BEGIN, END, plot_curves, render  # noqa: E402  (bench/ is on sys.path)
 from _train_runs import SMOKE, TrainingFailed, run_training, train_command  # noqa: E402

@@ -45,7 +45,7 @@ def _gathered_parameters_buckets(model, bucket_bytes: int):
     (DeepSpeed still issues one all-gather per parameter inside it)."""
     import deepspeed
 
-    from stapo.trainer.weight_sync import full_numel, hf_name, plan_buckets
+    from stapo.sync.buckets import full_numel, hf_name, plan_buckets
 
     named = list(model.named_parameters())
     for indices in plan_buckets([full_numel(p) * p.element_size() for _, p in named],
@@ -56,7 +56,7 @@ def _gathered_parameters_buckets(model, bucket_bytes: int):
 
 def _buckets_fn(engine, method: str):
     """``per_param``, a bucket size in MiB (flat gather) or ``gp<MiB>`` (previous path)."""
-    from stapo.trainer.weight_sync import iter_weight_buckets, iter_weights_per_param
+    from stapo.sync.buckets import iter_weight_buckets, iter_weights_per_param
 
     if method == "per_param":
         return lambda: iter_weights_per_param(engine, copy=False)
@@ -76,9 +76,9 @@ def worker(methods: list[str], reps: int, shape: str, interleave: bool) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from stapo.trainer.distributed import barrier, init_distributed, reduce_metrics
-    from stapo.trainer.engine import build_engine
-    from stapo.trainer.weight_sync import StateDictConsumer
+    from stapo.distributed.process_group import barrier, init_distributed, reduce_metrics
+    from stapo.distributed.deepspeed_engine import build_engine
+    from stapo.sync.buckets import StateDictConsumer
 
     info = init_distributed()
     config = Qwen3Config(**SHAPES[shape], tie_word_embeddings=True)

@@ -4,7 +4,7 @@ Each rank trains a random-init model with Qwen3-0.6B's layer shape (hidden 1,024
 128, MLP 3,072; 4 layers instead of 28, a 384-token vocabulary: ~63M parameters, so persistence and
 bucket thresholds see the real tensor sizes) for a few steps of ``--micro`` micro-batches, through the
 trainer's own passes: a step is the no-grad stats pass and the update (``policy_stats`` and
-``update_minibatch``' forward, :func:`stapo.trainer.policy.response_token_stats` on packed rows, with
+``update_minibatch``' forward, :func:`stapo.distributed.policy.response_token_stats` on packed rows, with
 exact accumulation), so the ZeRO-3 parameter trace sees the module order the trainer produces.
 The two settings alternate step by step (same machine load). Prints a Markdown table: median step
 time, CPU seconds, and the collectives one step issues (counted with DeepSpeed's comms logger in a
@@ -39,7 +39,7 @@ SETTINGS = ("deepspeed_defaults", "tuned")
 def _tuning(setting: str):
     from stapo.config import STAPOConfig
     from stapo.trainer.components import zero_tuning
-    from stapo.trainer.engine import ZeroTuning
+    from stapo.distributed.deepspeed_engine import ZeroTuning
 
     return ZeroTuning() if setting == "deepspeed_defaults" else zero_tuning(STAPOConfig())
 
@@ -49,7 +49,7 @@ def _inputs(ids):
     each row is the prompt, the second half the response."""
     import torch
 
-    from stapo.trainer.policy import teacher_forced_inputs
+    from stapo.distributed.policy import teacher_forced_inputs
 
     half = ids.shape[-1] // 2
     out = []
@@ -65,8 +65,8 @@ def _step(engine, inputs) -> None:
     (mean response log-likelihood as the loss, summed exactly over micro-batches)."""
     import torch
 
-    from stapo.trainer.accumulation import GradientAccumulation
-    from stapo.trainer.policy import response_token_stats
+    from stapo.distributed.accumulation import GradientAccumulation
+    from stapo.distributed.policy import response_token_stats
 
     with torch.no_grad():
         for micro in inputs:
@@ -96,8 +96,8 @@ def worker(shape: str, steps: int, micro: int, tokens: int) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from stapo.trainer.distributed import barrier, init_distributed, reduce_metrics
-    from stapo.trainer.engine import build_engine
+    from stapo.distributed.process_group import barrier, init_distributed, reduce_metrics
+    from stapo.distributed.deepspeed_engine import build_engine
 
     info = init_distributed()
     config = Qwen3Config(**SHAPES[shape], tie_word_embeddings=True, attn_implementation="sdpa")

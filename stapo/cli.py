@@ -72,7 +72,7 @@ def _dry_run(cfg: STAPOConfig, world_size: int | None) -> int:
     resolved config and the run's shape; a missing engine package or uncached model is reported,
     not an error: the recipe is usually meant for another machine."""
     from stapo.trainer.components import build_scorer
-    from stapo.trainer.distributed import launcher_world_size
+    from stapo.distributed.process_group import launcher_world_size
     from stapo.trainer.preflight import plan_run, summary_lines
 
     plan = plan_run(cfg, world_size if world_size is not None else launcher_world_size())

@@ -84,7 +84,7 @@ def _odd_length_reward(response: str, ground_truth: str) -> float:
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:
-    from stapo.trainer.weight_sync import iter_weight_buckets
+    from stapo.sync.buckets import iter_weight_buckets
 
     return {name: t.clone() for bucket in iter_weight_buckets(trainer.model) for name, t in bucket}
 

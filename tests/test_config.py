@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from stapo.config import ConfigError, STAPOConfig
-from stapo.config_docs import config_reference_markdown, field_docs
+from stapo.config.docs import config_reference_markdown, field_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,7 @@ def test_configuration_reference_is_up_to_date():
     page = ROOT / "docs" / "configuration.md"
     assert page.read_text(encoding="utf-8") == config_reference_markdown() + "\n", (
         "docs/configuration.md is stale: regenerate with "
-        "`python -m stapo.config_docs > docs/configuration.md`"
+        "`python -m stapo.config.docs > docs/configuration.md`"
     )
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from stapo.trainer.metrics import STEP_METRIC_KEYS
+from stapo.telemetry.metrics import STEP_METRIC_KEYS
 
 
 @pytest.mark.slow

@@ -5,6 +5,9 @@
     print(report.markdown()); report.write("runs/stapo/final/eval")
 
 Command line: `stapo eval MODEL_DIR [--benchmark NAME ...] [--data [NAME=]FILE] ...` (see docs/evaluation.md).
+
+May import: ``stapo.distributed``, ``stapo.rollout``, ``stapo.rewards``, ``stapo.data`` and the
+rest below them (docs/index.md, "Layout"); never the trainer.
 """
 
 from stapo.evaluation.benchmarks import (BENCHMARKS, PAPER_SETTINGS, SETTING_GROUPS, BenchmarkPreset,

@@ -43,7 +43,7 @@ def loadable_model_dir(path: str | Path) -> Iterator[Path]:
         return
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stapo.trainer.lora import require_peft
+    from stapo.distributed.lora import require_peft
 
     peft = require_peft()
     base = adapter_base(path)

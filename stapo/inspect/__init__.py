@@ -8,6 +8,9 @@ docs/inspector.md. Train with ``inspect.record_every=N``, then::
 
 Names resolve lazily so the trainer's recording path (``write_token_record``,
 ``build_token_record``) does not import matplotlib.
+
+May import: ``stapo.plots``, ``stapo.run_dir`` and the rest below them (docs/index.md, "Layout");
+the trainer imports the recording half, so never the trainer.
 """
 
 from importlib import import_module

@@ -8,6 +8,8 @@ verifier exactly) and ``dapo_boxed`` (its later revision with a ``\\boxed{}`` fa
 ``function`` (a user reward function in killable workers); the registry is ``modes.py``.
 Light to import (no sympy, no torch): sympy runs only in the verifier's worker processes.
 See docs/rewards.md for the extraction, normalization and equivalence rules.
+
+May import: ``stapo.registry`` and the standard library (docs/index.md, "Layout").
 """
 
 from stapo.rewards.extract import extract_answer

@@ -5,6 +5,9 @@
 `HFEngine` runs a transformers model (CPU or GPU); `VLLMEngine` runs vLLM colocated in the training
 process and imports vllm only when constructed. Both report the log-probability of each sampled
 token under the processed sampling distribution (temperature, top-k, top-p).
+
+May import: ``stapo.losses``, ``stapo.registry`` and the rest below them (docs/index.md, "Layout");
+only this folder imports vllm, lazily.
 """
 
 from stapo.rollout.batch import Rollout

@@ -4,7 +4,7 @@ P prompts × G samples give B = P·G rows; row i answers prompt i // G and is it
 groups are consecutive (the group advantages of paper §2.1 rely on that). Prompts are LEFT-padded
 and responses RIGHT-padded, so `cat(prompt_ids, response_ids)` puts every response right after its
 prompt at column Lp; the trainer builds its teacher-forced inputs (padded or packed) from these four
-tensors in `stapo.trainer.policy.teacher_forced_inputs`.
+tensors in `stapo.distributed.policy.teacher_forced_inputs`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Rollout", "left_pad", "right_pad"]
+__all__ = ["Rollout", "left_pad", "right_pad", "row_lengths"]
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,3 +199,8 @@ class Rollout:
         return dataclasses.replace(self, **{
             f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)})
+
+
+def row_lengths(seqs) -> list[int]:
+    """Real tokens (prompt + response) of each row of a Rollout / TrainBatch."""
+    return (seqs.prompt_mask.sum(dim=1) + seqs.response_mask.sum(dim=1)).tolist()

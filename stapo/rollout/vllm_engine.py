@@ -291,7 +291,7 @@ class VLLMEngine:
         `weight_update`, so that a layer split across buckets is processed once it is complete."""
         if not self._updating:
             raise RuntimeError("VLLMEngine.load_weights must be called inside `with engine.weight_update():` "
-                               "(one session per sync; stapo.trainer.weight_sync.sync_weights opens it)")
+                               "(one session per sync; stapo.sync.buckets.sync_weights opens it)")
         bucket = list(weights)
         payload = bucket if self.in_process else pack_bucket(bucket)
         self.llm.collective_rpc("stapo_load_weights", args=(payload,))

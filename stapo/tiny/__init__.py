@@ -6,6 +6,8 @@ locally in seconds on a CPU, deterministically, and cached under ``$STAPO_CACHE`
 
     from stapo.tiny import build_tiny_model, arithmetic_problems, warm_start
     model_dir = warm_start(build_tiny_model())
+
+May import: ``stapo.data`` and the rest below it (docs/index.md, "Layout").
 """
 
 from stapo.tiny.model import TinySpec, build_tiny_model

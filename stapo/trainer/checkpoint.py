@@ -29,9 +29,9 @@ import torch
 
 from stapo.run_dir import (CHECKPOINT_DIR, CLIENT_FILE, LATEST, MERGED_DIR, PREVIOUS_RUNS_DIR, RUN_ARTIFACTS,
                            checkpoint_name, complete_checkpoints, latest_checkpoint)
-from stapo.trainer.distributed import all_gather_object, barrier, get_rank, get_world_size
-from stapo.trainer.lora import adapter_state, is_peft_model, plain_model
-from stapo.trainer.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
+from stapo.distributed.process_group import all_gather_object, barrier, get_rank, get_world_size
+from stapo.distributed.lora import adapter_state, is_peft_model, plain_model
+from stapo.sync.buckets import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
 TMP_PREFIX = ".tmp-"
 DS_TAG = "zero"

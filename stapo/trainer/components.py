@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from stapo.config import STAPOConfig
-from stapo.trainer.distributed import DistInfo, barrier
+from stapo.distributed.process_group import DistInfo, barrier
 from stapo.run_dir import latest_checkpoint
-from stapo.trainer.engine import ZeroTuning
+from stapo.distributed.deepspeed_engine import ZeroTuning
 from stapo.trainer.model_source import BUILTIN_MODEL, require_model
 from stapo.trainer.update import UpdateOptions
 
@@ -85,12 +85,12 @@ def load_policy(path: str, cfg: STAPOConfig):
 
 def build_policy(path: str, cfg: STAPOConfig):
     """The policy to train: the loaded model, wrapped with LoRA adapters when ``model.lora.enabled``
-    (stapo.trainer.lora; adapters seeded by ``trainer.seed``, identical on every rank)."""
+    (stapo.distributed.lora; adapters seeded by ``trainer.seed``, identical on every rank)."""
     model = load_policy(path, cfg)
     lora = cfg.model.lora
     if not lora.enabled:
         return model
-    from stapo.trainer.lora import wrap_with_lora
+    from stapo.distributed.lora import wrap_with_lora
 
     return wrap_with_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                           target_modules=lora.target_modules, seed=cfg.trainer.seed)
@@ -106,12 +106,12 @@ def rows_per_rank(cfg: STAPOConfig, world_size: int) -> int:
 
 
 def zero_tuning(cfg: STAPOConfig) -> ZeroTuning:
-    """The ``zero:`` section as the engine's flat :class:`~stapo.trainer.engine.ZeroTuning`."""
+    """The ``zero:`` section as the engine's flat :class:`~stapo.distributed.deepspeed_engine.ZeroTuning`."""
     return ZeroTuning(**dataclasses.asdict(cfg.zero))
 
 
 def build_deepspeed(model, cfg: STAPOConfig, world_size: int):
-    from stapo.trainer.engine import build_engine
+    from stapo.distributed.deepspeed_engine import build_engine
 
     micro_batches = math.ceil(rows_per_rank(cfg, world_size) / cfg.trainer.micro_batch_size)
     return build_engine(
@@ -136,14 +136,14 @@ def build_reference(cfg: STAPOConfig, model_path: str, policy=None):
     """The frozen reference policy of the KL term, or None when ``loss.kl_coef`` is 0 (the paper).
 
     With LoRA it is ``policy`` (the trained module) with its adapters disabled: no second copy of the
-    weights (run its forwards inside ``stapo.trainer.lora.reference_scope``)."""
+    weights (run its forwards inside ``stapo.distributed.lora.reference_scope``)."""
     if cfg.loss.kl_coef == 0:
         return None
     if cfg.model.lora.enabled:
-        from stapo.trainer.lora import DisabledAdapters
+        from stapo.distributed.lora import DisabledAdapters
 
         return DisabledAdapters(policy)
-    from stapo.trainer.engine import build_reference as wrap
+    from stapo.distributed.deepspeed_engine import build_reference as wrap
 
     return wrap(load_policy(model_path, cfg), zero_stage=cfg.trainer.zero_stage,
                 bf16=policy_dtype(cfg) == torch.bfloat16, zero_tuning=zero_tuning(cfg))

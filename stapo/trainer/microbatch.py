@@ -8,7 +8,7 @@ token recorder (one loop, :class:`MicroBatches`):
 * **token budget** (``max_tokens``): rows are placed by length so that every micro-batch holds at
   most ``max_tokens`` real tokens (prompt + response; a longer row gets a micro-batch of its own)
   and the micro-batches are balanced: longest-first into the least-loaded micro-batch
-  (the LPT rule). With packed rows (``stapo.trainer.policy.PackedInputs``) the cost of a micro-batch
+  (the LPT rule). With packed rows (``stapo.distributed.policy.PackedInputs``) the cost of a micro-batch
   is its real tokens, so the budget is what the GPU actually computes.
 
 Under ZeRO-3 every forward all-gathers each layer's parameters, so all ranks must run the SAME
@@ -25,10 +25,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from stapo.trainer.distributed import all_reduce_max
-from stapo.trainer.policy import TeacherForcedInputs, teacher_forced_inputs
+from stapo.distributed.process_group import all_reduce_max
+from stapo.rollout.batch import row_lengths
+from stapo.distributed.policy import TeacherForcedInputs, teacher_forced_inputs
 
-__all__ = ["MicroBatches", "plan_micro_batches", "balanced_bins", "bins_needed", "row_lengths"]
+__all__ = ["MicroBatches", "plan_micro_batches", "balanced_bins", "bins_needed"]
 
 
 def balanced_bins(lengths: Sequence[int], num_bins: int) -> list[list[int]]:
@@ -91,11 +92,6 @@ def plan_micro_batches(lengths: Sequence[int], *, max_rows: int | None = None,
     sizes = [n // count + (i < n % count) for i in range(count)]  # `count` near-equal runs, <= max_rows
     starts = [sum(sizes[:i]) for i in range(count)]
     return [list(range(s, s + k)) for s, k in zip(starts, sizes)]
-
-
-def row_lengths(seqs) -> list[int]:
-    """Real tokens (prompt + response) of each row of a Rollout / TrainBatch."""
-    return (seqs.prompt_mask.sum(dim=1) + seqs.response_mask.sum(dim=1)).tolist()
 
 
 class MicroBatches:

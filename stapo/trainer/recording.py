@@ -16,7 +16,7 @@ from stapo.inspect.collect import build_token_record
 from stapo.inspect.records import write_token_record
 from stapo.run_dir import token_record_path
 from stapo.trainer.microbatch import MicroBatches
-from stapo.trainer.policy import response_token_topk
+from stapo.distributed.policy import response_token_topk
 
 
 class TokenRecorder:

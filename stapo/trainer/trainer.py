@@ -27,18 +27,18 @@ from stapo.rollout import Rollout, SamplingParams
 from stapo.trainer import components as build
 from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, read_metrics
 from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_final
-from stapo.trainer.distributed import all_gather_object, barrier, init_distributed
-from stapo.trainer.metrics import MetricsLogger
+from stapo.distributed.process_group import all_gather_object, barrier, init_distributed
+from stapo.telemetry.metrics import MetricsLogger
 from stapo.trainer.preflight import plan_run
 from stapo.trainer.recording import TokenRecorder
-from stapo.trainer.engine import current_lr
-from stapo.trainer.lora import reference_scope
+from stapo.distributed.deepspeed_engine import current_lr
+from stapo.distributed.lora import reference_scope
 from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout
-from stapo.trainer.mfu import device_peak_flops
-from stapo.trainer.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
+from stapo.telemetry.mfu import device_peak_flops
+from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
                                         skipped_updates, stats_counts, step_metrics, token_counts)
 from stapo.trainer.update import TrainBatch, policy_stats, update_minibatch
-from stapo.trainer.weight_sync import sync_weights
+from stapo.sync.buckets import sync_weights
 
 log = logging.getLogger("stapo.trainer")
 
@@ -81,7 +81,7 @@ class STAPOTrainer:
         self.model_path = build.resolve_model_path(cfg, self.dist)
         self.tokenizer = build.load_tokenizer(self.model_path, cfg)
         self.engine = build.build_deepspeed(build.build_policy(self.model_path, cfg), cfg, self.dist.world_size)
-        self.model = self.engine.module  # a PeftModel with model.lora (stapo/trainer/lora.py)
+        self.model = self.engine.module  # a PeftModel with model.lora (stapo/distributed/lora.py)
         self.reference = build.build_reference(cfg, self.model_path, self.model)  # None unless loss.kl_coef > 0
         self.peak_flops = device_peak_flops(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
         self.rollout_engine = build.build_rollout_engine(cfg, self.model_path, self.tokenizer, self.dist.rank)

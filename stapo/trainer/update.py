@@ -21,9 +21,9 @@ import torch
 
 from stapo.losses import all_reduce_sum_, clipped_surrogate_loss, tis_weights
 from stapo.losses.ops import DEFAULT_CHUNK_SIZE
-from stapo.trainer.accumulation import GradientAccumulation
+from stapo.distributed.accumulation import GradientAccumulation
 from stapo.trainer.microbatch import MicroBatches
-from stapo.trainer.policy import response_token_stats
+from stapo.distributed.policy import response_token_stats
 
 
 @dataclass(frozen=True)

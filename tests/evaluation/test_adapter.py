@@ -17,7 +17,7 @@ def adapter_and_merged(tiny_model_dir, tiny_tokenizer, tmp_path):
     """A rank-4 adapter with random B on the tiny model (PEFT's own files) and its merge, by PEFT."""
     from transformers import AutoModelForCausalLM
 
-    from stapo.trainer.lora import QWEN3_TARGET_MODULES, wrap_with_lora
+    from stapo.distributed.lora import QWEN3_TARGET_MODULES, wrap_with_lora
 
     model = wrap_with_lora(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), rank=4, alpha=8.0,
                            dropout=0.0, target_modules=QWEN3_TARGET_MODULES, seed=0)

@@ -33,7 +33,7 @@ def _plain_env() -> dict[str, str]:
 
 
 def _train(out: Path, *overrides: str) -> list[dict]:
-    from stapo.trainer.metrics import read_metrics
+    from stapo.telemetry.metrics import read_metrics
 
     args = [sys.executable, "-m", "stapo.cli", "train",
             f"trainer.output_dir={out}", "rollout.engine=vllm", "model.dtype=bf16", "trainer.zero_stage=3",
@@ -69,7 +69,7 @@ def test_stapo_train_with_vllm_in_one_plain_process_learns_syncs_and_resumes(tmp
     # (b) training changed the policy: the exported model scores a fixed answer differently
     from stapo.config import STAPOConfig
     from stapo.trainer.components import resolve_model_path
-    from stapo.trainer.distributed import DistInfo
+    from stapo.distributed.process_group import DistInfo
 
     cfg = STAPOConfig.from_yaml(out / "config.yaml")
     initial = Path(resolve_model_path(cfg, DistInfo(0, 1, 0, torch.device("cpu"))))  # the cached tiny model

@@ -6,7 +6,7 @@ import torch
 
 from stapo.rollout import Rollout
 from stapo.rollout.sampling import processed_logprobs
-from stapo.trainer.policy import PolicyInputs
+from stapo.distributed.policy import PolicyInputs
 
 
 def teacher_forced_logits(model, rollout: Rollout) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stapo.config import STAPOConfig
-from stapo.config_loading import ConfigError
+from stapo.config.loading import ConfigError
 from stapo.rollout import HFEngine, registry
 from stapo.rollout.registry import EngineOptions, build_engine, engine_choices, register_engine, resolve_engine
 

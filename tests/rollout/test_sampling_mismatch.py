@@ -7,7 +7,7 @@ import torch
 
 from stapo.losses import mismatch_sums
 from stapo.rollout import HFEngine, SamplingParams
-from stapo.trainer.policy import PolicyInputs, response_token_stats
+from stapo.distributed.policy import PolicyInputs, response_token_stats
 
 
 def test_hf_sampling_logprobs_match_the_trainer_recompute(tiny_model_path, tiny_tokenizer, prompts):

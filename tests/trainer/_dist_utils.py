@@ -151,7 +151,7 @@ def gather_full_grads(engine) -> dict[str, torch.Tensor]:
     """
     from deepspeed.utils import safe_get_full_grad
 
-    from stapo.trainer.weight_sync import hf_name
+    from stapo.sync.buckets import hf_name
 
     grads = {}
     for name, param in engine.module.named_parameters():

@@ -40,7 +40,7 @@ def _rows():
 
 def _micro_batches():
     """K one-row teacher-forced inputs and the global count of response tokens (the normalizer)."""
-    from stapo.trainer.policy import teacher_forced_inputs
+    from stapo.distributed.policy import teacher_forced_inputs
 
     prompt_ids, prompt_mask, response_ids, response_mask = _rows()
     inputs = [teacher_forced_inputs(prompt_ids[i:i + 1], prompt_mask[i:i + 1], response_ids[i:i + 1],
@@ -49,7 +49,7 @@ def _micro_batches():
 
 
 def _loss(model, inputs, n, runner=None):
-    from stapo.trainer.policy import response_token_stats
+    from stapo.distributed.policy import response_token_stats
 
     logprobs, _ = response_token_stats(model, inputs, temperature=1.0, chunk_size=8, runner=runner)
     return -logprobs.sum() / n
@@ -58,7 +58,7 @@ def _loss(model, inputs, n, runner=None):
 def _accumulated(engine) -> dict[str, torch.Tensor]:
     """The step's fp32 gradient after K backwards, read before the optimizer step."""
     from _dist_utils import gather_full_grads
-    from stapo.trainer.accumulation import GradientAccumulation
+    from stapo.distributed.accumulation import GradientAccumulation
 
     inputs, n = _micro_batches()
     accumulation = GradientAccumulation(engine, K)
@@ -72,8 +72,8 @@ def _accumulated(engine) -> dict[str, torch.Tensor]:
 def _bf16_worker(out_dir, **_):
     import deepspeed
 
-    from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import build_engine, deepspeed_config
+    from stapo.distributed.process_group import init_distributed
+    from stapo.distributed.deepspeed_engine import build_engine, deepspeed_config
 
     init_distributed()
     out = {}
@@ -140,8 +140,8 @@ def test_bf16_accumulation_misses_the_tolerance(results):
 
 def test_bf16_at_stage_0_is_refused():
     from stapo.config import STAPOConfig
-    from stapo.config_loading import ConfigError
-    from stapo.trainer.engine import build_engine
+    from stapo.config.loading import ConfigError
+    from stapo.distributed.deepspeed_engine import build_engine
 
     with pytest.raises(ValueError, match="bf16 weights need trainer.zero_stage >= 1"):
         build_engine(tiny_qwen3(), lr=1e-3, warmup_steps=0, grad_accum_steps=1, zero_stage=0, bf16=True)

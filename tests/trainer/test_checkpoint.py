@@ -32,7 +32,7 @@ def _tokenizer():
 
 
 def _train_step(engine, rank, shift):
-    from stapo.trainer.accumulation import GradientAccumulation
+    from stapo.distributed.accumulation import GradientAccumulation
 
     ids = (IDS[rank : rank + 1] + shift) % 64
     accumulation = GradientAccumulation(engine, 1)
@@ -42,9 +42,9 @@ def _train_step(engine, rank, shift):
 
 def _roundtrip_worker(out_dir, **_):
     from stapo.trainer.checkpoint import export_hf
-    from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import build_engine, current_lr
-    from stapo.trainer.weight_sync import iter_weight_buckets
+    from stapo.distributed.process_group import init_distributed
+    from stapo.distributed.deepspeed_engine import build_engine, current_lr
+    from stapo.sync.buckets import iter_weight_buckets
 
     def weights(engine):
         return {n: t for b in iter_weight_buckets(engine) for n, t in b}

@@ -49,8 +49,8 @@ def test_kl_penalty_is_kl_coef_times_token_mean_k3(kl_coef, tiny_model_dir):
 
     from transformers import AutoModelForCausalLM
 
-    from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import build_engine
+    from stapo.distributed.process_group import init_distributed
+    from stapo.distributed.deepspeed_engine import build_engine
     from stapo.trainer.update import update_minibatch
 
     init_distributed()
@@ -68,8 +68,8 @@ def test_kl_penalty_is_kl_coef_times_token_mean_k3(kl_coef, tiny_model_dir):
 
 def test_kl_coef_builds_a_frozen_reference_and_logs_kl(tmp_path, tiny_model_dir, arithmetic_jsonl):
     from stapo import STAPOTrainer
-    from stapo.trainer.metrics import read_metrics
-    from stapo.trainer.weight_sync import iter_weight_buckets
+    from stapo.telemetry.metrics import read_metrics
+    from stapo.sync.buckets import iter_weight_buckets
 
     off = STAPOTrainer(tiny_config(tmp_path / "off", tiny_model_dir, arithmetic_jsonl, "trainer.total_steps=1"),
                        reward_fn=digit_one_reward)
@@ -117,8 +117,8 @@ def test_tis_weights_scale_the_surrogate(tis_cap, factor, tiny_model_dir):
 
     from transformers import AutoModelForCausalLM
 
-    from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import build_engine
+    from stapo.distributed.process_group import init_distributed
+    from stapo.distributed.deepspeed_engine import build_engine
     from stapo.trainer.update import update_minibatch
 
     init_distributed()
@@ -141,8 +141,8 @@ def test_a_row_out_of_the_loss_leaves_numerator_and_normalizer(agg, tiny_model_d
 
     from transformers import AutoModelForCausalLM
 
-    from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import build_engine
+    from stapo.distributed.process_group import init_distributed
+    from stapo.distributed.deepspeed_engine import build_engine
     from stapo.trainer.update import update_minibatch
 
     init_distributed()

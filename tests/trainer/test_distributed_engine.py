@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _dist_utils import run_ranks, tiny_qwen3
-from stapo.trainer.engine import deepspeed_config, warmup_factor
+from stapo.distributed.deepspeed_engine import deepspeed_config, warmup_factor
 
 LR, WARMUP, CLIP = 1e-2, 2, 1.0
 # 4 micro-batches of 6 tokens = 5 next-token targets each; valid targets 5 + 3 + 4 + 2 = 14.
@@ -35,16 +35,16 @@ def _loss(model, ids, mask):
 
 
 def _weights(model):
-    from stapo.trainer.weight_sync import iter_weight_buckets
+    from stapo.sync.buckets import iter_weight_buckets
 
     return {n: t.float() for b in iter_weight_buckets(model) for n, t in b}
 
 
 def _engine_worker(out_dir, **_):
     from _dist_utils import gather_full_grads
-    from stapo.trainer.distributed import barrier, init_distributed, reduce_metrics
-    from stapo.trainer.accumulation import GradientAccumulation
-    from stapo.trainer.engine import build_engine, current_lr
+    from stapo.distributed.process_group import barrier, init_distributed, reduce_metrics
+    from stapo.distributed.accumulation import GradientAccumulation
+    from stapo.distributed.deepspeed_engine import build_engine, current_lr
 
     info = init_distributed()
     with pytest.raises(ValueError, match="initial weights differ across ranks"):
@@ -168,11 +168,11 @@ def test_non_finite_loss_skips_the_step(two_ranks):
 
 
 def _single_process_worker(out_dir, **_):
-    from stapo.trainer.distributed import init_distributed
+    from stapo.distributed.process_group import init_distributed
     from _dist_utils import gather_full_grads
-    from stapo.trainer.accumulation import GradientAccumulation, backward_sum
-    from stapo.trainer.engine import build_engine
-    from stapo.trainer.weight_sync import iter_weight_buckets
+    from stapo.distributed.accumulation import GradientAccumulation, backward_sum
+    from stapo.distributed.deepspeed_engine import build_engine
+    from stapo.sync.buckets import iter_weight_buckets
 
     info = init_distributed()
     env = {k: os.environ.get(k) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
@@ -231,14 +231,14 @@ def test_deepspeed_config_maps_flat_arguments():
 
 
 def test_build_engine_rejects_bad_arguments():
-    from stapo.trainer.engine import build_engine
+    from stapo.distributed.deepspeed_engine import build_engine
 
     with pytest.raises(ValueError, match=r"lr must be > 0.*grad_accum_steps must be >= 1"):
         build_engine(torch.nn.Linear(2, 2), lr=0.0, warmup_steps=0, grad_accum_steps=0, bf16=False)
 
 
 def test_reduce_metrics_without_process_group_is_identity_in_float():
-    from stapo.trainer.distributed import reduce_metrics
+    from stapo.distributed.process_group import reduce_metrics
 
     assert reduce_metrics({"reward_sum": torch.tensor(2.5), "count": 3}) == {"reward_sum": 2.5, "count": 3.0}
     assert reduce_metrics({}) == {}
@@ -247,7 +247,7 @@ def test_reduce_metrics_without_process_group_is_identity_in_float():
 
 
 def test_incomplete_launcher_environment_is_reported(monkeypatch):
-    from stapo.trainer.distributed import init_distributed
+    from stapo.distributed.process_group import init_distributed
 
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

@@ -34,7 +34,7 @@ def _make_batch(model_dir) -> dict:
     from transformers import AutoModelForCausalLM
 
     from stapo.losses import group_advantages
-    from stapo.trainer.policy import PolicyInputs, response_token_stats
+    from stapo.distributed.policy import PolicyInputs, response_token_stats
 
     prompt_ids, prompt_mask, response_ids, response_mask = ragged_rows(
         [3, 5, 4, 6, 2, 5, 3, 4], [7, 2, 9, 5, 10, 1, 6, 8], seed=0)
@@ -63,10 +63,10 @@ def _update_worker(out_dir, *, model_dir, batch, micro_batch_size, packing, max_
     from transformers import AutoModelForCausalLM
 
     from stapo.losses import TokenStats, build_mask
-    from stapo.trainer.distributed import init_distributed
+    from stapo.distributed.process_group import init_distributed
     from _dist_utils import gather_full_grads
-    from stapo.trainer.accumulation import GradientAccumulation
-    from stapo.trainer.engine import build_engine
+    from stapo.distributed.accumulation import GradientAccumulation
+    from stapo.distributed.deepspeed_engine import build_engine
     from stapo.trainer.update import TrainBatch, UpdateOptions, update_minibatch
 
     info = init_distributed()

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from stapo.trainer.engine import GuardedAdamW
+from stapo.distributed.deepspeed_engine import GuardedAdamW
 
 
 def _params(seed=0):

@@ -13,9 +13,9 @@ import torch
 
 from _dist_utils import run_ranks, tiny_qwen3
 from stapo.config import ConfigError, STAPOConfig
-from stapo.trainer.lora import (QWEN3_TARGET_MODULES, AdapterMerge, AdapterPair, DisabledAdapters, base_name,
+from stapo.distributed.lora import (QWEN3_TARGET_MODULES, AdapterMerge, AdapterPair, DisabledAdapters, base_name,
                                 reference_scope, wrap_with_lora)
-from stapo.trainer.weight_sync import StateDictConsumer, iter_weight_buckets, sync_weights
+from stapo.sync.buckets import StateDictConsumer, iter_weight_buckets, sync_weights
 
 MODEL = dict(seed=3, vocab_size=63, hidden_size=15)
 IDS = torch.arange(12).reshape(2, 6)
@@ -137,7 +137,7 @@ def test_reference_is_the_base_model_and_adapters_come_back():
 def test_gradient_checkpointing_gives_the_same_adapter_gradients():
     """The 8B/14B recipes checkpoint activations: with a frozen base and frozen embeddings the adapters
     must still get their gradients through the recomputed layers (non-reentrant checkpointing)."""
-    from stapo.trainer.policy import PolicyInputs, response_token_stats
+    from stapo.distributed.policy import PolicyInputs, response_token_stats
 
     prompt = torch.tensor([[5, 6, 7], [0, 8, 9]])
     inputs = PolicyInputs.from_parts(prompt, prompt > 0, torch.tensor([[10, 11, 12], [13, 14, 0]]),
@@ -169,7 +169,7 @@ def _full(module) -> dict[str, torch.Tensor]:
 
 def _train_steps(engine, steps: int) -> None:
     """A few real updates through the trainer's token-stats op (lm_head frozen, run as its forward)."""
-    from stapo.trainer.policy import PolicyInputs, response_token_stats
+    from stapo.distributed.policy import PolicyInputs, response_token_stats
 
     prompt = torch.tensor([[5, 6, 7], [0, 8, 9]])
     inputs = PolicyInputs.from_parts(prompt, prompt > 0, torch.tensor([[10, 11, 12], [13, 14, 0]]),
@@ -182,8 +182,8 @@ def _train_steps(engine, steps: int) -> None:
 
 
 def _zero3_worker(out_dir, **_):
-    from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import ZeroTuning, build_engine
+    from stapo.distributed.process_group import init_distributed
+    from stapo.distributed.deepspeed_engine import ZeroTuning, build_engine
 
     from test_weight_sync import _CountGathers
 

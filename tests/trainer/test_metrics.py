@@ -9,9 +9,9 @@ import types
 
 import pytest
 
-from stapo.trainer import metrics as metrics_mod
+from stapo.telemetry import metrics as metrics_mod
 from stapo.run_dir import read_metrics
-from stapo.trainer.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS, MetricsLogger
+from stapo.telemetry.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS, MetricsLogger
 
 ANSI = re.compile(r"\x1b\[")
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from stapo.trainer.mfu import (causal_context_length, device_peak_flops, forward_flops, head_params, matmul_params,
+from stapo.telemetry.mfu import (causal_context_length, device_peak_flops, forward_flops, head_params, matmul_params,
                                phase_throughput)
 
 
@@ -102,7 +102,7 @@ def test_step_metrics_throughput_by_hand():
     # A made-up peak of 1e12 FLOP/s per device.
     from transformers import Qwen3Config
 
-    from stapo.trainer.step_metrics import PhaseTimer, _throughput
+    from stapo.telemetry.step_metrics import PhaseTimer, _throughput
 
     config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -127,7 +127,7 @@ def test_token_counts_put_the_head_at_response_tokens_only():
     # rows: prompt 2 + response 3, prompt 1 + response 0 -> real 6; pairs 5 x 6 / 2 + 1 = 16; head at 3
     from types import SimpleNamespace
 
-    from stapo.trainer.step_metrics import stats_counts, token_counts
+    from stapo.telemetry.step_metrics import stats_counts, token_counts
 
     seqs = SimpleNamespace(prompt_mask=torch.tensor([[1, 1], [0, 1]]).bool(),
                            response_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]).bool())

@@ -11,7 +11,7 @@ import torch
 
 from _batches import ragged_rows
 from stapo.trainer.microbatch import balanced_bins, bins_needed, plan_micro_batches
-from stapo.trainer.policy import PackedInputs, PolicyInputs, response_token_stats, teacher_forced_inputs
+from stapo.distributed.policy import PackedInputs, PolicyInputs, response_token_stats, teacher_forced_inputs
 
 
 def test_packed_layout_by_hand():

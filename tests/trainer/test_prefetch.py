@@ -57,13 +57,13 @@ def _spy(log: list, phase: list):
 
 def _prefetch_worker(out_dir, **_):
     from _dist_utils import gather_full_grads
-    from stapo.trainer.accumulation import GradientAccumulation
-    from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import ZeroTuning, build_engine, build_reference
+    from stapo.distributed.accumulation import GradientAccumulation
+    from stapo.distributed.process_group import init_distributed
+    from stapo.distributed.deepspeed_engine import ZeroTuning, build_engine, build_reference
     from stapo.trainer.microbatch import MicroBatches
-    from stapo.trainer.policy import response_token_stats
+    from stapo.distributed.policy import response_token_stats
     from stapo.trainer.update import TrainBatch, UpdateOptions, policy_stats
-    from stapo.trainer.weight_sync import iter_weight_buckets
+    from stapo.sync.buckets import iter_weight_buckets
 
     info = init_distributed()
     n_global = int(_rows()[3].sum())  # response tokens on all ranks
@@ -109,7 +109,7 @@ def _prefetch_worker(out_dir, **_):
 
 def _plain_grads(weights: dict) -> tuple[dict, torch.Tensor]:
     """Single-process reference: the same loss over all rows with the given weights; and logprobs."""
-    from stapo.trainer.policy import response_token_stats, teacher_forced_inputs
+    from stapo.distributed.policy import response_token_stats, teacher_forced_inputs
 
     model = tiny_qwen3(seed=0)
     missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -96,7 +96,7 @@ def test_recording_every_minibatch_keeps_each_one_and_changes_no_training(tmp_pa
     from stapo import STAPOTrainer
     from stapo.inspect import load_records, silenced_token_table
     from stapo.run_dir import read_metrics
-    from stapo.trainer.metrics import training_metrics
+    from stapo.telemetry.metrics import training_metrics
 
     runs = {}
     for name, extra in {"all": ("inspect.record_every=1", "inspect.record_minibatches=all"),

@@ -16,7 +16,7 @@ import torch
 from stapo.config import STAPOConfig
 from stapo.losses import available_masks
 from stapo.run_dir import read_metrics
-from stapo.trainer.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS
+from stapo.telemetry.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS
 
 from _rewards import alternating_reward, digit_one_reward
 
@@ -41,7 +41,7 @@ def isolated_process_group():
 
 
 def _params(trainer) -> dict[str, torch.Tensor]:
-    from stapo.trainer.weight_sync import iter_weight_buckets
+    from stapo.sync.buckets import iter_weight_buckets
 
     return {name: t.clone() for bucket in iter_weight_buckets(trainer.model) for name, t in bucket}
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from _dist_utils import run_ranks, tiny_qwen3
-from stapo.trainer.flat_gather import flat_layout, pack_partitions, unpack_partitions
-from stapo.trainer.weight_sync import (StateDictConsumer, hf_name, iter_weight_buckets,
+from stapo.distributed.flat_gather import flat_layout, pack_partitions, unpack_partitions
+from stapo.sync.buckets import (StateDictConsumer, hf_name, iter_weight_buckets,
                                        iter_weights_per_param, plan_buckets, sync_weights)
 
 # 1 B: smaller than any parameter (one bucket each); 2 KiB: a few small tensors per bucket
@@ -59,8 +59,8 @@ def _gather(model, size):
 def _gather_worker(out_dir, **_):
     import deepspeed
 
-    from stapo.trainer.distributed import init_distributed
-    from stapo.trainer.engine import build_engine
+    from stapo.distributed.process_group import init_distributed
+    from stapo.distributed.deepspeed_engine import build_engine
 
     init_distributed()
     engine = build_engine(tiny_qwen3(**MODEL), lr=1e-3, warmup_steps=0, grad_accum_steps=1,

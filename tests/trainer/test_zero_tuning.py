@@ -10,9 +10,9 @@ import torch
 
 from _dist_utils import run_ranks, tiny_qwen3
 from stapo.config import STAPOConfig, ZeroConfig
-from stapo.config_loading import ConfigError
+from stapo.config.loading import ConfigError
 from stapo.trainer.components import zero_tuning
-from stapo.trainer.engine import ZeroTuning, deepspeed_config
+from stapo.distributed.deepspeed_engine import ZeroTuning, deepspeed_config
 
 BASE = dict(grad_accum_steps=2, micro_batch_size=1, grad_clip=1.0, bf16=False, offload=False)
 STAGE3_KEYS = {"stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
@@ -89,8 +89,8 @@ def _loss(model, ids):
 
 def _train(tuning, rank):
     """Two optimizer steps with DeepSpeed's own API (grad = mean over ranks and micro-batches)."""
-    from stapo.trainer.engine import build_engine
-    from stapo.trainer.weight_sync import iter_weight_buckets
+    from stapo.distributed.deepspeed_engine import build_engine
+    from stapo.sync.buckets import iter_weight_buckets
 
     engine = build_engine(tiny_qwen3(seed=0), lr=LR, warmup_steps=0, grad_clip=CLIP, grad_accum_steps=GAS,
                           bf16=False, zero_tuning=tuning)
@@ -108,7 +108,7 @@ def _train(tuning, rank):
 
 
 def _zero_worker(out_dir, **_):
-    from stapo.trainer.distributed import init_distributed
+    from stapo.distributed.process_group import init_distributed
 
     info = init_distributed()
     return {"tuned": _train(zero_tuning(STAPOConfig()), info.rank), "stress": _train(STRESS, info.rank)}

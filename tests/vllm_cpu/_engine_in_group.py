@@ -30,7 +30,7 @@ def main(model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from stapo.rollout import SamplingParams, VLLMEngine
-    from stapo.trainer.distributed import _launched, init_distributed
+    from stapo.distributed.process_group import _launched, init_distributed
 
     assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ, "run without a launcher"
     init_distributed()  # the trainer's 1-rank tcp:// group

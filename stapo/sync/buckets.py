@@ -4,7 +4,7 @@ Under ZeRO-3 each rank holds ``1/world_size`` of every parameter. Gathering one 
 time (the slow path in TRL and OpenRLHF) pays one collective per tensor — hundreds per model —
 and so does ``deepspeed.zero.GatheredParameters`` over a list (one async all-gather each).
 We group parameters whose full size fits ``bucket_bytes`` and gather a bucket with ONE
-collective (``stapo.trainer.flat_gather``: each rank's partitions packed into one flat byte row,
+collective (``stapo.distributed.flat_gather``: each rank's partitions packed into one flat byte row,
 rebuilt in DeepSpeed's padded layout after the all-gather). Peak extra memory ≈
 (2 + 1/world) × ``bucket_bytes`` (send row, gather buffer, rebuilt tensors;
 ``bench/weight_sync.py`` measures it); a bucket of one tensor is gathered straight into it, as
@@ -19,7 +19,7 @@ them (``model.embed_tokens.weight`` for tied Qwen3), as vLLM expects.
 
 A LoRA policy (PEFT, ``model.lora``) syncs as its merged base model: each base weight is bucketed
 with its adapter and the bucket leaves as ``W + scaling * B @ A`` under the base name
-(:class:`stapo.trainer.lora.AdapterMerge`), so engines load it exactly like a full-fine-tuned policy.
+(:class:`stapo.distributed.lora.AdapterMerge`), so engines load it exactly like a full-fine-tuned policy.
 
 Gathers are collective: every rank must iterate the same buckets in the same order (the plan is
 computed from full sizes, identical on all ranks); each rank feeds its own colocated engine.
@@ -35,11 +35,11 @@ from typing import Iterable, Iterator, Protocol
 
 import torch
 
-from stapo.trainer.flat_gather import GatherBuffers, gather_partitioned
-from stapo.trainer.lora import AdapterMerge
+from stapo.distributed.flat_gather import GatherBuffers, gather_partitioned
+from stapo.distributed.lora import AdapterMerge
+from stapo.distributed.names import hf_name
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20  # 256 MiB
-_WRAPPER_PREFIXES = ("module", "_orig_mod")  # DeepSpeedEngine / DDP, torch.compile
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -60,14 +60,6 @@ class SyncStats:
     num_tensors: int
     num_bytes: int
     seconds: float
-
-
-def hf_name(name: str) -> str:
-    """Strip wrapper prefixes: ``module.model.norm.weight`` → ``model.norm.weight``."""
-    parts = name.split(".")
-    while len(parts) > 1 and parts[0] in _WRAPPER_PREFIXES:
-        parts = parts[1:]
-    return ".".join(parts)
 
 
 def full_numel(param: torch.Tensor) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stapo.trainer.distributed import get_world_size
+from stapo.distributed.process_group import get_world_size
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def backward_sum(engine, loss: torch.Tensor, *, last: bool) -> None:
     engine.backward(loss * _dp_world_size(engine), scale_wrt_gas=False)
     # ZeRO-3 switches from copying to ACCUMULATING micro-batch gradients when its micro_step_id
     # advances, which DeepSpeed does at the start of ``engine.forward``. The update runs its forward
-    # through the engine (stapo.trainer.policy.head_on_targets), but a loss computed by calling the
+    # through the engine (stapo.distributed.policy.head_on_targets), but a loss computed by calling the
     # module directly would skip it, so advance it here too (a second call is a no-op); without it
     # only the last micro-batch's gradient survives (tests/trainer/test_exactness.py).
     if hasattr(engine.optimizer, "clear_backward_seen_flag"):

@@ -12,7 +12,7 @@ each target projection, so ``W_eff = W + (alpha / r) B A``. Three things follow 
   LoRA is the base model: :class:`DisabledAdapters` runs the policy inside PEFT's
   ``disable_adapter()`` context, so no second copy of the weights exists.
 * **Sync and export.** A rollout engine loads plain base-model tensors (``model.layers.0.self_attn.
-  q_proj.weight``). :class:`AdapterMerge` tells :func:`stapo.trainer.weight_sync.iter_weight_buckets`
+  q_proj.weight``). :class:`AdapterMerge` tells :func:`stapo.sync.buckets.iter_weight_buckets`
   which parameters to gather together (a base weight with its ``A`` and ``B``, one collective per
   bucket as before) and turns each gathered bucket into merged tensors under the base names; no
   ``lora_A``/``lora_B`` name and no PEFT prefix reaches the engine. :func:`adapter_state` gathers
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+
+from stapo.distributed.names import hf_name
 
 #: Qwen3's attention and MLP projections: every linear layer of a decoder block.
 QWEN3_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -118,7 +120,7 @@ class AdapterMerge:
     """How the sync of a LoRA policy groups and rewrites (name, tensor) pairs.
 
     ``pairs`` maps a base weight's parameter name (wrapper prefixes stripped, as
-    ``weight_sync.hf_name`` gives it) to its adapter. :meth:`units` keeps a base weight and its
+    ``stapo.distributed.names.hf_name`` gives it) to its adapter. :meth:`units` keeps a base weight and its
     adapter in one bucket (so ZeRO-3 gathers them in the same collective); calling the object on a
     gathered bucket returns merged tensors under base-model names, adapters dropped.
     """
@@ -183,8 +185,6 @@ class AdapterMerge:
 def adapter_state(model) -> dict[str, torch.Tensor]:
     """The adapters' tensors on the CPU under PEFT's names (what ``save_pretrained`` of a PeftModel
     writes as ``adapter_model.safetensors``). Collective under ZeRO-3 (the adapters are gathered)."""
-    from stapo.trainer.weight_sync import hf_name
-
     module = getattr(model, "module", model)
     named = [(n, p) for n, p in module.named_parameters() if ".lora_" in n]
     with _gathered(p for _, p in named):

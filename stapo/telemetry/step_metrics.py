@@ -3,7 +3,7 @@ the step, one reduction across ranks.
 
 Every quantity is first a per-rank SUM (or count); :func:`reduce_metrics` adds them over ranks in
 one all-reduce and the ratios are formed afterwards, so the figures do not depend on how the
-batch was spread over ranks. The keys are ``stapo.trainer.metrics.STEP_METRIC_KEYS``.
+batch was spread over ranks. The keys are ``stapo.telemetry.metrics.STEP_METRIC_KEYS``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from contextlib import contextmanager
 import torch
 
 from stapo.losses import MaskResult, TokenStats
-from stapo.trainer.distributed import all_reduce_max, reduce_metrics
-from stapo.trainer.mfu import causal_context_length, forward_flops, phase_throughput
-from stapo.trainer.microbatch import row_lengths
+from stapo.distributed.process_group import all_reduce_max, reduce_metrics
+from stapo.telemetry.mfu import causal_context_length, forward_flops, phase_throughput
+from stapo.rollout.batch import row_lengths
 
 # Quantities that are already global (identical on every rank) before the reduction. (The loss is
 # not: each rank holds its share of Eq. 1's numerator over the global denominator.)
@@ -112,7 +112,7 @@ def token_counts(seqs, no_grad_passes: int = 0) -> dict[str, float]:
 
 def _throughput(s: dict, timer: PhaseTimer, model_config, peak_flops: float | None, world_size: int) -> dict:
     """tokens/s per phase and, on a device of known peak, MFU of the stats pass and the update (the
-    head counted only where it ran: :func:`stapo.trainer.mfu.forward_flops`)."""
+    head counted only where it ran: :func:`stapo.telemetry.mfu.forward_flops`)."""
     if model_config is None:
         return {}
     stats = forward_flops(model_config, s["stats_tokens"], s["stats_attn_pairs"], s["stats_head_tokens"])

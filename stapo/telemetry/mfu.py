@@ -11,7 +11,7 @@ teacher-forced pass (:func:`forward_flops`):
   is not a matmul) per real token (prompt and response) ``+ 2 x 2 x layers x heads x head_dim`` per
   attended (query, key) pair (scores ``QK^T`` and the weighted sum ``AV``);
 * the lm_head: ``2 x hidden x vocab`` only per position it is applied to. The trainer's passes apply
-  it at the hidden states that predict a response token (:func:`stapo.trainer.policy.head_on_targets`),
+  it at the hidden states that predict a response token (:func:`stapo.distributed.policy.head_on_targets`),
   never at prompt positions: counting it on every token would overstate MFU (for Qwen3-1.7B the head
   is ~18% of the matmul parameters; prompts are often a third of the tokens);
 * causal attention over a sequence of ``S`` tokens has ``S (S + 1) / 2`` pairs (a mean context of

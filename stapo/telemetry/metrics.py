@@ -5,7 +5,7 @@ the paper"). ``metrics.jsonl`` is the source of truth (plots, the inspector and 
 with :func:`stapo.run_dir.read_metrics`); each line is flushed and fsync'd so a killed run loses at
 most the line being written, and :meth:`MetricsLogger.truncate_after` drops the steps a resumed
 checkpoint does not contain. Only the main process writes anything; the console view is
-:mod:`stapo.trainer.console`.
+:mod:`stapo.telemetry.console`.
 
 THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every one is logged):
 
@@ -37,7 +37,7 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
 Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean`` (eval steps only);
 ``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``);
 ``mfu_stats``, ``mfu_update`` (model FLOPs utilization of the phase on a GPU whose peak is known,
-stapo.trainer.mfu; absent on CPU); ``entropy_bonus`` (``loss.entropy_coef`` x mean entropy of kept
+stapo.telemetry.mfu; absent on CPU); ``entropy_bonus`` (``loss.entropy_coef`` x mean entropy of kept
 tokens, subtracted from the loss; only when ``loss.entropy_coef != 0``); with ``rollout.dynamic_sampling``: ``sampling_rounds``,
 ``groups_kept`` (informative groups trained on, all ranks), ``groups_dropped`` (all-equal-reward
 groups dropped), ``groups_surplus`` (informative groups generated beyond the batch),
@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from stapo.run_dir import METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR, read_metrics, restore_nonfinite
-from stapo.trainer.console import ConsoleView
+from stapo.telemetry.console import ConsoleView
 
 STEP_METRIC_KEYS: tuple[str, ...] = (
     "step", "epoch",

@@ -1,7 +1,7 @@
 """The sections of :class:`stapo.config.STAPOConfig`: one dataclass per pipeline stage.
 
 Every field carries a docstring (the string right below it): ``docs/configuration.md`` is generated
-from them (``python -m stapo.config_docs``). Defaults are the paper's (Table 6 / App. D) except
+from them (``python -m stapo.config.docs``). Defaults are the paper's (Table 6 / App. D) except
 where a docstring says otherwise.
 """
 

@@ -1,17 +1,17 @@
 """DeepSpeed engine: AdamW, warm-up-then-constant lr, global-norm clipping (ZeRO 0-3, one node tuned).
 
 Gradients are accumulated exactly (a plain sum over micro-batches and ranks, as Eq. 1's global
-normalizer requires) by :mod:`stapo.trainer.accumulation`; the frozen reference policy of the KL
+normalizer requires) by :mod:`stapo.distributed.accumulation`; the frozen reference policy of the KL
 term is :func:`build_reference`.
 
 Non-finite gradients: ZeRO-3 computes the global grad norm over the partitioned fp32 grads
 (one all-reduce) before stepping; an inf/NaN norm marks the step as overflow in bf16 and fp32
 too (not only fp16), zeroes the grads and skips the optimizer *and* the lr scheduler. We read that
-as ``StepResult.applied=False`` (:mod:`stapo.trainer.accumulation`; see
+as ``StepResult.applied=False`` (:mod:`stapo.distributed.accumulation`; see
 ``tests/trainer/test_distributed_engine.py``).
 
 Launch: ``deepspeed --num_gpus N train.py`` / ``torchrun`` / ``accelerate launch`` (see
-:mod:`stapo.trainer.distributed`).
+:mod:`stapo.distributed.process_group`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from stapo.trainer.distributed import get_world_size
+from stapo.distributed.process_group import get_world_size
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
@@ -177,7 +177,7 @@ def build_engine(
 ):
     """Wrap ``model`` in a DeepSpeed engine (ZeRO-``zero_stage``) with AdamW and the lr schedule.
 
-    The process group must exist (:func:`~stapo.trainer.distributed.init_distributed`). Every
+    The process group must exist (:func:`~stapo.distributed.process_group.init_distributed`). Every
     rank must pass a model with identical weights (same seed or same checkpoint). The optimizer
     is ``torch.optim.AdamW`` (deterministic, no JIT build); with ``offload=True`` DeepSpeed's
     ``DeepSpeedCPUAdam`` in AdamW mode, which ZeRO-Offload requires. ``zero_tuning``: ZeRO bucket,

@@ -1,6 +1,6 @@
 """Console view of a training run: a rich progress bar on a TTY, plain lines anywhere else.
 
-Split from the metric sinks (:mod:`stapo.trainer.metrics`) so what is written to disk and what is
+Split from the metric sinks (:mod:`stapo.telemetry.metrics`) so what is written to disk and what is
 shown on screen change independently. Plain mode prints at most one line every
 ``plain_interval_s`` seconds (plus the first and last step) and no control characters, so
 redirected logs and CI output stay readable.

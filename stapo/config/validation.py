@@ -1,13 +1,13 @@
 """Value checks of a :class:`stapo.config.STAPOConfig` with messages that name the field.
 
-Types and unknown keys are checked while loading (``stapo.config_loading``); this module checks
+Types and unknown keys are checked while loading (``stapo.config.loading``); this module checks
 values and their relations (batch sizes that divide, the registries' names, ...).
 """
 
 from __future__ import annotations
 
 import math
-from stapo.config_loading import ConfigError
+from stapo.config.loading import ConfigError
 from stapo.rewards.modes import REWARD_MODES
 from stapo.rewards.user_function import parse_function_spec
 
