@@ -133,6 +133,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Replace this process with vLLM's server, set up for ``rollout.mode: server`` (docs/rollout.md)."""
+    import torch
+
+    from stapo.rollout.serve import serve_command
+
+    argv, env = serve_command(args.model, args.vllm_args, sys.executable, os.environ,
+                              on_cpu=not torch.cuda.is_available())
+    print("stapo serve: " + " ".join(argv[1:]), file=sys.stderr, flush=True)
+    os.execve(sys.executable, argv, env)
+    return 0  # not reached
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stapo", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("run_dir", help="the run's output_dir")
     inspect.add_argument("--out", help="report directory (default: RUN_DIR/inspect)")
     inspect.set_defaults(func=cmd_inspect)
+
+    serve = sub.add_parser("serve", help="a vLLM server for rollout.mode=server (vLLM's own, with stapo's "
+                                         "worker extension)",
+                           description="Start vLLM's OpenAI-compatible server for training through it "
+                                       "(rollout.mode=server, rollout.servers=[HOST:PORT]). Options after "
+                                       "MODEL go to vLLM, e.g. --port 8000 --tensor-parallel-size 2.")
+    serve.add_argument("model", help="HF model directory or hub name (the policy's architecture)")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM server options")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 
