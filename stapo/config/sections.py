@@ -130,6 +130,27 @@ class RolloutConfig:
     max_sampling_rounds: int = 3
     """Dynamic sampling: generation rounds per step at most; then the step trains on the informative
     groups every rank could fill (a warning and the ``sampling_capped`` metric)."""
+    mode: str = "colocated"
+    """Where rollouts run. ``colocated`` (the paper's setup): each trainer rank owns an engine
+    (``rollout.engine``) and generation, training and the weight sync take turns on the same devices.
+    ``server``: vLLM server processes of their own (``stapo serve MODEL``, any node), listed in
+    ``rollout.servers``; the trainer's global rank 0 broadcasts the weights into them after every step,
+    and ``rollout.engine`` is not used (docs/rollout.md, "Rollout servers")."""
+    servers: list = field(default_factory=list)
+    """``server`` mode: ``host:port`` of every vLLM server (``stapo serve``). Requests go to the least
+    loaded one; a server that stops answering is left out (a warning names it) until it is back and
+    re-synced."""
+    request_timeout_s: float = 3600.0
+    """``server`` mode: seconds one generation request may take (a long response on a busy server takes
+    minutes) before it is retried."""
+    request_retries: int = 2
+    """``server`` mode: failed attempts at one server before it is declared down and its requests go to
+    the others (a refused connection declares it down at once)."""
+    max_staleness: int = 0
+    """k: asynchronous training, ``server`` mode. 0 (the default and the paper's setting): generate, train,
+    sync in lock-step. k >= 1: a producer generates the next iterations' batches while the trainer updates;
+    a batch is sampled by a policy at most k versions older than the one it trains (docs/algorithm.md,
+    "Asynchronous training")."""
 
 
 @dataclass

@@ -94,6 +94,7 @@ def validate(cfg) -> None:
            "(values >= 1 are usual: 2 in verl)")
     rw = cfg.reward
     _check(r.max_sampling_rounds >= 1, f"rollout.max_sampling_rounds must be >= 1, got {r.max_sampling_rounds}")
+    _check_rollout_servers(r)
     _check(0 <= rw.overlong_buffer <= r.max_response_length,
            f"reward.overlong_buffer must be in [0, rollout.max_response_length={r.max_response_length}], "
            f"got {rw.overlong_buffer}")
@@ -141,3 +142,28 @@ def _spec_error(spec: str) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def _check_rollout_servers(r) -> None:
+    """``rollout.mode`` / ``servers`` / ``max_staleness`` (docs/rollout.md, "Rollout servers")."""
+    from stapo.rollout.server_client import parse_address
+
+    _check(r.mode in ("colocated", "server"), f"rollout.mode must be one of ['colocated', 'server'], got {r.mode!r}")
+    _check(isinstance(r.servers, list), f"rollout.servers must be a list of host:port, got {r.servers!r}")
+    if r.mode == "server":
+        _check(bool(r.servers), "rollout.mode=server needs rollout.servers: the host:port of every `stapo serve`, "
+                                "e.g. rollout.servers=[127.0.0.1:8000]")
+    for address in r.servers:
+        try:
+            parse_address(address)
+        except ValueError as err:
+            _check(False, f"rollout.servers: {err}")
+    _check(r.request_timeout_s > 0, f"rollout.request_timeout_s must be > 0, got {r.request_timeout_s}")
+    _check(r.request_retries >= 0, f"rollout.request_retries must be >= 0, got {r.request_retries}")
+    _check(r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}")
+    _check(r.max_staleness == 0 or r.mode == "server",
+           f"rollout.max_staleness={r.max_staleness} (asynchronous training) needs rollout.mode=server: a "
+           "colocated engine shares the trainer's devices, so generation cannot overlap the update")
+    _check(r.max_staleness == 0 or not r.dynamic_sampling,
+           "rollout.dynamic_sampling needs rollout.max_staleness=0: its rounds agree across ranks with "
+           "collectives that a background producer cannot take part in")

@@ -68,6 +68,8 @@ class Rollout:
         ground_truth: B reference answers, or empty; fill with `with_ground_truth`.
         prompt_text: B prompt strings, or empty; fill with `with_prompt_text`.
         pad_token_id: id used for padding (needed to re-pad in `concat`).
+        policy_version: (B,) long, the policy version (optimizer iterations completed) whose weights
+            sampled each row, or None where nobody tracks it; fill with `with_policy_version`.
     """
 
     prompt_ids: torch.Tensor
@@ -82,6 +84,7 @@ class Rollout:
     ground_truth: list[str] = field(default_factory=list)
     prompt_text: list[str] = field(default_factory=list)
     pad_token_id: int = 0
+    policy_version: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b = self.prompt_ids.shape[0]
@@ -91,6 +94,8 @@ class Rollout:
             "sampling_logprobs": (self.sampling_logprobs.shape, self.response_ids.shape),
             "group_index": (self.group_index.shape, torch.Size([b])),
         }
+        if self.policy_version is not None:
+            checks["policy_version"] = (self.policy_version.shape, torch.Size([b]))
         for name, (got, want) in checks.items():
             if got != want:
                 raise ValueError(f"Rollout.{name} has shape {tuple(got)}, expected {tuple(want)}")
@@ -130,6 +135,10 @@ class Rollout:
         """Copy with `prompt_text` set: one text per prompt, repeated for its G rows."""
         return dataclasses.replace(self, prompt_text=self._per_row(texts_per_prompt, "texts_per_prompt"))
 
+    def with_policy_version(self, version: int) -> Rollout:
+        """Copy with every row stamped as sampled by policy ``version``."""
+        return dataclasses.replace(self, policy_version=torch.full((len(self),), int(version), dtype=torch.long))
+
     def _per_row(self, values: Sequence[str], what: str) -> list[str]:
         if len(values) != self.num_prompts or len(self) % self.group_size:
             raise ValueError(f"{what} has {len(values)} entries but the rollout has {self.num_prompts} "
@@ -159,7 +168,8 @@ class Rollout:
             response_ids=self.response_ids[i], response_mask=self.response_mask[i],
             sampling_logprobs=self.sampling_logprobs[i], group_index=self.group_index[i],
             finish_reason=pick(self.finish_reason), response_text=pick(self.response_text),
-            ground_truth=pick(self.ground_truth), prompt_text=pick(self.prompt_text))
+            ground_truth=pick(self.ground_truth), prompt_text=pick(self.prompt_text),
+            policy_version=None if self.policy_version is None else self.policy_version[idx])
 
     @classmethod
     def concat(cls, parts: Sequence[Rollout]) -> Rollout:
@@ -192,7 +202,9 @@ class Rollout:
             response_text=[r for p in parts for r in p.response_text],
             group_index=torch.cat(group_index), group_size=g,
             ground_truth=[r for p in parts for r in p.ground_truth],
-            prompt_text=[r for p in parts for r in p.prompt_text], pad_token_id=pad)
+            prompt_text=[r for p in parts for r in p.prompt_text], pad_token_id=pad,
+            policy_version=None if any(p.policy_version is None for p in parts)
+            else torch.cat([p.policy_version for p in parts]))
 
     def to(self, device: torch.device | str) -> Rollout:
         """Copy with every tensor on `device`."""

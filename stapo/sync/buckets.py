@@ -184,16 +184,20 @@ def iter_weights_per_param(model: torch.nn.Module, *, copy: bool = True) -> Iter
 
 
 def sync_weights(
-    model: torch.nn.Module, engine_like: WeightConsumer, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    model: torch.nn.Module, engine_like: WeightConsumer, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
+    version: int | None = None,
 ) -> SyncStats:
     """Push the current weights into ``engine_like.load_weights``, one bucket per call, all inside
     ONE ``engine_like.weight_update()`` session (a bucket may end in the middle of a fused layer).
 
-    Call on every rank (the gathers are collective); each rank loads its own engine.
+    Call on every rank (the gathers are collective); each rank loads its own engine (rollout servers:
+    rank 0's engine sends, the others' take no part). ``version``: the policy version the engine
+    holds afterwards, for engines that track it (``weight_update(version=...)``, rollout servers).
     """
     start = time.perf_counter()
     num_buckets = num_tensors = num_bytes = 0
-    with engine_like.weight_update():
+    session = engine_like.weight_update() if version is None else engine_like.weight_update(version=version)
+    with session:
         for bucket in iter_weight_buckets(model, bucket_bytes, copy=False):
             engine_like.load_weights(bucket)
             num_buckets += 1

@@ -157,6 +157,13 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
     from stapo.rollout.registry import EngineOptions, build_engine
 
     r = cfg.rollout
+    if r.mode == "server":
+        from stapo.rollout.server_engine import ServerEngine
+
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        log.info("rollout engine: vLLM servers %s", ", ".join(r.servers))
+        return ServerEngine(r.servers, pad, sends_weights=dist_rank == 0, timeout_s=r.request_timeout_s,
+                            retries=r.request_retries)
     opts = EngineOptions(dtype=policy_dtype(cfg), max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                          seed=cfg.trainer.seed + dist_rank, max_batch_size=r.max_batch_size,
                          gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size)

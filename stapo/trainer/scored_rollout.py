@@ -31,6 +31,7 @@ class ScoredRollout:
     rewards: torch.Tensor  # (B,) fp32, scores + overlong penalty: what the advantages see
     sums: dict[str, float] = field(default_factory=dict)  # per-rank sums, reduced with the step's
     sampling: dict[str, float] = field(default_factory=dict)  # dynamic-sampling metrics, already global
+    epoch: int = 0  # the prompt sampler's epoch of this iteration's draw
 
 
 @dataclass(frozen=True)

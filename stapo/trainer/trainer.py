@@ -14,6 +14,8 @@ Launch: ``stapo train CONFIG`` (one process) or ``deepspeed --num_gpus N -m stap
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from stapo.config import STAPOConfig
 from stapo.losses import (TokenMask, TokenStats, build_mask, group_advantages, mismatch_sums, registered_name,
                           truncated_keep, truncated_rows)
 from stapo.rollout import Rollout, SamplingParams
+from stapo.rollout.server_engine import NoRolloutServers
 from stapo.trainer import components as build
 from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, read_metrics
 from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_final
@@ -33,7 +36,8 @@ from stapo.trainer.preflight import plan_run
 from stapo.trainer.recording import TokenRecorder
 from stapo.distributed.deepspeed_engine import current_lr
 from stapo.distributed.lora import reference_scope
-from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout
+from stapo.trainer.producer import ProducedBatch, RolloutProducer
+from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout, score_rollout
 from stapo.telemetry.mfu import device_peak_flops
 from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
                                         skipped_updates, stats_counts, step_metrics, token_counts)
@@ -106,10 +110,17 @@ class STAPOTrainer:
         self.step_count = 0
         self.skipped_steps = 0
         self._consecutive_skips = 0
+        self.producer: RolloutProducer | None = None  # rollout.max_staleness >= 1: rollouts ahead of the update
         if self.dist.is_main:
             cfg.to_yaml(self.output_dir / CONFIG_FILE)
         if resume_from is not None:
             self._resume(resume_from)
+        elif cfg.rollout.mode == "server":
+            self._sync_weights()  # servers hold whatever they started with: give them this policy
+        if cfg.rollout.max_staleness > 0:
+            self.producer = RolloutProducer(self._produce, self.sampler.state_dict,
+                                            max_staleness=cfg.rollout.max_staleness, first_index=self.step_count,
+                                            version=self.step_count, stop_index=cfg.trainer.total_steps)
 
     # ---- Algorithm 1 ------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -138,12 +149,12 @@ class STAPOTrainer:
             with timer("update"):  # lines 11-12: Eq. 1 over kept tokens, optimizer step
                 update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts)
             sums.add({**update_sums, **mask_sums(stats, masked, probe)})
-        with timer("sync"):
-            synced = sync_weights(self.model, self.rollout_engine, cfg.rollout.sync_bucket_mb * 2**20)  # line 3
-        sums.add_value("sync_mb", synced.num_bytes / 2**20)
         self.step_count += 1
+        with timer("sync"):
+            synced = self._sync_weights()  # line 3, for the next iteration
+        sums.add_value("sync_mb", synced.num_bytes / 2**20)
         self._track_skips(skipped_updates(sums))
-        return step_metrics(step=self.step_count, epoch=self.sampler.epoch, lr=current_lr(self.engine),
+        return step_metrics(step=self.step_count, epoch=scored.epoch, lr=current_lr(self.engine),
                             skipped_steps=self.skipped_steps, group_size=cfg.rollout.group_size,
                             world_size=self.dist.world_size, scored=scored, sums=sums, timer=timer,
                             entropy_coef=cfg.loss.entropy_coef, model_config=self.model.config,
@@ -179,13 +190,40 @@ class STAPOTrainer:
 
     # ---- rollout ----------------------------------------------------------------------------
     def _scored_rollout(self, timer: PhaseTimer) -> ScoredRollout:
-        """Generate and score this rank's share; DAPO's filter groups with ``rollout.dynamic_sampling``."""
+        """Generate (or, asynchronous, take from the producer) and score this rank's share; DAPO's filter
+        groups with ``rollout.dynamic_sampling``."""
         r, world = self.config.rollout, self.dist.world_size
-        return collect_scored_rollout(
+        if self.producer is not None:
+            with timer("rollout"):  # the trainer's wait: generation itself ran during earlier updates
+                produced = self.producer.take(self.step_count)
+            with timer("reward"):
+                scored = score_rollout(self.score, produced.rollout, produced.examples, self.shaping)
+            return self._with_server_metrics(scored, produced.epoch, produced.seconds)
+        start = time.perf_counter()
+        scored = collect_scored_rollout(
             self._next_prompts, lambda examples, round_index: self._generate(examples, round_index=round_index),
             self.score, self.shaping, timer, group_size=r.group_size, dynamic=r.dynamic_sampling,
             target_groups=self.config.trainer.train_batch_size // world, max_rounds=r.max_sampling_rounds,
             multiple_of=self.config.trainer.mini_batch_size // world, gather=all_gather_object)
+        return self._with_server_metrics(scored, self.sampler.epoch, time.perf_counter() - start)
+
+    def _with_server_metrics(self, scored: ScoredRollout, epoch: int, generation_s: float) -> ScoredRollout:
+        """The draw's epoch, and in server mode the rows' staleness and the generation time (max over ranks)."""
+        sampling = dict(scored.sampling)
+        versions = scored.rollout.policy_version
+        if self.config.rollout.mode == "server" and versions is not None and len(versions):
+            staleness = self.step_count - int(versions.min())
+            gathered = all_gather_object((staleness, generation_s))
+            sampling["policy_staleness"] = float(max(g[0] for g in gathered))
+            sampling["generation_s"] = max(g[1] for g in gathered)
+        return dataclasses.replace(scored, sampling=sampling, epoch=epoch)
+
+    def _produce(self, index: int, version: int) -> ProducedBatch:
+        """The producer's work (its thread): draw batch ``index``'s prompts, generate with policy ``version``."""
+        start = time.perf_counter()
+        examples = self._next_prompts()
+        rollout = self._generate(examples, step=index, version=version)
+        return ProducedBatch(index, examples, rollout, version, self.sampler.epoch, time.perf_counter() - start)
 
     def _next_prompts(self) -> list:
         """This rank's contiguous share of the global batch (same order on every rank)."""
@@ -194,21 +232,42 @@ class STAPOTrainer:
         mine = indices[self.dist.rank * share:(self.dist.rank + 1) * share]
         return [self.train_data[i] for i in mine]
 
-    def _sampling(self, greedy: bool = False, round_index: int = 0) -> SamplingParams:
+    def _sampling(self, greedy: bool = False, round_index: int = 0, step: int | None = None) -> SamplingParams:
         r, t = self.config.rollout, self.config.trainer
+        step = self.step_count if step is None else step  # the iteration the rows are for
         # a seed per (run, step, rank, dynamic-sampling round): resumed runs regenerate the same responses
-        seed = (t.seed * 1_000_003 + self.step_count * 1_009 + self.dist.rank + round_index * 7_919) % 2**31
+        seed = (t.seed * 1_000_003 + step * 1_009 + self.dist.rank + round_index * 7_919) % 2**31
         return SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
                               top_k=-1 if greedy else r.top_k, max_new_tokens=r.max_response_length, seed=seed)
 
-    def _generate(self, examples: list, greedy: bool = False, round_index: int = 0) -> Rollout:
+    def _generate(self, examples: list, greedy: bool = False, round_index: int = 0, step: int | None = None,
+                  version: int | None = None) -> Rollout:
+        """Rows for ``examples`` from the rollout engine, stamped with the policy ``version`` that sampled
+        them (default: the current one, ``step_count``)."""
         n = 1 if greedy else self.config.rollout.group_size
         self.rollout_engine.wake()
         rollout = self.rollout_engine.generate([e.prompt_ids for e in examples], n,
-                                               self._sampling(greedy, round_index))
+                                               self._sampling(greedy, round_index, step))
         self.rollout_engine.sleep()
+        rollout = rollout.with_policy_version(self.step_count if version is None else version)
         return rollout.with_ground_truth([e.ground_truth for e in examples]).with_prompt_text(
             [e.prompt_text for e in examples])
+
+    def _sync_weights(self):
+        """theta_old <- theta (Algorithm 1 line 3) into the rollout engine. Rollout servers learn the policy
+        version, and no rank generates before the sync is done (nor, asynchronous, during it)."""
+        cfg = self.config.rollout
+        server = cfg.mode == "server"
+        with self.producer.paused() if self.producer is not None else contextlib.nullcontext():
+            if self.producer is not None:
+                barrier()  # every rank's producer is idle before rank 0 opens the servers' session
+            synced = sync_weights(self.model, self.rollout_engine, cfg.sync_bucket_mb * 2**20,
+                                  version=self.step_count if server else None)
+            if server:
+                barrier()
+        if self.producer is not None:
+            self.producer.advance(self.step_count)
+        return synced
 
     # ---- evaluation -------------------------------------------------------------------------
     @torch.no_grad()
@@ -240,6 +299,14 @@ class STAPOTrainer:
             log.warning("interrupted at step %d: saving a checkpoint before exiting", self.step_count)
             self.save_checkpoint()
             raise
+        except NoRolloutServers as err:
+            log.error("step %d: %s; saving a checkpoint before stopping (restart a server and rerun: the run "
+                      "resumes)", self.step_count + 1, err)
+            self.save_checkpoint()
+            raise
+        finally:
+            if self.producer is not None:
+                self.producer.close()
         after = self.evaluate()
         if after:
             self.logger.log(self.step_count, after)
@@ -297,10 +364,15 @@ class STAPOTrainer:
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
+        sampler, ahead = self.sampler.state_dict(), 0
+        if self.producer is not None:  # the draw of the first batch not trained yet; later ones are regenerated
+            with self.producer.paused():
+                sampler, ahead = self.producer.resume_state(self.step_count)
         state = {
             "step": self.step_count,
             "skipped_steps": self.skipped_steps,
-            "sampler": self.sampler.state_dict(),  # RNG states of every rank are saved by the manager
+            "sampler": sampler,  # RNG states of every rank are saved by the manager
+            "rollouts_ahead": ahead,
             "config": self.config.to_dict(),
         }
         return self.checkpoints.save(self.engine, self.step_count, state)
@@ -319,8 +391,11 @@ class STAPOTrainer:
         self.step_count, self.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
         self.sampler.load_state_dict(state["sampler"])
         self.logger.truncate_after(self.step_count)
-        sync_weights(self.model, self.rollout_engine, self.config.rollout.sync_bucket_mb * 2**20)
+        self._sync_weights()
         log.info("resumed from %s at step %d", path, self.step_count)
+        if state.get("rollouts_ahead"):
+            log.info("%d rollout batches generated ahead of step %d before the restart are regenerated",
+                     state["rollouts_ahead"], self.step_count)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, **kwargs) -> "STAPOTrainer":
