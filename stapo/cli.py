@@ -224,6 +224,8 @@ def _quiet_third_party() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from stapo.rollout.server_engine import NoRolloutServers  # the run checkpointed and stopped: one line
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_third_party()
     try:
         return args.func(args)
-    except (UserError, ConfigError, FileNotFoundError, ValueError) as exc:
+    except (UserError, ConfigError, FileNotFoundError, ValueError, NoRolloutServers) as exc:
         if os.environ.get("STAPO_TRACEBACK"):
             raise
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

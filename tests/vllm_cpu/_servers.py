@@ -1,0 +1,64 @@
+"""Real vLLM server processes for the lane (`stapo serve`, vLLM's CPU build), on loopback only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from conftest import ROOT, plain_env
+
+START_TIMEOUT_S = 900  # a cold start on a busy 2-core machine; ~30 s on a quiet one
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VLLMServer:
+    """``stapo serve MODEL`` on 127.0.0.1:PORT in its own process group (vLLM starts child processes)."""
+
+    def __init__(self, model_dir: Path, log_path: Path, port: int | None = None) -> None:
+        self.model_dir, self.log_path = model_dir, log_path
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "VLLMServer":
+        cmd = [sys.executable, "-m", "stapo.cli", "serve", str(self.model_dir), "--host", "127.0.0.1",
+               "--port", str(self.port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=plain_env(), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "VLLMServer":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.address} exited {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://{self.address}/health", timeout=5):
+                    return self
+            except OSError:
+                time.sleep(1.0)
+        raise TimeoutError(f"server {self.address} not up after {timeout_s} s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL the server and its children (what a crashed node looks like to the trainer)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=60)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""

@@ -1,0 +1,163 @@
+"""rollout.mode=server against REAL vLLM server processes (`stapo serve`, vLLM's CPU build, loopback):
+the same samples as the in-process engine, weights broadcast into the servers (mismatch after every
+sync), asynchronous training (max_staleness=1), resume, and servers that die (docs/rollout.md).
+
+Two servers are shared by the module; the fault tests come last and kill / restart them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from _servers import VLLMServer
+from conftest import FP32_LOGPROB_BOUND, ROOT, plain_env
+from test_train import COMMON, samples_of, train
+
+from stapo.rollout import SamplingParams, VLLMEngine
+from stapo.rollout.server_engine import NoRolloutServers, ServerEngine
+from stapo.run_dir import METRICS_FILE, read_metrics
+from stapo.telemetry.metrics import training_metrics
+
+pytestmark = pytest.mark.timeout(2400)
+SERVER = ["rollout.mode=server", "trainer.save_every=1", "trainer.keep_last=4"]
+
+
+@pytest.fixture(scope="module")
+def servers(warm_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("servers")
+    pair = [VLLMServer(warm_model_dir, logs / f"server{i}.log").start() for i in range(2)]
+    try:
+        yield [s.wait_ready() for s in pair]
+    finally:
+        for s in pair:
+            s.kill()
+
+
+def servers_override(*servers: VLLMServer) -> str:
+    return f"rollout.servers=[{','.join(s.address for s in servers)}]"
+
+
+@pytest.fixture(scope="module")
+def k0_run(servers, warm_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("server_k0") / "run"
+    return out, train(out, warm_model_dir, *SERVER, servers_override(*servers), "trainer.total_steps=4")
+
+
+def test_server_and_in_process_engines_give_the_same_samples(servers, warm_model_dir, prompts):
+    # same weights (both loaded the warm model, nothing synced yet), same seed: the same rows
+    sampling = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=24, seed=5)
+    remote = ServerEngine([servers[0].address], pad_token_id=0, sends_weights=False).generate(prompts, 4, sampling)
+    local = VLLMEngine(warm_model_dir, dtype="float32", max_model_len=512, enforce_eager=True).generate(
+        prompts, 4, sampling)
+    assert torch.equal(remote.response_ids, local.response_ids)
+    assert remote.finish_reason == local.finish_reason
+    assert (remote.sampling_logprobs - local.sampling_logprobs).abs().max() <= FP32_LOGPROB_BOUND
+
+
+def test_weights_reach_the_servers_after_every_sync(k0_run, servers):
+    out, steps = k0_run
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:  # step 1 samples the start sync, steps 2-4 the sync after each update
+        assert r["mismatch_logp_abs_max"] <= FP32_LOGPROB_BOUND, r
+        assert r["policy_staleness"] == 0
+    versions = ServerEngine([s.address for s in servers], pad_token_id=0, sends_weights=False).policy_versions()
+    assert versions == {s.address: [4] for s in servers}  # each server reports the policy it holds
+
+
+def test_server_mode_resumes_to_the_same_metrics(k0_run, servers, warm_model_dir, tmp_path):
+    out, steps = k0_run
+    resumed = tmp_path / "run"
+    train(resumed, warm_model_dir, *SERVER, servers_override(*servers), "trainer.total_steps=2")
+    (resumed / "checkpoints").joinpath("latest").write_text("step_1")  # as if killed during step 2
+    again = train(resumed, warm_model_dir, *SERVER, servers_override(*servers), "trainer.total_steps=3",
+                  "trainer.resume=auto")
+    assert [r["step"] for r in again] == [1, 2, 3]
+    for step in (2, 3):
+        assert samples_of(resumed, step) == samples_of(out, step)
+        here = training_metrics(next(r for r in again if r["step"] == step))
+        ref = training_metrics(next(r for r in steps if r["step"] == step))
+        assert {k: here[k] for k in ("reward_mean", "response_length_mean", "loss", "grad_norm")} == \
+               {k: ref[k] for k in ("reward_mean", "response_length_mean", "loss", "grad_norm")}
+
+
+def test_asynchronous_training_is_at_most_one_version_behind_and_resumes(servers, warm_model_dir, tmp_path):
+    out = tmp_path / "k1"
+    steps = train(out, warm_model_dir, *SERVER, servers_override(*servers), "rollout.max_staleness=1",
+                  "trainer.total_steps=3")
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["policy_staleness"] for r in steps] == [0, 1, 1]  # batch 1 came from the start weights
+    assert all(r["mismatch_logp_abs_max"] < 1.0 for r in steps), steps  # one update of lag, not garbage
+    # killed after step 1's checkpoint: the batch generated ahead is regenerated, no trained step is lost
+    (out / "checkpoints").joinpath("latest").write_text("step_1")
+    proc = subprocess.run([sys.executable, "-m", "stapo.cli", "train", f"model.path={warm_model_dir}",
+                           f"trainer.output_dir={out}", *COMMON, *SERVER, servers_override(*servers),
+                           "rollout.max_staleness=1", "trainer.total_steps=3", "trainer.resume=auto"],
+                          cwd=ROOT, env=plain_env(), capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rollout batches generated ahead of step 1" in proc.stderr
+    assert [r["step"] for r in read_metrics(out / METRICS_FILE) if "loss" in r] == [1, 2, 3]
+
+
+def _train_until_step(out, model_dir, step: int, *overrides: str) -> subprocess.Popen:
+    """Start a run in the background; return once its metrics show ``step``."""
+    cmd = [sys.executable, "-m", "stapo.cli", "train", f"model.path={model_dir}", f"trainer.output_dir={out}",
+           *COMMON, *SERVER, *overrides]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=plain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 1200
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / METRICS_FILE).exists() and any(r.get("step") == step and "loss" in r
+                                                 for r in read_metrics(out / METRICS_FILE)):
+            return proc
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError(f"the run did not reach step {step}:\n{proc.communicate()[1][-3000:]}")
+
+
+def test_a_server_killed_mid_run_leaves_its_requests_to_the_other(servers, warm_model_dir, tmp_path):
+    out = tmp_path / "killed"
+    proc = _train_until_step(out, warm_model_dir, 1, servers_override(*servers), "trainer.total_steps=4")
+    servers[1].kill()
+    _, stderr = proc.communicate(timeout=1800)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"rollout server {servers[1].address} is down" in stderr
+    steps = [r for r in read_metrics(out / METRICS_FILE) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["mismatch_logp_abs_max"] <= FP32_LOGPROB_BOUND for r in steps), steps
+
+
+def test_a_restarted_server_is_resynced_before_it_serves(servers, warm_model_dir, prompts):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32)
+    engine = ServerEngine([s.address for s in servers], pad_token_id=0)  # servers[1] is down
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
+    from stapo.sync.buckets import sync_weights
+
+    assert [c.address for c in engine.pool.live] == [s.address for s in servers]
+    engine.generate(prompts, 2, sampling)  # the dead server is found and left out
+    assert [c.address for c in engine.pool.live] == [servers[0].address]
+    sync_weights(model, engine, bucket_bytes=2**20, version=11)
+    servers[1].start().wait_ready()  # restarted: it holds the weights it loaded, not version 11
+    engine.generate(prompts, 2, sampling)
+    assert [c.address for c in engine.pool.live] == [servers[0].address]  # not serving stale weights
+    sync_weights(model, engine, bucket_bytes=2**20, version=12)  # the next sync takes it back
+    assert engine.policy_versions() == {s.address: [12] for s in servers}
+    assert len(engine.pool.live) == 2
+
+
+def test_the_run_checkpoints_and_stops_when_no_server_is_left(servers, warm_model_dir, tmp_path):
+    out = tmp_path / "none_left"
+    proc = _train_until_step(out, warm_model_dir, 1, servers_override(servers[1]), "trainer.total_steps=4")
+    servers[1].kill()
+    _, stderr = proc.communicate(timeout=1800)
+    assert proc.returncode != 0
+    assert "no rollout server is left" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert (out / "checkpoints" / "step_1").is_dir()
+
+
+def test_a_server_that_does_not_answer_at_start_is_named(servers):
+    with pytest.raises(ValueError, match=f"rollout server {servers[1].address} does not answer"):
+        ServerEngine([servers[0].address, servers[1].address], pad_token_id=0)  # servers[1] was killed above
