@@ -1,0 +1,146 @@
+"""Rollout servers without a server: the pure pieces of rollout.mode=server (docs/rollout.md).
+
+The real servers (vLLM's CPU build) are exercised by tests/vllm_cpu/test_server.py; here: the request
+body and the reply's conversion, the pool's least-loaded choice and failover bookkeeping, ``stapo serve``'s
+command line, and the weight transport's packing and process group on two real gloo processes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from stapo.config import ConfigError, STAPOConfig
+from stapo.rollout import SamplingParams
+from stapo.rollout.server_client import ServerClient, parse_address
+from stapo.rollout.server_engine import NoRolloutServers, ServerPool, completion_request, outputs_from_completion
+from stapo.rollout.serve import serve_command
+from stapo.rollout.vllm_engine import request_seeds, rollout_from_vllm_outputs, vllm_sampling_kwargs
+from stapo.rollout.vllm_worker import GroupSpec, pack_bucket_tensor, unpack_tensors
+
+
+def test_a_request_carries_the_token_ids_and_the_colocated_seed():
+    base, seeds = vllm_sampling_kwargs(SamplingParams(temperature=0.7, top_k=20, max_new_tokens=9, seed=3), 4, 2)
+    body = completion_request([5, 6, 7], base, seeds[1])
+    assert body["prompt"] == [5, 6, 7] and body["n"] == 4 and body["max_tokens"] == 9
+    assert body["seed"] == request_seeds(3, 2)[1]  # the in-process engine's seed for prompt 1
+    assert body["logprobs"] == 0 and body["return_token_ids"] is True and body["top_k"] == 20
+
+
+def test_a_completion_reply_becomes_a_rollout():
+    reply = {"choices": [  # vLLM's /v1/completions reply shape, choices out of order
+        {"index": 1, "text": "b", "token_ids": [9], "finish_reason": "stop",
+         "logprobs": {"token_logprobs": [-0.5], "tokens": ["token_id:9"]}},
+        {"index": 0, "text": "ac", "token_ids": [4, 2], "finish_reason": "length",
+         "logprobs": {"token_logprobs": [-1.0, -2.0], "tokens": ["token_id:4", "token_id:2"]}}]}
+    r = rollout_from_vllm_outputs([outputs_from_completion(reply)], [[1, 2, 3]], 2, pad_token_id=0)
+    assert r.response_ids.tolist() == [[4, 2], [9, 0]] and r.response_mask.tolist() == [[True, True], [True, False]]
+    assert r.sampling_logprobs.tolist() == [[-1.0, -2.0], [-0.5, 0.0]]
+    assert r.finish_reason == ["length", "stop"] and r.response_text == ["ac", "b"]
+    bad = {"choices": [{"index": 0, "text": "", "token_ids": [4], "finish_reason": "stop", "logprobs": None}]}
+    with pytest.raises(ValueError, match="no per-token logprobs"):
+        rollout_from_vllm_outputs([outputs_from_completion(bad)], [[1]], 1, pad_token_id=0)
+
+
+def test_the_pool_picks_the_least_loaded_live_server_and_fails_over(caplog):
+    a, b, c = (ServerClient(f"127.0.0.1:{p}") for p in (8001, 8002, 8003))
+    pool = ServerPool([a, b, c])
+    assert [pool.acquire().address for _ in range(4)] == [a.address, b.address, c.address, a.address]
+    pool.release(b)  # b now has the fewest in flight
+    assert pool.acquire() is b
+    with caplog.at_level(logging.WARNING, logger="stapo.rollout"):
+        pool.mark_down(a, "connection refused")
+    assert "rollout server 127.0.0.1:8001 is down (connection refused)" in caplog.text
+    assert [x.address for x in pool.live] == [b.address, c.address] and pool.down == [a]
+    pool.mark_down(b, "gone")
+    pool.mark_down(c, "gone")
+    with pytest.raises(NoRolloutServers, match="no rollout server is left: 127.0.0.1:8001: connection refused"):
+        pool.acquire()
+    pool.mark_live(a)
+    assert pool.acquire() is a
+
+
+@pytest.mark.parametrize("address, expected", [("127.0.0.1:8000", "127.0.0.1:8000"),
+                                               ("http://node3:8001/", "node3:8001")])
+def test_server_addresses_are_host_and_port(address, expected):
+    assert parse_address(address) == expected
+
+
+@pytest.mark.parametrize("bad", ["node3", "node3:http", ":8000", "node3:70000"])
+def test_a_bad_server_address_is_named(bad):
+    with pytest.raises(ValueError, match="is not host:port"):
+        parse_address(bad)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.mode=remote", "rollout.mode must be one of"),
+    ("rollout.mode=server", "rollout.mode=server needs rollout.servers"),
+    ("rollout.servers=[node3]", "rollout.servers: rollout server address 'node3' is not host:port"),
+    ("rollout.max_staleness=1", "needs rollout.mode=server"),
+    ("rollout.max_staleness=-1", "rollout.max_staleness must be >= 0"),
+    ("rollout.request_timeout_s=0", "rollout.request_timeout_s must be > 0"),
+])
+def test_server_settings_are_checked(override, message):
+    with pytest.raises(ConfigError, match=message):
+        STAPOConfig.from_yaml(None, [override])
+
+
+def test_asynchronous_training_refuses_dynamic_sampling():
+    with pytest.raises(ConfigError, match="rollout.dynamic_sampling needs rollout.max_staleness=0"):
+        STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.servers=[127.0.0.1:8000]",
+                                     "rollout.max_staleness=1", "rollout.dynamic_sampling=true"])
+
+
+def test_stapo_serve_adds_what_training_needs_and_keeps_the_users_options():
+    argv, env = serve_command("/models/qwen", ["--port", "8001", "--logprobs-mode=raw_logprobs"], "py", {}, on_cpu=False)
+    assert argv[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen"]
+    assert "--worker-extension-cls" in argv and "stapo.rollout.vllm_worker.StapoWorkerExtension" in argv
+    assert "--logprobs-mode=raw_logprobs" in argv and "processed_logprobs" not in argv  # the user's choice stays
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and "--no-enable-chunked-prefill" not in argv
+    argv, env = serve_command("/m", ["--max-model-len", "8192"], "py", {"VLLM_CPU_KVCACHE_SPACE": "4"}, on_cpu=True)
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192"  # whole prompts fit one step
+    assert "--no-enable-chunked-prefill" in argv and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    with pytest.raises(ValueError, match="needs the model first"):
+        serve_command("--port", [], "py", {}, on_cpu=True)
+
+
+def _bucket() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    return [("a.weight", torch.randn(3, 5, generator=gen)), ("b.bias", torch.randn(7, generator=gen).bfloat16()),
+            ("c.count", torch.arange(3, dtype=torch.int64))]
+
+
+def _receive(rank: int, spec_json: str, out) -> None:
+    spec = GroupSpec.from_json(spec_json)
+    layout, flat = pack_bucket_tensor(_bucket())
+    group = spec.connect(rank)
+    raw = torch.empty(layout["nbytes"], dtype=torch.uint8)
+    group.broadcast(raw, 0).wait()
+    received = unpack_tensors(layout, raw)  # compared here: tensors do not cross the queue
+    out.put([(name, str(got.dtype), torch.equal(got, sent)) for (name, got), (_, sent) in zip(received, _bucket())])
+
+
+def test_a_bucket_crosses_a_gloo_group_exactly():
+    """The transport of a server sync on CPU: a GroupSpec joined by another process, one broadcast."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    spec = GroupSpec("127.0.0.1", store.port, world_size=2, rank_offset=1, timeout_s=60)
+    assert GroupSpec.from_json(spec.to_json()) == spec
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_receive, args=(1, spec.to_json(), out))
+    proc.start()
+    group = spec.connect(0, store=store)
+    layout, flat = pack_bucket_tensor(_bucket())
+    assert [o % 16 for o in layout["offsets"]] == [0, 0, 0]
+    group.broadcast(flat, 0).wait()
+    received = out.get(timeout=60)
+    proc.join(timeout=60)
+    assert received == [(name, str(t.dtype), True) for name, t in _bucket()]
+    with pytest.raises(ValueError, match="gloo or nccl"):
+        GroupSpec("h", 1, 2, backend="mpi")

@@ -1,0 +1,88 @@
+"""The asynchronous producer (rollout.max_staleness; docs/algorithm.md "Asynchronous training"): batch j
+is generated once the servers hold a policy at most k versions older than iteration j, never during a
+weight sync, and the checkpoint's resume point is the draw of the first batch not trained yet."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from stapo.rollout import Rollout
+from stapo.trainer.producer import ProducedBatch, RolloutProducer
+
+
+class Draws:
+    """A prompt sampler stand-in with a state (the real one is stapo.data.PromptSampler): draw n -> n+1."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.generating = threading.Event()
+
+    def state(self) -> dict:
+        return {"position": self.position}
+
+    def produce(self, index: int, version: int) -> ProducedBatch:
+        self.generating.set()
+        self.position += 1
+        time.sleep(0.01)
+        rollout = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.bool),
+                          response_ids=torch.ones(2, 1, dtype=torch.long),
+                          response_mask=torch.ones(2, 1, dtype=torch.bool), sampling_logprobs=torch.zeros(2, 1),
+                          finish_reason=["stop"] * 2, response_text=["x"] * 2, group_index=torch.zeros(2, dtype=torch.long),
+                          group_size=2).with_policy_version(version)
+        self.generating.clear()
+        return ProducedBatch(index, [index], rollout, version, 0, 0.01)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_every_batch_is_at_most_k_versions_old_and_as_fresh_as_allowed(k):
+    draws = Draws()
+    producer = RolloutProducer(draws.produce, draws.state, max_staleness=k, first_index=0, version=0, stop_index=6)
+    versions = []
+    for step in range(6):  # the trainer: take batch `step`, train, sync version step + 1
+        batch = producer.take(step)
+        versions.append(batch.policy_version)
+        assert batch.rollout.policy_version.tolist() == [batch.policy_version] * 2
+        time.sleep(0.05)  # the update: long enough for the producer to run ahead as far as allowed
+        with producer.paused():
+            producer.advance(step + 1)
+    producer.close()
+    # k = 1: batch j from version j - 1 (batch 0 from the start weights); k = 2: j - 2
+    assert versions == [max(j - k, 0) for j in range(6)]
+    assert draws.position == 6  # nothing generated past the run's end (stop_index)
+
+
+def test_no_generation_runs_inside_a_weight_sync():
+    draws = Draws()
+    producer = RolloutProducer(draws.produce, draws.state, max_staleness=3, first_index=0, version=0)
+    for _ in range(20):
+        with producer.paused():
+            assert not draws.generating.is_set()
+            time.sleep(0.005)
+    producer.close()
+
+
+def test_the_resume_point_is_the_draw_of_the_first_untrained_batch():
+    draws = Draws()
+    producer = RolloutProducer(draws.produce, draws.state, max_staleness=1, first_index=4, version=4)
+    producer.take(4)
+    producer.take(5)  # generated ahead with version 4
+    with producer.paused():
+        state, ahead = producer.resume_state(5)  # iteration 4 trained, 5 not yet
+    assert state == {"position": 1} and ahead == 1  # batch 5 was drawn second; 1 batch ahead of step 5
+    producer.close()
+
+
+def test_an_error_in_the_producer_reaches_the_trainer():
+    def failing(index, version):
+        raise RuntimeError("no rollout server is left")
+
+    producer = RolloutProducer(failing, dict, max_staleness=1, first_index=0, version=0)
+    with pytest.raises(RuntimeError, match="no rollout server is left"):
+        producer.take(0)
+    producer.close()
+    with pytest.raises(ValueError, match="max_staleness >= 1"):
+        RolloutProducer(failing, dict, max_staleness=0, first_index=0, version=0)
