@@ -139,9 +139,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from stapo.rollout.serve import serve_command
 
-    argv, env = serve_command(args.model, args.vllm_args, sys.executable, os.environ,
-                              on_cpu=not torch.cuda.is_available())
-    print("stapo serve: " + " ".join(argv[1:]), file=sys.stderr, flush=True)
+    dry_run = "--dry-run" in args.vllm_args
+    vllm_args = [a for a in args.vllm_args if a != "--dry-run"]
+    argv, env = serve_command(args.model, vllm_args, sys.executable, os.environ, on_cpu=not torch.cuda.is_available())
+    added = " ".join(f"{k}={v}" for k, v in env.items() if os.environ.get(k) != v)
+    print(f"stapo serve: {added} {' '.join(argv)}", file=sys.stderr, flush=True)
+    if dry_run:
+        return 0
     os.execve(sys.executable, argv, env)
     return 0  # not reached
 
@@ -184,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "worker extension)",
                            description="Start vLLM's OpenAI-compatible server for training through it "
                                        "(rollout.mode=server, rollout.servers=[HOST:PORT]). Options after "
-                                       "MODEL go to vLLM, e.g. --port 8000 --tensor-parallel-size 2.")
+                                       "MODEL go to vLLM, e.g. --port 8000 --tensor-parallel-size 2; "
+                                       "--dry-run prints the server's command line and exits.")
     serve.add_argument("model", help="HF model directory or hub name (the policy's architecture)")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM server options")
     serve.set_defaults(func=cmd_serve)

@@ -6,6 +6,7 @@ examples/recipes/*.yaml. How each kind of line runs (in this process, offline, o
 * ``stapo train ...`` and launcher lines (``deepspeed`` / ``torchrun`` / ``accelerate launch``
   ``-m stapo.cli train ...``): with ``--dry-run``; a launcher's ranks become ``--world-size``.
 * ``stapo masks ...`` and ``--help`` lines: as written.
+* ``stapo serve MODEL ...`` prints the vLLM server's command line (``--dry-run``), starting nothing;
 * ``stapo inspect ...`` runs and ``stapo eval ...`` dry-runs against one tiny training run;
   placeholders (``RUN_DIR``, ``MODEL``, ``my.jsonl``, ...) become that run and its files (PLACEHOLDERS).
 * ``python examples/X.py ARGS``: dry — the script's config (EXAMPLES: how it reads its arguments)
@@ -153,7 +154,7 @@ def _stapo_argv(argv: list[str]) -> list[str]:
         argv = argv[1:]
     if argv[:1] == ["train"] and "--help" not in argv:
         argv = [*argv, "--dry-run"] + (["--world-size", str(world)] if world else [])
-    if argv[:1] == ["eval"] and "--help" not in argv:
+    if argv[:1] in (["eval"], ["serve"]) and "--help" not in argv:  # serve: print vLLM's command, start nothing
         argv = [*argv, "--dry-run"]
     return argv
 

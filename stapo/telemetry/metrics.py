@@ -41,7 +41,11 @@ stapo.telemetry.mfu; absent on CPU); ``entropy_bonus`` (``loss.entropy_coef`` x 
 tokens, subtracted from the loss; only when ``loss.entropy_coef != 0``); with ``rollout.dynamic_sampling``: ``sampling_rounds``,
 ``groups_kept`` (informative groups trained on, all ranks), ``groups_dropped`` (all-equal-reward
 groups dropped), ``groups_surplus`` (informative groups generated beyond the batch),
-``sampling_capped`` (1 when ``rollout.max_sampling_rounds`` ended the search short).
+``sampling_capped`` (1 when ``rollout.max_sampling_rounds`` ended the search short); with
+``rollout.mode: server``: ``policy_staleness`` (optimizer iterations between the policy that sampled the
+step's oldest row and the one it trains: 0 in lock-step, at most ``rollout.max_staleness``),
+``generation_s`` (wall seconds the step's batch took to generate; asynchronous, it ran during earlier
+updates and ``time_rollout`` is only the trainer's wait for it).
 
 Non-finite values (a skipped step's loss) are stored as the strings ``"NaN"``, ``"Infinity"``,
 ``"-Infinity"`` so every line stays valid JSON; :func:`stapo.run_dir.read_metrics` turns them back
@@ -77,11 +81,12 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
 OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "kl", "entropy_bonus", "mfu_stats",
                                          "mfu_update",
                                          "sampling_rounds", "groups_kept", "groups_dropped", "groups_surplus",
-                                         "sampling_capped")
+                                         "sampling_capped", "policy_staleness", "generation_s")
 #: Metrics measured from wall time: they differ between two runs of the same training.
 TIMING_METRIC_KEYS: tuple[str, ...] = (
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",
     "tokens_per_s_rollout", "tokens_per_s_stats", "tokens_per_s_update", "tokens_per_s", "mfu_stats", "mfu_update",
+    "generation_s",
 )
 
 
