@@ -201,8 +201,6 @@ class StapoWorkerExtension:
 
         vLLM's model ``load_weights`` maps HF names onto its fused layers (q/k/v -> qkv_proj).
         Returns the number of tensors received."""
-        from vllm.config import set_current_vllm_config
-
         if not getattr(self, "_stapo_updating", False):
             raise RuntimeError("stapo_load_weights outside a weight update session")
         weights = unpack_bucket(payload, self.device) if isinstance(payload, dict) else list(payload)

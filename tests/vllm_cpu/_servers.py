@@ -62,3 +62,8 @@ class VLLMServer:
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+def servers_override(*servers: VLLMServer) -> str:
+    """The ``rollout.servers`` override naming ``servers``."""
+    return f"rollout.servers=[{','.join(s.address for s in servers)}]"

@@ -50,3 +50,18 @@ def warm_model_dir(_tiny_cache) -> Path:
     problems = arithmetic_problems(4000, seed=DEFAULT_TRAIN_SEED, terms=5)
     return warm_start(build_tiny_model(), problems=problems, steps=200, lr=3e-3, seed=0, bare_fraction=0.5,
                       progress=False)
+
+
+@pytest.fixture(scope="session")
+def servers(warm_model_dir, tmp_path_factory):
+    """Two real vLLM servers (`stapo serve`, loopback) serving the warm model, for the whole lane; the
+    fault tests at the end of test_server.py kill and restart them."""
+    from _servers import VLLMServer
+
+    logs = tmp_path_factory.mktemp("servers")
+    pair = [VLLMServer(warm_model_dir, logs / f"server{i}.log").start() for i in range(2)]
+    try:
+        yield [s.wait_ready() for s in pair]
+    finally:
+        for s in pair:
+            s.kill()

@@ -2,7 +2,8 @@
 the same samples as the in-process engine, weights broadcast into the servers (mismatch after every
 sync), asynchronous training (max_staleness=1), resume, and servers that die (docs/rollout.md).
 
-Two servers are shared by the module; the fault tests come last and kill / restart them."""
+Two servers (conftest's ``servers``) are shared by the lane; the fault tests come last and kill / restart
+them."""
 
 from __future__ import annotations
 
@@ -12,32 +13,17 @@ import time
 
 import pytest
 import torch
-from _servers import VLLMServer
+from _servers import servers_override
 from conftest import FP32_LOGPROB_BOUND, ROOT, plain_env
 from test_train import COMMON, samples_of, train
 
 from stapo.rollout import SamplingParams, VLLMEngine
-from stapo.rollout.server_engine import NoRolloutServers, ServerEngine
+from stapo.rollout.server_engine import ServerEngine
 from stapo.run_dir import METRICS_FILE, read_metrics
 from stapo.telemetry.metrics import training_metrics
 
 pytestmark = pytest.mark.timeout(2400)
 SERVER = ["rollout.mode=server", "trainer.save_every=1", "trainer.keep_last=4"]
-
-
-@pytest.fixture(scope="module")
-def servers(warm_model_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("servers")
-    pair = [VLLMServer(warm_model_dir, logs / f"server{i}.log").start() for i in range(2)]
-    try:
-        yield [s.wait_ready() for s in pair]
-    finally:
-        for s in pair:
-            s.kill()
-
-
-def servers_override(*servers: VLLMServer) -> str:
-    return f"rollout.servers=[{','.join(s.address for s in servers)}]"
 
 
 @pytest.fixture(scope="module")
