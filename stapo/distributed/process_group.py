@@ -146,6 +146,16 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (``obj`` itself without a process group): one rank decides
+    what all must agree on, e.g. the checkpoint to resume."""
+    if not _active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def all_reduce_max(value: float) -> float:
     """The maximum of ``value`` over all ranks (itself without a process group)."""
     if get_world_size() == 1:
