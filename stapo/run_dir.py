@@ -34,6 +34,9 @@ MERGED_DIR = "merged"  # final/merged: a LoRA run's merged model (final/ itself 
 CURVES_FILE = "curves.png"
 INSPECT_DIR = "inspect"
 PREVIOUS_RUNS_DIR = "previous_runs"
+#: ``.shared-probe-<token>``: written by global rank 0 at start and looked for by every rank, then deleted
+#: (stapo.distributed.shared_dir: output_dir must be one directory all nodes see).
+SHARED_PROBE_PREFIX = ".shared-probe-"
 
 #: What a training run writes into its output_dir; a fresh start moves an earlier run's copies aside.
 RUN_ARTIFACTS = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR, RECORDS_DIR, CHECKPOINT_DIR,

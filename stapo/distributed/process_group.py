@@ -10,6 +10,10 @@ One code path for every launch mode:
   export ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``, which
   ``deepspeed.init_distributed`` reads (``env://``). ``accelerate launch --cpu`` with several
   processes runs under ``mpirun``; the MPI variables are then discovered by DeepSpeed (mpi4py).
+* Several nodes (``torchrun --nnodes M``, the DeepSpeed launcher with a hostfile): the same variables.
+  ``RANK`` and ``WORLD_SIZE`` are global and decide data shares, seeds, files and collectives;
+  ``LOCAL_RANK`` counts on its node and only picks the device (and which process builds a node's
+  caches). The run directory must be shared by all nodes (``stapo.distributed.shared_dir``).
 
 Backend: ``nccl`` when CUDA is available, ``gloo`` on CPU (DeepSpeed's CPU accelerator is picked
 automatically without a GPU, or with ``DS_ACCELERATOR=cpu``).
@@ -144,6 +148,16 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (``obj`` itself without a process group): one rank decides
+    what all must agree on, e.g. the checkpoint to resume."""
+    if not _active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def all_reduce_max(value: float) -> float:

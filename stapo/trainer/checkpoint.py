@@ -10,8 +10,9 @@ Layout under ``output_dir/checkpoints/``::
 A save writes into ``.tmp-step_N``; only after every rank finished (barrier) does rank 0 rename
 it to ``step_N`` and then replace ``latest`` (temp file + ``os.replace``), so a run killed at any
 point leaves ``latest`` on a complete checkpoint; leftover ``.tmp-*`` dirs are ignored and deleted
-by the next save. Ranks must share the filesystem (single node, or a shared mount). Resuming
-needs the same world size (ZeRO shards and per-rank RNG streams are per rank).
+by the next save. Ranks must share the filesystem (one node, or a shared mount on several): the
+trainer checks that at start (``stapo.distributed.shared_dir``) and passes every rank the checkpoint
+rank 0 picked. Resuming needs the same world size (ZeRO shards and per-rank RNG streams are per rank).
 """
 
 from __future__ import annotations

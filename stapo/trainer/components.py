@@ -31,9 +31,9 @@ TRAIN_DATA_SEED, EVAL_DATA_SEED = 1_000_003, 2_000_003
 
 
 def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
-    """The policy's HF directory or hub name; builds (rank 0 first, then the others hit the cache) the
-    tiny model. A path that is neither local nor cached nor reachable is a clear ValueError here,
-    before any weights load (``model_source.require_model``)."""
+    """The policy's HF directory or hub name; builds (local rank 0 of each node first, then the others
+    hit the cache) the tiny model. A path that is neither local nor cached nor reachable is a clear
+    ValueError here, before any weights load (``model_source.require_model``)."""
     if cfg.model.path != BUILTIN_MODEL:
         require_model(cfg.model.path)
         return cfg.model.path
@@ -49,10 +49,11 @@ def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
                               bare_fraction=cfg.tiny.warm_start_bare_fraction, progress=dist.is_main)
         return str(path)
 
-    if dist.is_main:
+    first = dist.local_rank == 0  # the cache ($STAPO_CACHE, ~/.cache) may be node-local: one build per node
+    if first:
         path = build()
     barrier()
-    if not dist.is_main:
+    if not first:
         path = build()
     return path
 

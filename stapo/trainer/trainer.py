@@ -30,7 +30,8 @@ from stapo.rollout.server_engine import NoRolloutServers
 from stapo.trainer import components as build
 from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, read_metrics
 from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_final
-from stapo.distributed.process_group import all_gather_object, barrier, init_distributed
+from stapo.distributed.process_group import all_gather_object, barrier, broadcast_object, init_distributed
+from stapo.distributed.shared_dir import require_shared_dir
 from stapo.telemetry.metrics import MetricsLogger
 from stapo.trainer.preflight import plan_run
 from stapo.trainer.recording import TokenRecorder
@@ -74,12 +75,13 @@ class STAPOTrainer:
                  train_dataset=None, eval_dataset=None):
         self.config = cfg = config
         self.dist = init_distributed()
+        # before anything reads or writes it: one output_dir that every node sees, or a clear stop on all
+        self.output_dir = require_shared_dir(cfg.trainer.output_dir, name="trainer.output_dir")
         plan = plan_run(cfg, self.dist.world_size)  # what `stapo train --dry-run` checks; nothing built yet
         if plan.engine_problem is not None:
             raise ValueError(plan.engine_problem)
         self.score, self._close_scorer = build.build_scorer(cfg, reward_fn)  # imports reward.function
-        self.output_dir = build.output_dir(cfg)
-        resume_from = plan.resume_from
+        resume_from = broadcast_object(plan.resume_from)  # rank 0's pick: every rank resumes the same step
         if resume_from is None:
             self._set_aside_previous_run(cfg.trainer.resume)
         self.model_path = build.resolve_model_path(cfg, self.dist)
@@ -320,15 +322,18 @@ class STAPOTrainer:
                          merged=self.config.model.lora.export_merged)
         if self.dist.is_main and self.config.logging.plot:
             plot_training_curves(self.output_dir / METRICS_FILE, self.output_dir / CURVES_FILE)
-        rows = [r for r in read_metrics(self.output_dir / METRICS_FILE) if "silenced_frac" in r]
-        summary = {
-            "steps": self.step_count,
-            "accuracy_before": before.get("eval_accuracy", float("nan")),
-            "accuracy_after": after.get("eval_accuracy", float("nan")),
-            "silenced_frac_mean": sum(r["silenced_frac"] for r in rows) / max(len(rows), 1),
-            "spurious_frac_mean": sum(r["spurious_frac"] for r in rows) / max(len(rows), 1),
-            "seconds": seconds,
-        }
+        summary = None
+        if self.dist.is_main:  # metrics.jsonl is rank 0's file; the others get its summary
+            rows = [r for r in read_metrics(self.output_dir / METRICS_FILE) if "silenced_frac" in r]
+            summary = {
+                "steps": self.step_count,
+                "accuracy_before": before.get("eval_accuracy", float("nan")),
+                "accuracy_after": after.get("eval_accuracy", float("nan")),
+                "silenced_frac_mean": sum(r["silenced_frac"] for r in rows) / max(len(rows), 1),
+                "spurious_frac_mean": sum(r["spurious_frac"] for r in rows) / max(len(rows), 1),
+                "seconds": seconds,
+            }
+        summary = broadcast_object(summary)
         self.logger.close()
         self._close_scorer()
         return summary
