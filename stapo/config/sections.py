@@ -137,7 +137,7 @@ class RolloutConfig:
     ``rollout.servers``; the trainer's global rank 0 broadcasts the weights into them after every step,
     and ``rollout.engine`` is not used (docs/rollout.md, "Rollout servers")."""
     servers: list = field(default_factory=list)
-    """``server`` mode: ``host:port`` of every vLLM server (``stapo serve``). Requests go to the least
+    """``server`` mode: ``host:port`` of every vLLM server (``stapo serve MODEL``). Requests go to the least
     loaded one; a server that stops answering is left out (a warning names it) until it is back and
     re-synced."""
     request_timeout_s: float = 3600.0

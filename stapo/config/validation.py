@@ -151,7 +151,7 @@ def _check_rollout_servers(r) -> None:
     _check(r.mode in ("colocated", "server"), f"rollout.mode must be one of ['colocated', 'server'], got {r.mode!r}")
     _check(isinstance(r.servers, list), f"rollout.servers must be a list of host:port, got {r.servers!r}")
     if r.mode == "server":
-        _check(bool(r.servers), "rollout.mode=server needs rollout.servers: the host:port of every `stapo serve`, "
+        _check(bool(r.servers), "rollout.mode=server needs rollout.servers: the host:port of every `stapo serve MODEL`, "
                                 "e.g. rollout.servers=[127.0.0.1:8000]")
     for address in r.servers:
         try:
