@@ -121,18 +121,19 @@ def test_a_server_killed_mid_run_leaves_its_requests_to_the_other(servers, warm_
 def test_a_restarted_server_is_resynced_before_it_serves(servers, warm_model_dir, prompts):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32)
-    engine = ServerEngine([s.address for s in servers], pad_token_id=0)  # servers[1] is down
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
     from stapo.sync.buckets import sync_weights
 
-    assert [c.address for c in engine.pool.live] == [s.address for s in servers]
+    model = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32)
+    servers[1].start().wait_ready()  # killed by the test above
+    engine = ServerEngine([s.address for s in servers], pad_token_id=0)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
+    sync_weights(model, engine, bucket_bytes=2**20, version=11)
+    servers[1].kill()
     engine.generate(prompts, 2, sampling)  # the dead server is found and left out
     assert [c.address for c in engine.pool.live] == [servers[0].address]
-    sync_weights(model, engine, bucket_bytes=2**20, version=11)
     servers[1].start().wait_ready()  # restarted: it holds the weights it loaded, not version 11
     engine.generate(prompts, 2, sampling)
-    assert [c.address for c in engine.pool.live] == [servers[0].address]  # not serving stale weights
+    assert [c.address for c in engine.pool.live] == [servers[0].address]  # never serves stale weights
     sync_weights(model, engine, bucket_bytes=2**20, version=12)  # the next sync takes it back
     assert engine.policy_versions() == {s.address: [12] for s in servers}
     assert len(engine.pool.live) == 2
