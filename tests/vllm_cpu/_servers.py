@@ -54,6 +54,17 @@ class VLLMServer:
                 time.sleep(1.0)
         raise TimeoutError(f"server {self.address} not up after {timeout_s} s:\n{self.log_tail()}")
 
+    def answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.address}/health", timeout=5):
+                return True
+        except OSError:
+            return False
+
+    def ensure_running(self) -> "VLLMServer":
+        """Start the server unless it answers already (a test may run without the one that killed it)."""
+        return self if self.answers() else self.start().wait_ready()
+
     def kill(self) -> None:
         """SIGKILL the server and its children (what a crashed node looks like to the trainer)."""
         if self.proc is not None and self.proc.poll() is None:

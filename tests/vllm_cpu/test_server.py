@@ -124,7 +124,7 @@ def test_a_restarted_server_is_resynced_before_it_serves(servers, warm_model_dir
     from stapo.sync.buckets import sync_weights
 
     model = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32)
-    servers[1].start().wait_ready()  # killed by the test above
+    servers[1].ensure_running()  # killed by the test above
     engine = ServerEngine([s.address for s in servers], pad_token_id=0)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
     sync_weights(model, engine, bucket_bytes=2**20, version=11)
@@ -141,6 +141,7 @@ def test_a_restarted_server_is_resynced_before_it_serves(servers, warm_model_dir
 
 def test_the_run_checkpoints_and_stops_when_no_server_is_left(servers, warm_model_dir, tmp_path):
     out = tmp_path / "none_left"
+    servers[1].ensure_running()
     proc = _train_until_step(out, warm_model_dir, 1, servers_override(servers[1]), "trainer.total_steps=4")
     servers[1].kill()
     _, stderr = proc.communicate(timeout=1800)
