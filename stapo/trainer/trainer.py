@@ -255,17 +255,16 @@ class STAPOTrainer:
                          merged=self.config.model.lora.export_merged)
         if self.dist.is_main and self.config.logging.plot:
             plot_training_curves(self.output_dir / METRICS_FILE, self.output_dir / CURVES_FILE)
-        summary = None
-        if self.dist.is_main:  # metrics.jsonl is rank 0's file; the others get its summary
-            rows = [r for r in read_metrics(self.output_dir / METRICS_FILE) if "silenced_frac" in r]
-            summary = {
-                "steps": self.step_count,
-                "accuracy_before": before.get("eval_accuracy", float("nan")),
-                "accuracy_after": after.get("eval_accuracy", float("nan")),
-                "silenced_frac_mean": sum(r["silenced_frac"] for r in rows) / max(len(rows), 1),
-                "spurious_frac_mean": sum(r["spurious_frac"] for r in rows) / max(len(rows), 1),
-                "seconds": seconds,
-            }
+        main = self.dist.is_main  # metrics.jsonl is rank 0's file: rank 0 reads it and broadcasts the summary
+        rows = [r for r in read_metrics(self.output_dir / METRICS_FILE) if "silenced_frac" in r] if main else []
+        summary = {
+            "steps": self.step_count,
+            "accuracy_before": before.get("eval_accuracy", float("nan")),
+            "accuracy_after": after.get("eval_accuracy", float("nan")),
+            "silenced_frac_mean": sum(r["silenced_frac"] for r in rows) / max(len(rows), 1),
+            "spurious_frac_mean": sum(r["spurious_frac"] for r in rows) / max(len(rows), 1),
+            "seconds": seconds,
+        }
         summary = broadcast_object(summary)
         self.logger.close()
         self._close_scorer()
