@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from stapo.config import STAPOConfig
-from stapo.distributed.process_group import DistInfo, barrier
+from stapo.distributed.process_group import DistInfo, broadcast_object
 from stapo.run_dir import latest_checkpoint
 from stapo.distributed.deepspeed_engine import ZeroTuning
 from stapo.trainer.model_source import BUILTIN_MODEL, require_model
@@ -31,13 +31,15 @@ TRAIN_DATA_SEED, EVAL_DATA_SEED = 1_000_003, 2_000_003
 
 
 def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
-    """The policy's HF directory or hub name; builds (local rank 0 of each node first, then the others
-    hit the cache) the tiny model. A path that is neither local nor cached nor reachable is a clear
-    ValueError here, before any weights load (``model_source.require_model``)."""
+    """The policy's HF directory or hub name; the tiny model is built by rank 0 and its files copied into
+    every other rank's cache, which may be node-local (a hit when it is shared). A path that is neither
+    local nor cached nor reachable is a clear ValueError here, before any weights load
+    (``model_source.require_model``)."""
     if cfg.model.path != BUILTIN_MODEL:
         require_model(cfg.model.path)
         return cfg.model.path
     from stapo.tiny import arithmetic_problems, build_tiny_model, warm_start
+    from stapo.tiny.cache import entry_files, install_entry
     from stapo.tiny.warmstart import DEFAULT_TRAIN_SEED
 
     def build() -> str:
@@ -49,13 +51,14 @@ def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
                               bare_fraction=cfg.tiny.warm_start_bare_fraction, progress=dist.is_main)
         return str(path)
 
-    first = dist.local_rank == 0  # the cache ($STAPO_CACHE, ~/.cache) may be node-local: one build per node
-    if first:
-        path = build()
-    barrier()
-    if not first:
-        path = build()
-    return path
+    # One build, the same bytes everywhere: transformers' save_pretrained writes on global rank 0 only,
+    # so another node could not build its own copy, and a warm start is only reproducible per machine.
+    entry = None
+    if dist.is_main:
+        built = Path(build())
+        entry = (built.name, entry_files(built))
+    name, files = broadcast_object(entry)
+    return str(install_entry(name, files))
 
 
 def policy_dtype(cfg: STAPOConfig) -> torch.dtype:

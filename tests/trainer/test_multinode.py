@@ -34,8 +34,9 @@ def start_nodes(config: Path, logs: Path, overrides: Sequence[str] = (),
                 node_overrides: Sequence[Sequence[str]] = ((), ())) -> list[subprocess.Popen]:
     """``torchrun ... -m stapo.cli train CONFIG *overrides *node_overrides[n]`` for node 0 and node 1.
 
-    Each launcher leads its own session (killed as a group) and writes its console to
-    ``logs/node<n>.txt``; its rank's own stdout/stderr go to ``logs/node<n>/`` (torchrun ``--redirects``)."""
+    Each launcher leads its own session and writes its console to ``logs/node<n>.txt``; its rank's own
+    stdout/stderr go to ``logs/node<n>/`` (torchrun ``--redirects``). Each node has its own stapo cache,
+    ``logs/node<n>_cache`` (``STAPO_CACHE``), as on nodes with local disks."""
     port = free_port()
     procs = []
     for node in range(NODES):
@@ -43,9 +44,10 @@ def start_nodes(config: Path, logs: Path, overrides: Sequence[str] = (),
                    f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
                    f"--log_dir={logs / f'node{node}'}", "--redirects=3",
                    "-m", "stapo.cli", "train", str(config), *overrides, *node_overrides[node]]
+        env = {**rank_env(node, NODES, port, launcher=False), "STAPO_CACHE": str(logs / f"node{node}_cache")}
         with open(logs / f"node{node}.txt", "wb") as console:
-            procs.append(subprocess.Popen(command, env=rank_env(node, NODES, port, launcher=False),
-                                          stdout=console, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(subprocess.Popen(command, env=env, stdout=console, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
     return procs
 
 
@@ -100,8 +102,11 @@ def two_node_config(tmp_path, tiny_model_dir, arithmetic_jsonl):
 
 
 def test_two_nodes_train_checkpoint_and_resume_like_an_uninterrupted_run(tmp_path, two_node_config):
-    overrides = [f"trainer.total_steps={STEPS}", f"reward.function={REWARD}"]
+    overrides = [f"trainer.total_steps={STEPS}", f"reward.function={REWARD}",
+                 "model.path=builtin:tiny", "tiny.warm_start_steps=0"]  # built by each node into its own cache
     _run(two_node_config("straight"), tmp_path / "logs_straight", overrides)
+    for node in range(NODES):
+        assert len(list((tmp_path / "logs_straight" / f"node{node}_cache" / "tiny").glob("model-*"))) == 1
     last = latest_checkpoint(tmp_path / "straight")  # rank 0 renamed it with both nodes' ZeRO shards inside
     assert last.name == f"step_{STEPS}" and json.loads((last / "meta.json").read_text())["world_size"] == NODES
     assert sorted(p.name for p in (last / "zero").glob("*optim_states.pt")) == [
