@@ -12,8 +12,8 @@ One code path for every launch mode:
   processes runs under ``mpirun``; the MPI variables are then discovered by DeepSpeed (mpi4py).
 * Several nodes (``torchrun --nnodes M``, the DeepSpeed launcher with a hostfile): the same variables.
   ``RANK`` and ``WORLD_SIZE`` are global and decide data shares, seeds, files and collectives;
-  ``LOCAL_RANK`` counts on its node and only picks the device (and which process builds a node's
-  caches). The run directory must be shared by all nodes (``stapo.distributed.shared_dir``).
+  ``LOCAL_RANK`` counts on its node and only picks the device. The run directory must be shared by
+  all nodes (``stapo.distributed.shared_dir``).
 
 Backend: ``nccl`` when CUDA is available, ``gloo`` on CPU (DeepSpeed's CPU accelerator is picked
 automatically without a GPU, or with ``DS_ACCELERATOR=cpu``).
