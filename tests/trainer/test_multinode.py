@@ -1,10 +1,12 @@
 """Two nodes simulated on this machine (docs/distributed.md, "Several nodes"): two ``torchrun --nnodes 2
 --nproc_per_node 1 --node_rank {0,1}`` launchers meet at ``127.0.0.1`` over gloo and run the real
-``stapo train`` command. A run killed after a checkpoint and relaunched on both nodes logs the same
-per-step metrics as an uninterrupted 2-node run; an ``output_dir`` that the nodes do not share (node 1
-given its own) stops both nodes with one clear line before anything is written.
+``stapo train`` command, each node with its own stapo cache. A run stopped on both nodes (SIGTERM to
+the launchers, as ``scancel`` does) after a checkpoint and relaunched logs the same per-step metrics as
+an uninterrupted 2-node run; an ``output_dir`` that the nodes do not share (node 1 given its own) stops
+both nodes with one clear line before anything is written. The shared-directory check itself is also
+tested on two plain ranks (``run_ranks``).
 
-:func:`start_nodes` is the launcher of both tests: other multi-node tests pass their own overrides.
+:func:`start_nodes` is the launcher of the 2-node tests: other multi-node tests pass their own overrides.
 """
 
 from __future__ import annotations
