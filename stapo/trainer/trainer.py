@@ -33,6 +33,7 @@ from stapo.trainer.preflight import plan_run
 from stapo.trainer.recording import TokenRecorder
 from stapo.distributed.deepspeed_engine import current_lr
 from stapo.distributed.lora import reference_scope
+from stapo.distributed.zero3_trace import REFERENCE
 from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout
 from stapo.telemetry.mfu import device_peak_flops
 from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
@@ -156,7 +157,7 @@ class STAPOTrainer:
         ref_logprobs = None
         if self.reference is not None:  # LoRA: the policy itself, adapters disabled
             with reference_scope(self.reference) as reference:
-                ref_logprobs = policy_stats(reference, rollout, self.opts)[0]
+                ref_logprobs = policy_stats(reference, rollout, self.opts, trace=REFERENCE)[0]
         loss_mask = None  # loss.mask_truncated: responses cut at max_response_length leave the loss
         if self.config.loss.mask_truncated:
             loss_mask = truncated_keep(rollout.response_mask, truncated_rows(rollout.finish_reason))
