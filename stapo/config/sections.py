@@ -277,6 +277,11 @@ class TrainerConfig:
     """Evaluate on the held-out set every N iterations (0: only before and after training)."""
     export_hf: bool = True
     """Write the final policy as a plain HF directory ``output_dir/final``."""
+    collective_timeout_minutes: int = 120
+    """How long a collective waits for the slowest rank before the run fails (DeepSpeed's default is 10
+    minutes). Ranks generate different shares of up-to-15k-token responses, and the next collective
+    (dynamic-sampling gather, micro-batch count, first ZeRO-3 gather) waits for the last one; a real
+    hang is reported after this long."""
 
 
 @dataclass

@@ -68,6 +68,8 @@ def validate(cfg) -> None:
     _check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
     _check(t.save_every >= 0, "trainer.save_every must be >= 0")
     _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips must be >= 1")
+    _check(t.collective_timeout_minutes >= 1,
+           f"trainer.collective_timeout_minutes must be >= 1, got {t.collective_timeout_minutes}")
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length must be >= 1")
     _check(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0, got {cfg.reward.timeout_s}")
     _check(cfg.tiny.warm_start_steps >= 0, "tiny.warm_start_steps must be >= 0")

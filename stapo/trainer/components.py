@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -55,6 +56,11 @@ def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
     if not dist.is_main:
         path = build()
     return path
+
+
+def collective_timeout(cfg: STAPOConfig) -> timedelta:
+    """How long a collective waits for the slowest rank (``trainer.collective_timeout_minutes``)."""
+    return timedelta(minutes=cfg.trainer.collective_timeout_minutes)
 
 
 def policy_dtype(cfg: STAPOConfig) -> torch.dtype:

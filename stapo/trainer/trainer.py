@@ -70,7 +70,7 @@ class STAPOTrainer:
     def __init__(self, config: STAPOConfig, *, reward_fn=None, mask: TokenMask | None = None,
                  train_dataset=None, eval_dataset=None):
         self.config = cfg = config
-        self.dist = init_distributed()
+        self.dist = init_distributed(timeout=build.collective_timeout(cfg))
         plan = plan_run(cfg, self.dist.world_size)  # what `stapo train --dry-run` checks; nothing built yet
         if plan.engine_problem is not None:
             raise ValueError(plan.engine_problem)
