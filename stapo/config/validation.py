@@ -86,11 +86,8 @@ def validate(cfg) -> None:
     _check(lo.chunk_size >= 1, f"loss.chunk_size must be >= 1, got {lo.chunk_size}")
     from stapo.rollout.registry import engine_choices  # the live registry: user-registered engines count
     _check(r.engine in engine_choices(), f"rollout.engine must be one of {list(engine_choices())}, got {r.engine!r}")
-    _check(r.tensor_parallel_size == 1,
-           f"rollout.tensor_parallel_size must be 1, got {r.tensor_parallel_size}: every rank samples its own "
-           "prompts with its own engine, while vLLM tensor parallelism needs all ranks of a group to pass the "
-           "same prompts. Use data parallelism instead (more ranks: torchrun --nproc_per_node N), a smaller "
-           "model, or lower rollout.gpu_memory_utilization / rollout.max_response_length (docs/gpu.md)")
+    _check(r.sleep_level in (1, 2), f"rollout.sleep_level must be 1 or 2, got {r.sleep_level}")
+    _check(r.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}")
     _check(lo.tis_cap is None or lo.tis_cap > 0,
            f"loss.tis_cap (truncated importance sampling cap) must be > 0 or null, got {lo.tis_cap} "
            "(values >= 1 are usual: 2 in verl)")

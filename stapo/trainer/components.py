@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from stapo.distributed.deepspeed_engine import ZeroTuning
 from stapo.trainer.model_source import BUILTIN_MODEL, require_model
 from stapo.trainer.update import UpdateOptions
 
+T = TypeVar("T")
 log = logging.getLogger("stapo.trainer")
 
 BUILTIN_DATA = "builtin:arithmetic"
@@ -50,12 +52,18 @@ def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
                               bare_fraction=cfg.tiny.warm_start_bare_fraction, progress=dist.is_main)
         return str(path)
 
+    return main_rank_first(dist, build)
+
+
+def main_rank_first(dist: DistInfo, build: Callable[[], T]) -> T:
+    """``build()`` on rank 0, then, after a barrier, on the other ranks: they find what rank 0 built or
+    downloaded in the cache instead of all writing into it at once. Collective."""
     if dist.is_main:
-        path = build()
+        result = build()
     barrier()
     if not dist.is_main:
-        path = build()
-    return path
+        result = build()
+    return result
 
 
 def collective_timeout(cfg: STAPOConfig) -> timedelta:
@@ -165,9 +173,14 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
     r = cfg.rollout
     opts = EngineOptions(dtype=policy_dtype(cfg), max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                          seed=cfg.trainer.seed + dist_rank, max_batch_size=r.max_batch_size,
-                         gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size)
+                         gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
+                         sleep_level=r.sleep_level)
     name, engine = build_engine(r.engine, model_path, tokenizer, opts)
     log.info("rollout engine: %s", name)
+    if r.tensor_parallel_size > 1:  # one engine per group of ranks: the group submits its prompts together
+        from stapo.distributed.tensor_parallel import TensorParallelRollout, tensor_parallel_group
+
+        engine = TensorParallelRollout(engine, tensor_parallel_group(r.tensor_parallel_size))
     return engine
 
 

@@ -34,6 +34,7 @@ from stapo.trainer.recording import TokenRecorder
 from stapo.distributed.deepspeed_engine import current_lr
 from stapo.distributed.lora import reference_scope
 from stapo.distributed.zero3_trace import REFERENCE
+from stapo.data import balanced_shares
 from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout
 from stapo.telemetry.mfu import device_peak_flops
 from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
@@ -90,7 +91,8 @@ class STAPOTrainer:
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
         self.shaping = RewardShaping(cfg.rollout.max_response_length, cfg.reward.overlong_buffer,
                                      cfg.reward.overlong_penalty)
-        self.train_data, self.eval_data = build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset)
+        self.train_data, self.eval_data = build.main_rank_first(  # rank 0 fills the datasets cache first
+            self.dist, lambda: build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset))
         from stapo.data import PromptSampler
 
         self.sampler = PromptSampler(len(self.train_data), cfg.trainer.train_batch_size, seed=cfg.trainer.seed)
@@ -189,11 +191,12 @@ class STAPOTrainer:
             multiple_of=self.config.trainer.mini_batch_size // world, gather=all_gather_object)
 
     def _next_prompts(self) -> list:
-        """This rank's contiguous share of the global batch (same order on every rank)."""
+        """This rank's share of the global batch, balanced by prompt tokens (every rank computes the
+        same deal from the sampler's batch, so a resumed run deals the same prompts)."""
         indices = self.sampler.next_batch()
-        share = len(indices) // self.dist.world_size
-        mine = indices[self.dist.rank * share:(self.dist.rank + 1) * share]
-        return [self.train_data[i] for i in mine]
+        indices = indices[:len(indices) - len(indices) % self.dist.world_size]
+        shares = balanced_shares([len(self.train_data[i].prompt_ids) for i in indices], self.dist.world_size)
+        return [self.train_data[indices[j]] for j in shares[self.dist.rank]]
 
     def _sampling(self, greedy: bool = False, round_index: int = 0) -> SamplingParams:
         r, t = self.config.rollout, self.config.trainer
@@ -204,6 +207,8 @@ class STAPOTrainer:
 
     def _generate(self, examples: list, greedy: bool = False, round_index: int = 0) -> Rollout:
         n = 1 if greedy else self.config.rollout.group_size
+        if getattr(self.rollout_engine, "needs_weights", False):  # rollout.sleep_level 2 discarded them
+            sync_weights(self.model, self.rollout_engine, self.config.rollout.sync_bucket_mb * 2**20)
         self.rollout_engine.wake()
         rollout = self.rollout_engine.generate([e.prompt_ids for e in examples], n,
                                                self._sampling(greedy, round_index))
