@@ -4,8 +4,8 @@ A step here is the trainer's own sequence of passes (``STAPOTrainer.step``): the
 over the rank's rows (4 micro-batches), then 4 mini-batches, each a fresh stats pass (1 micro-batch,
 ``mask.stats_source: fresh``) and an update (1 micro-batch), run through ``policy_stats`` and
 ``update_minibatch``. DeepSpeed 0.19.8 keeps one trace per engine; alternating forward-only and
-forward + backward passes invalidated it at every update's backward, and only about a third of the
-fetches found a complete trace (34% on the tiny ``stapo train``). The counts come from DeepSpeed's
+forward + backward passes invalidated it at every update's backward, and only 39-47% of the
+fetches found a complete trace on a tiny ``stapo train trainer.zero_stage=3``. The counts come from DeepSpeed's
 own coordinator: a wrapper around ``PartitionedParameterCoordinator._fetch_sub_module_impl`` asks
 ``is_complete_trace()`` of the coordinator doing each fetch.
 
