@@ -5,7 +5,6 @@ every rank submits the same union of the group's prompts with the leader's seed 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from _dist_utils import run_ranks
 
