@@ -11,6 +11,8 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
+from typing import TypeVar
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -22,6 +24,7 @@ from stapo.distributed.deepspeed_engine import ZeroTuning
 from stapo.trainer.model_source import BUILTIN_MODEL, require_model
 from stapo.trainer.update import UpdateOptions
 
+T = TypeVar("T")
 log = logging.getLogger("stapo.trainer")
 
 BUILTIN_DATA = "builtin:arithmetic"
@@ -59,6 +62,22 @@ def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
         entry = (built.name, entry_files(built))
     name, files = broadcast_object(entry)
     return str(install_entry(name, files))
+
+
+def main_rank_first(dist: DistInfo, build: Callable[[], T]) -> T:
+    """``build()`` on rank 0, then, after a barrier, on the other ranks: they find what rank 0 built or
+    downloaded in the cache instead of all writing into it at once. Collective."""
+    if dist.is_main:
+        result = build()
+    barrier()
+    if not dist.is_main:
+        result = build()
+    return result
+
+
+def collective_timeout(cfg: STAPOConfig) -> timedelta:
+    """How long a collective waits for the slowest rank (``trainer.collective_timeout_minutes``)."""
+    return timedelta(minutes=cfg.trainer.collective_timeout_minutes)
 
 
 def policy_dtype(cfg: STAPOConfig) -> torch.dtype:
@@ -163,9 +182,14 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
     r = cfg.rollout
     opts = EngineOptions(dtype=policy_dtype(cfg), max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                          seed=cfg.trainer.seed + dist_rank, max_batch_size=r.max_batch_size,
-                         gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size)
+                         gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
+                         sleep_level=r.sleep_level)
     name, engine = build_engine(r.engine, model_path, tokenizer, opts)
     log.info("rollout engine: %s", name)
+    if r.tensor_parallel_size > 1:  # one engine per group of ranks: the group submits its prompts together
+        from stapo.distributed.tensor_parallel import TensorParallelRollout, tensor_parallel_group
+
+        engine = TensorParallelRollout(engine, tensor_parallel_group(r.tensor_parallel_size))
     return engine
 
 
