@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from stapo.config import STAPOConfig
-from stapo.distributed.process_group import DistInfo, broadcast_object
+from stapo.distributed.process_group import DistInfo, barrier, broadcast_object
 from stapo.run_dir import latest_checkpoint
 from stapo.distributed.deepspeed_engine import ZeroTuning
 from stapo.trainer.model_source import BUILTIN_MODEL, require_model
