@@ -208,6 +208,27 @@ def _render(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def balanced_shares(costs: Sequence[float], world_size: int) -> list[list[int]]:
+    """Positions ``0..n-1`` of a batch dealt to ``world_size`` ranks, ``n / world_size`` each, so that
+    the ranks' total ``costs`` (the expected rollout work of each prompt) come out close: longest first,
+    each to the rank with the least cost so far that still has room (LPT with equal counts). Every
+    position goes to exactly one rank; each share is in batch order; ties go to the lower position and
+    rank, so every rank computes the same deal. E.g. costs [9, 8, 1, 2], 2 ranks: 9 -> rank 0, 8 -> rank 1,
+    2 -> rank 1 (8 < 9), 1 -> rank 0: [[0, 2], [1, 3]], 10 and 10, where contiguous halves give 17 and 3.
+    """
+    n = len(costs)
+    if world_size < 1 or n % world_size:
+        raise ValueError(f"balanced_shares: {n} prompts cannot be dealt evenly to {world_size} ranks")
+    room, load = [n // world_size] * world_size, [0.0] * world_size
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(n), key=lambda i: (-costs[i], i)):
+        rank = min((r for r in range(world_size) if room[r]), key=lambda r: (load[r], r))
+        shares[rank].append(i)
+        room[rank] -= 1
+        load[rank] += costs[i]
+    return [sorted(share) for share in shares]
+
+
 class PromptSampler:
     """Deterministic prompt batches: each epoch is a permutation drawn from (seed, epoch), so a run
     resumed from `state_dict()` continues with exactly the same data order (docs/distributed.md, "Resuming").

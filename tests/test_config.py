@@ -168,3 +168,15 @@ def test_a_param_the_chosen_mask_lacks_given_explicitly_is_an_error(data, overri
             STAPOConfig.from_yaml(TINY_RECIPE, overrides)
         else:
             STAPOConfig.from_dict(data, overrides)
+
+
+def test_rollout_sleep_level_is_checked_and_reaches_the_engine_options(monkeypatch):
+    import stapo.rollout.registry as registry
+    from stapo.trainer.components import build_rollout_engine
+
+    with pytest.raises(ConfigError, match="rollout.sleep_level must be 1 or 2, got 3"):
+        STAPOConfig.from_dict({}, ["rollout.sleep_level=3"])
+    seen = {}
+    monkeypatch.setattr(registry, "build_engine", lambda name, path, tok, opts: (name, seen.setdefault("opts", opts)))
+    build_rollout_engine(STAPOConfig.from_dict({}, ["rollout.sleep_level=2"]), "unused", None)
+    assert seen["opts"].sleep_level == 2

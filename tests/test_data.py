@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from stapo.data import (
+    balanced_shares,
     PAPER_INSTRUCTION,
     PromptSampler,
     load_prompt_dataset,
@@ -207,3 +208,31 @@ def test_rows_carry_their_other_columns_for_reward_functions(tok):
     by_level = CallableScorer(lambda response, answer, level: float(level))
     row_fields = [e.fields for e in ds for _ in range(2)]
     assert by_level.score(["r"] * 4, ["a"] * 4, row_fields) == [1.0, 1.0, 4.0, 4.0]
+
+
+def test_balanced_shares_hand_built():
+    # 9 -> rank 0, 8 -> rank 1, 2 -> rank 1 (load 8 < 9), 1 -> rank 0: 10 and 10 (contiguous: 17 and 3)
+    assert balanced_shares([9, 8, 1, 2], 2) == [[0, 2], [1, 3]]
+    # a full rank takes no more: 10, 9, 8 go 0, 1, 2; then 1, 1, 1 to the lightest with room: 2, 1, 0
+    assert balanced_shares([10, 9, 8, 1, 1, 1], 3) == [[0, 5], [1, 4], [2, 3]]
+    assert balanced_shares([3, 1, 2], 1) == [[0, 1, 2]]  # one rank: the batch as it is
+
+
+def test_balanced_shares_cover_every_prompt_once_deterministically_and_balance():
+    import random
+
+    gen = random.Random(0)
+    for world in (2, 4, 8):
+        costs = [gen.randint(20, 2000) for _ in range(32 * world)]  # prompt tokens of a sampled batch
+        shares = balanced_shares(costs, world)
+        assert shares == balanced_shares(list(costs), world)  # every rank computes the same deal
+        assert sorted(i for s in shares for i in s) == list(range(len(costs)))
+        assert {len(s) for s in shares} == {32}
+        assert all(s == sorted(s) for s in shares)
+        loads = [sum(costs[i] for i in s) for s in shares]
+        contiguous = [sum(costs[r * 32:(r + 1) * 32]) for r in range(world)]
+        # LPT with equal counts: the spread is at most the largest cost, far below a contiguous slice's
+        assert max(loads) - min(loads) <= max(costs)
+        assert max(loads) - min(loads) < (max(contiguous) - min(contiguous)) / 4
+    with pytest.raises(ValueError, match="5 prompts cannot be dealt evenly to 2 ranks"):
+        balanced_shares([1] * 5, 2)

@@ -62,6 +62,7 @@ def test_world_size_comes_from_the_launcher(capsys, monkeypatch):
     ("mask.params.tau=0.1", "mask.params: unknown parameter(s) ['tau'] for mask 'stapo'"),
     ("rollout.group_size=1", "rollout.group_size (G) must be >= 2"),
     ("trainer.mini_batch_size=5", "trainer.mini_batch_size (5) must divide trainer.train_batch_size (32)"),
+    ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size 2 needs the vllm engine (this run: hf)"),
 ])
 def test_a_broken_override_fails_with_the_message_train_gives(override, message, capsys, tmp_path):
     code, out, err = _dry_run(capsys, TINY, override)

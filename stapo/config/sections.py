@@ -117,8 +117,14 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take while awake (colocated with training)."""
     tensor_parallel_size: int = 1
-    """vLLM tensor-parallel size; only 1 is supported (each rank runs its own engine on its own
-    prompts, see docs/gpu.md)."""
+    """vLLM tensor-parallel size: each group of this many consecutive ranks shares one engine (it must
+    divide the number of ranks); the group generates the union of its ranks' prompts and each rank keeps
+    its own (docs/gpu.md). 1: one engine per rank."""
+    sleep_level: int = 1
+    """vLLM sleep level between rollouts. 1: the weights are copied into pinned host memory at every
+    sleep (28 GB per rank for 14B in bf16: ~236 GB of host RAM on a node of 8), though every sync
+    overwrites them; 2: they are discarded (vLLM's mode for weight updates) and pushed again before the
+    next generation (one extra sync after an evaluation or a dynamic-sampling round). docs/gpu.md."""
     sync_bucket_mb: int = 256
     """Size of the buckets in which ZeRO-3 shards are gathered and pushed into the engine."""
     max_batch_size: int = 256
@@ -298,6 +304,11 @@ class TrainerConfig:
     """Evaluate on the held-out set every N iterations (0: only before and after training)."""
     export_hf: bool = True
     """Write the final policy as a plain HF directory ``output_dir/final``."""
+    collective_timeout_minutes: int = 120
+    """How long a collective waits for the slowest rank before the run fails (DeepSpeed's default is 10
+    minutes). Ranks generate different shares of up-to-15k-token responses, and the next collective
+    (dynamic-sampling gather, micro-batch count, first ZeRO-3 gather) waits for the last one; a real
+    hang is reported after this long."""
 
 
 @dataclass

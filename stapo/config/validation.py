@@ -68,6 +68,8 @@ def validate(cfg) -> None:
     _check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
     _check(t.save_every >= 0, "trainer.save_every must be >= 0")
     _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips must be >= 1")
+    _check(t.collective_timeout_minutes >= 1,
+           f"trainer.collective_timeout_minutes must be >= 1, got {t.collective_timeout_minutes}")
     _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length must be >= 1")
     _check(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0, got {cfg.reward.timeout_s}")
     _check(cfg.tiny.warm_start_steps >= 0, "tiny.warm_start_steps must be >= 0")
@@ -84,11 +86,8 @@ def validate(cfg) -> None:
     _check(lo.chunk_size >= 1, f"loss.chunk_size must be >= 1, got {lo.chunk_size}")
     from stapo.rollout.registry import engine_choices  # the live registry: user-registered engines count
     _check(r.engine in engine_choices(), f"rollout.engine must be one of {list(engine_choices())}, got {r.engine!r}")
-    _check(r.tensor_parallel_size == 1,
-           f"rollout.tensor_parallel_size must be 1, got {r.tensor_parallel_size}: every rank samples its own "
-           "prompts with its own engine, while vLLM tensor parallelism needs all ranks of a group to pass the "
-           "same prompts. Use data parallelism instead (more ranks: torchrun --nproc_per_node N), a smaller "
-           "model, or lower rollout.gpu_memory_utilization / rollout.max_response_length (docs/gpu.md)")
+    _check(r.sleep_level in (1, 2), f"rollout.sleep_level must be 1 or 2, got {r.sleep_level}")
+    _check(r.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}")
     _check(lo.tis_cap is None or lo.tis_cap > 0,
            f"loss.tis_cap (truncated importance sampling cap) must be > 0 or null, got {lo.tis_cap} "
            "(values >= 1 are usual: 2 in verl)")

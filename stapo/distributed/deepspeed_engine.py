@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from stapo.distributed import zero3_trace
 from stapo.distributed.process_group import get_world_size
 
 
@@ -212,6 +213,7 @@ def build_engine(
         config=config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
     )
+    zero3_trace.register(engine)  # ZeRO-3: one parameter trace per pass kind, so every pass prefetches
     return engine
 
 
@@ -231,6 +233,7 @@ def build_reference(model: torch.nn.Module, *, zero_stage: int, bf16: bool,
     config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": bf16},
               "zero_optimization": zero, "steps_per_print": 2**62}
     engine, *_ = deepspeed.initialize(model=model, config=config)
+    zero3_trace.register(engine)
     return engine.module
 
 

@@ -12,8 +12,8 @@ One code path for every launch mode:
   processes runs under ``mpirun``; the MPI variables are then discovered by DeepSpeed (mpi4py).
 * Several nodes (``torchrun --nnodes M``, the DeepSpeed launcher with a hostfile): the same variables.
   ``RANK`` and ``WORLD_SIZE`` are global and decide data shares, seeds, files and collectives;
-  ``LOCAL_RANK`` counts on its node and only picks the device (and which process builds a node's
-  caches). The run directory must be shared by all nodes (``stapo.distributed.shared_dir``).
+  ``LOCAL_RANK`` counts on its node and only picks the device. The run directory must be shared by
+  all nodes (``stapo.distributed.shared_dir``).
 
 Backend: ``nccl`` when CUDA is available, ``gloo`` on CPU (DeepSpeed's CPU accelerator is picked
 automatically without a GPU, or with ``DS_ACCELERATOR=cpu``).
@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -92,11 +93,15 @@ def launcher_world_size() -> int:
     return _mpi_world_size()
 
 
-def init_distributed(backend: str | None = None) -> DistInfo:
+def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> DistInfo:
     """Join (or create) the default process group and return this rank's :class:`DistInfo`.
 
     Idempotent: when a process group already exists it is reused. Under a launcher the
     environment decides rank and world size; without one a single-rank group is created.
+    ``timeout``: how long a collective waits for the slowest rank before failing (None: DeepSpeed's
+    ``DEEPSPEED_TIMEOUT``, 10 minutes, too short for RL, where ranks generate different shares of long
+    responses and the next collective waits for the last; ``trainer.collective_timeout_minutes``).
+    It is set on an existing group too.
     """
     import deepspeed  # heavy: only the trainer pays for it
 
@@ -105,18 +110,23 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     use_cuda = backend == "nccl" and torch.cuda.is_available()
     if use_cuda and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before NCCL binds a device
+    from deepspeed.constants import default_pg_timeout
+
+    timeout_kw = {"timeout": timeout or default_pg_timeout}
     if not dist.is_initialized():
         if launched:
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, **timeout_kw)
         elif _mpi_world_size() > 1:  # mpirun (e.g. accelerate's multi-CPU mode): needs mpi4py
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=True, verbose=False)
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=True, verbose=False, **timeout_kw)
         else:
             os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeedEngine, see module doc
             dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **timeout_kw
             )
+    elif timeout is not None:
+        dist.distributed_c10d._set_pg_timeout(timeout)  # the group existed: set it there
     # Registers DeepSpeed's communication wrapper around the existing group (no-op if done).
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, **timeout_kw)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         torch.cuda.set_device(local_rank)

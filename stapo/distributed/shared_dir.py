@@ -24,6 +24,8 @@ from stapo.run_dir import SHARED_PROBE_PREFIX
 
 __all__ = ["NotSharedError", "require_shared_dir"]
 
+_SHOWN = 8  # ranks the error names; the rest are counted
+
 
 class NotSharedError(ValueError):
     """The ranks do not all see one directory (a ValueError: the command line prints it as one line)."""
@@ -86,9 +88,10 @@ def require_shared_dir(path: str | os.PathLike, *, name: str, wait_s: float = 5.
         (root / f"{SHARED_PROBE_PREFIX}{token}").unlink(missing_ok=True)
     failed = [f"rank {rank} on {host}: {seen}" for rank, (seen, host) in enumerate(views) if seen is not None]
     if failed:
+        more = f"; {len(failed) - _SHOWN} more ranks" if len(failed) > _SHOWN else ""  # one line, even on 64 nodes
         raise NotSharedError(
             f"{name} {root} must be a directory on a filesystem all nodes share (checkpoints, latest and "
             f"metrics.jsonl are written there by rank 0 next to every rank's ZeRO shard), but rank 0's probe "
-            f"file is not visible everywhere ({'; '.join(failed)}); point {name} at a shared mount "
+            f"file is not visible everywhere ({'; '.join(failed[:_SHOWN])}{more}); point {name} at a shared mount "
             f"(NFS, Lustre, GPFS; docs/distributed.md, \"Several nodes\")")
     return root

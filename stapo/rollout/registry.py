@@ -41,6 +41,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.5  # vLLM: fraction of the GPU while awake
     tensor_parallel_size: int = 1  # vLLM
     enable_sleep_mode: bool = True  # vLLM: free GPU memory between rollouts
+    sleep_level: int = 1  # vLLM: 1 keeps a host copy of the weights while asleep, 2 discards them
 
 
 EngineFactory = Callable[[str, object, EngineOptions], RolloutEngine]
@@ -130,4 +131,4 @@ def _build_vllm(model_path: str, tokenizer, opts: EngineOptions) -> RolloutEngin
     return VLLMEngine(model_path, gpu_memory_utilization=opts.gpu_memory_utilization,
                       tensor_parallel_size=opts.tensor_parallel_size, enable_sleep_mode=opts.enable_sleep_mode,
                       dtype=str(opts.dtype).removeprefix("torch."), max_model_len=opts.max_model_len,
-                      seed=opts.seed)
+                      seed=opts.seed, sleep_level=opts.sleep_level)

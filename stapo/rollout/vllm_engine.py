@@ -28,8 +28,16 @@ docs/gpu.md):
   index (`request_seeds`; vLLM gives the i-th of the ``n`` samples ``seed + i``). vLLM's V2 model
   runner samples with a kernel keyed on (request seed, position) and ignores torch's generator,
   so per-request seeds are the only thing that reproduces a rollout on every runner.
-- `sleep()` is `llm.sleep(level=1)` (weights offloaded to CPU, KV cache freed); a weight update
-  wakes only the weights, `generate` wakes the KV cache.
+- `sleep()` is `llm.sleep(level=sleep_level)`. Level 1 copies the weights into a NEW pinned host
+  buffer at every sleep (vllm/device_allocator/cumem.py, ``CuMemAllocator.sleep``: 28 GB per rank
+  for 14B in bf16, ~236 GB of host RAM on a node of 8) that the next sync overwrites anyway.
+  Level 2 discards them and keeps only the model's buffers (vllm/v1/worker/gpu_worker.py ``sleep``:
+  ``_sleep_saved_buffers``, restored by ``wake_up``); a sync (`weight_update`) rewrites every layer
+  that receives weights (layerwise reload materializes it and copies it into the kernel tensors), so
+  after a level-2 sleep `needs_weights` is true and `generate` refuses until a weight update has run.
+  A weight update wakes only the weights, `generate` wakes the KV cache. Before any wake, PyTorch's
+  caching allocator returns its free blocks (vLLM empties it only when it sleeps): the trainer's
+  gathers and activations would otherwise hold the memory vLLM maps back in.
 
 Launch: `stapo train CONFIG rollout.engine=vllm` (one process) or
 `torchrun --nproc_per_node N -m stapo.cli train CONFIG` (one engine per rank).
@@ -212,6 +220,8 @@ class VLLMEngine:
             prompts and seed (the trainer does not: `rollout.tensor_parallel_size` must be 1).
         enable_sleep_mode: let `sleep()` free GPU memory during training (ignored where vLLM's
             platform has no sleep mode, e.g. its CPU build).
+        sleep_level: 1 keeps a host copy of the weights while asleep, 2 discards them (the next
+            weight update must then push every weight before `generate`; module docstring).
         dtype: vLLM weight dtype.
         max_model_len: longest prompt + response.
         seed: the engine's seed (requests without their own seed draw from it); give each rank its own.
@@ -220,7 +230,9 @@ class VLLMEngine:
 
     def __init__(self, model_path: str | Path, *, gpu_memory_utilization: float = 0.5,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = True, dtype: str = "bfloat16",
-                 max_model_len: int = 4096, seed: int = 0, **llm_kwargs) -> None:
+                 max_model_len: int = 4096, seed: int = 0, sleep_level: int = 1, **llm_kwargs) -> None:
+        if sleep_level not in (1, 2):
+            raise ValueError(f"VLLMEngine: sleep_level must be 1 or 2, got {sleep_level}")
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
@@ -246,6 +258,8 @@ class VLLMEngine:
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (eos or 0)
         self._sleeping: set[str] = set()  # tags currently asleep: {"weights", "kv_cache"}
         self._updating = False
+        self.sleep_level = sleep_level
+        self.needs_weights = False  # a level-2 sleep discarded them; a weight update restores them
 
     # ---------------------------------------------------------------- generate
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> Rollout:
@@ -253,6 +267,9 @@ class VLLMEngine:
         prompts = check_prompts(prompt_ids, n)
         if self._updating:
             raise RuntimeError("generate() inside a weight update session: finish the update first")
+        if self.needs_weights:
+            raise RuntimeError("generate() after a level-2 sleep discarded the weights: push them first "
+                               "(stapo.sync.buckets.sync_weights, one weight_update session)")
         self.wake()
         base, seeds = vllm_sampling_kwargs(sampling, n, len(prompts))
         if seeds is None:
@@ -275,6 +292,7 @@ class VLLMEngine:
         if self._updating:
             raise RuntimeError("a weight update session is already open")
         if "weights" in self._sleeping:  # writing into offloaded weights would be lost / crash
+            _release_cached_memory()
             self.llm.wake_up(tags=["weights"])
             self._sleeping.discard("weights")
         self.llm.collective_rpc("stapo_begin_weight_update")
@@ -285,6 +303,7 @@ class VLLMEngine:
             self._updating = False
             self.llm.collective_rpc("stapo_finish_weight_update")
             self.llm.reset_prefix_cache()
+        self.needs_weights = False  # only after a session that completed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of full tensors (HF names) into the running model (one RPC); only inside
@@ -298,16 +317,29 @@ class VLLMEngine:
 
     # ------------------------------------------------------------ memory
     def sleep(self) -> None:
-        """Offload weights to CPU and free the KV cache (`llm.sleep(level=1)`); no-op without sleep mode."""
+        """Free the KV cache and the weights (`llm.sleep(level=sleep_level)`: level 1 keeps a host copy
+        of the weights, level 2 does not); no-op without sleep mode."""
         if self.enable_sleep_mode and not self._sleeping:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.sleep_level)
             self._sleeping = {"weights", "kv_cache"}
+            self.needs_weights = self.sleep_level == 2
 
     def wake(self) -> None:
-        """Bring back whatever is asleep (weights and/or KV cache)."""
+        """Bring back whatever is asleep (weights and/or KV cache), after PyTorch's cache is emptied."""
         if self._sleeping:
+            _release_cached_memory()
             self.llm.wake_up(tags=sorted(self._sleeping))
             self._sleeping = set()
+
+
+def _release_cached_memory() -> None:
+    """Return the blocks PyTorch's caching allocator holds but does not use (the trainer's freed
+    gathers and activations) to the GPU, so vLLM's wake can map its memory back (no-op on CPU)."""
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def rollout_from_vllm_outputs(outputs: Sequence, prompts: Sequence[Sequence[int]], n: int,

@@ -30,7 +30,9 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
   updates skipped this step for a non-finite loss or gradient norm), ``skipped_steps`` (steps skipped
   so far, cumulative)
 - ``time_rollout``, ``time_reward``, ``time_stats``, ``time_update``, ``time_sync``, ``time_step``
-  (seconds), ``tokens_per_s``, ``sync_mb`` (MiB pushed into each rank's rollout engine by the weight sync)
+  (seconds, rank 0's), ``time_rollout_max``, ``time_rollout_min`` (the slowest and fastest rank's
+  generation: the next collective waits for the slowest), ``tokens_per_s``, ``sync_mb`` (MiB pushed into
+  each rank's rollout engine by the weight sync)
 - ``tokens_per_s_rollout`` (generated tokens), ``tokens_per_s_stats`` (real tokens of the no-grad
   passes), ``tokens_per_s_update`` (real tokens of the update), over all ranks
 
@@ -75,6 +77,7 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "mismatch_logp_abs_mean", "mismatch_logp_abs_max", "mismatch_kl",
     "zero_std_group_frac", "skipped_updates", "skipped_steps",
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step", "sync_mb",
+    "time_rollout_max", "time_rollout_min",
     "tokens_per_s_rollout", "tokens_per_s_stats", "tokens_per_s_update",
     "tokens_per_s",
 )
@@ -85,6 +88,7 @@ OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "k
 #: Metrics measured from wall time: they differ between two runs of the same training.
 TIMING_METRIC_KEYS: tuple[str, ...] = (
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",
+    "time_rollout_max", "time_rollout_min",
     "tokens_per_s_rollout", "tokens_per_s_stats", "tokens_per_s_update", "tokens_per_s", "mfu_stats", "mfu_update",
     "generation_s",
 )

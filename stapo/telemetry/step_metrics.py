@@ -139,6 +139,8 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
     rollout = scored.rollout
     local = {**_rollout_sums(rollout, scored.rewards, scored.scores, group_size), **sums}
     mismatch_max = all_reduce_max(float(local.pop("mismatch_abs_max")))  # a max, not a sum
+    generation = timer.seconds.get("rollout", 0.0)  # this rank's; the ranks' spread shows an uneven deal
+    slowest, fastest = all_reduce_max(generation), -all_reduce_max(-generation)
     s = reduce_metrics(local)
     minibatches = s["minibatches"] / world_size
     for key in _GLOBAL:  # identical on every rank: undo the sum over ranks
@@ -183,6 +185,8 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "skipped_steps": float(skipped_steps),
         **{f"time_{phase}": timer.seconds.get(phase, 0.0) for phase in ("rollout", "reward", "stats", "update", "sync")},
         "time_step": step_time,
+        "time_rollout_max": slowest,
+        "time_rollout_min": fastest,
         "sync_mb": s["sync_mb"] / world_size,
         "tokens_per_s": (s["length_sum"] + s["prompt_tokens"]) / step_time,
         **_throughput(s, timer, model_config, peak_flops, world_size),

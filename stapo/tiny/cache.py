@@ -65,3 +65,23 @@ def hash_files(directory: Path, names: list[str]) -> str:
         h.update(name.encode())
         h.update((Path(directory) / name).read_bytes())
     return h.hexdigest()
+
+
+def entry_files(directory: Path) -> dict[str, bytes]:
+    """The files of a (flat) cache entry by name: what another machine needs to hold the same entry."""
+    directory = Path(directory)
+    nested = [p.name for p in directory.iterdir() if not p.is_file()]
+    if nested:
+        raise ValueError(f"{directory} is not a flat cache entry: {nested} are not files")
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def install_entry(name: str, files: dict[str, bytes]) -> Path:
+    """``cache_root()/name`` holding ``files`` (from :func:`entry_files` elsewhere); an existing entry of
+    that name is complete by construction and reused. Atomic like every build here."""
+    def write(tmp: Path) -> None:
+        for file_name, data in files.items():
+            (tmp / file_name).write_bytes(data)
+
+    return build_atomically(cache_root() / name, write, reuse=True)
+

@@ -11,17 +11,20 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
+from typing import TypeVar
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from stapo.config import STAPOConfig
-from stapo.distributed.process_group import DistInfo, barrier
+from stapo.distributed.process_group import DistInfo, barrier, broadcast_object
 from stapo.run_dir import latest_checkpoint
 from stapo.distributed.deepspeed_engine import ZeroTuning
 from stapo.trainer.model_source import BUILTIN_MODEL, require_model
 from stapo.trainer.update import UpdateOptions
 
+T = TypeVar("T")
 log = logging.getLogger("stapo.trainer")
 
 BUILTIN_DATA = "builtin:arithmetic"
@@ -31,13 +34,15 @@ TRAIN_DATA_SEED, EVAL_DATA_SEED = 1_000_003, 2_000_003
 
 
 def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
-    """The policy's HF directory or hub name; builds (local rank 0 of each node first, then the others
-    hit the cache) the tiny model. A path that is neither local nor cached nor reachable is a clear
-    ValueError here, before any weights load (``model_source.require_model``)."""
+    """The policy's HF directory or hub name; the tiny model is built by rank 0 and its files copied into
+    every other rank's cache, which may be node-local (a hit when it is shared). A path that is neither
+    local nor cached nor reachable is a clear ValueError here, before any weights load
+    (``model_source.require_model``)."""
     if cfg.model.path != BUILTIN_MODEL:
         require_model(cfg.model.path)
         return cfg.model.path
     from stapo.tiny import arithmetic_problems, build_tiny_model, warm_start
+    from stapo.tiny.cache import entry_files, install_entry
     from stapo.tiny.warmstart import DEFAULT_TRAIN_SEED
 
     def build() -> str:
@@ -49,13 +54,30 @@ def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
                               bare_fraction=cfg.tiny.warm_start_bare_fraction, progress=dist.is_main)
         return str(path)
 
-    first = dist.local_rank == 0  # the cache ($STAPO_CACHE, ~/.cache) may be node-local: one build per node
-    if first:
-        path = build()
+    # One build, the same bytes everywhere: transformers' save_pretrained writes on global rank 0 only,
+    # so another node could not build its own copy, and a warm start is only reproducible per machine.
+    entry = None
+    if dist.is_main:
+        built = Path(build())
+        entry = (built.name, entry_files(built))
+    name, files = broadcast_object(entry)
+    return str(install_entry(name, files))
+
+
+def main_rank_first(dist: DistInfo, build: Callable[[], T]) -> T:
+    """``build()`` on rank 0, then, after a barrier, on the other ranks: they find what rank 0 built or
+    downloaded in the cache instead of all writing into it at once. Collective."""
+    if dist.is_main:
+        result = build()
     barrier()
-    if not first:
-        path = build()
-    return path
+    if not dist.is_main:
+        result = build()
+    return result
+
+
+def collective_timeout(cfg: STAPOConfig) -> timedelta:
+    """How long a collective waits for the slowest rank (``trainer.collective_timeout_minutes``)."""
+    return timedelta(minutes=cfg.trainer.collective_timeout_minutes)
 
 
 def policy_dtype(cfg: STAPOConfig) -> torch.dtype:
@@ -167,9 +189,14 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
                             retries=r.request_retries)
     opts = EngineOptions(dtype=policy_dtype(cfg), max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                          seed=cfg.trainer.seed + dist_rank, max_batch_size=r.max_batch_size,
-                         gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size)
+                         gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
+                         sleep_level=r.sleep_level)
     name, engine = build_engine(r.engine, model_path, tokenizer, opts)
     log.info("rollout engine: %s", name)
+    if r.tensor_parallel_size > 1:  # one engine per group of ranks: the group submits its prompts together
+        from stapo.distributed.tensor_parallel import TensorParallelRollout, tensor_parallel_group
+
+        engine = TensorParallelRollout(engine, tensor_parallel_group(r.tensor_parallel_size))
     return engine
 
 

@@ -51,6 +51,11 @@ def plan_run(cfg: STAPOConfig, world_size: int) -> RunPlan:
         raise ValueError(f"the number of ranks must be >= 1, got {world_size}")
     rows = rows_per_rank(cfg, world_size)
     engine = resolve_engine(cfg.rollout.engine)
+    tp = cfg.rollout.tensor_parallel_size
+    if tp > 1 and (engine != "vllm" or world_size % tp):
+        raise ValueError(f"rollout.tensor_parallel_size {tp} needs the vllm engine (this run: {engine}) and a number "
+                         f"of ranks it divides (this run: {world_size}): each group of {tp} consecutive ranks "
+                         "shares one vLLM engine (docs/gpu.md)")
     source = model_source(cfg.model.path)
     resume_from = checkpoint_to_resume(cfg)
     earlier = resume_from is None and bool(written_artifacts(cfg.trainer.output_dir))

@@ -17,6 +17,7 @@ from stapo.inspect.records import write_token_record
 from stapo.run_dir import token_record_path
 from stapo.trainer.microbatch import MicroBatches
 from stapo.distributed.policy import response_token_topk
+from stapo.distributed.zero3_trace import NO_GRAD, pass_kind
 
 
 class TokenRecorder:
@@ -36,15 +37,16 @@ class TokenRecorder:
         topk_ids = torch.zeros(shape, dtype=torch.long)
         topk_probs = torch.zeros(shape)
         collision = torch.zeros(mini.response_ids.shape)
-        for rows, inputs in MicroBatches(mini, opts, next(model.parameters()).device, no_grad=True):
-            top = response_token_topk(model, inputs, temperature=opts.temperature,
-                                      chunk_size=opts.chunk_size, k=self.top_k)
-            valid = torch.zeros_like(mini.response_mask[rows])
-            valid[:, : inputs.response_mask.shape[1]] = inputs.response_mask.cpu()
-            flat = rows[:, None].expand_as(valid)[valid], valid.nonzero()[:, 1]  # (row, column) of each token
-            topk_ids[flat] = top.ids.cpu()
-            topk_probs[flat] = top.probs.cpu()
-            collision[flat] = top.collision.cpu()
+        with pass_kind(model, NO_GRAD):  # ZeRO-3: the stats pass's trace (same modules, same order)
+            for rows, inputs in MicroBatches(mini, opts, next(model.parameters()).device, no_grad=True):
+                top = response_token_topk(model, inputs, temperature=opts.temperature,
+                                          chunk_size=opts.chunk_size, k=self.top_k)
+                valid = torch.zeros_like(mini.response_mask[rows])
+                valid[:, : inputs.response_mask.shape[1]] = inputs.response_mask.cpu()
+                flat = rows[:, None].expand_as(valid)[valid], valid.nonzero()[:, 1]  # (row, column) of each token
+                topk_ids[flat] = top.ids.cpu()
+                topk_probs[flat] = top.probs.cpu()
+                collision[flat] = top.collision.cpu()
         if not self.is_main:
             return
         record = build_token_record(

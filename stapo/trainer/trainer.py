@@ -37,6 +37,8 @@ from stapo.trainer.preflight import plan_run
 from stapo.trainer.recording import TokenRecorder
 from stapo.distributed.deepspeed_engine import current_lr
 from stapo.distributed.lora import reference_scope
+from stapo.distributed.zero3_trace import REFERENCE
+from stapo.data import balanced_shares
 from stapo.trainer.producer import ProducedBatch, RolloutProducer
 from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout, score_rollout
 from stapo.telemetry.mfu import device_peak_flops
@@ -74,7 +76,7 @@ class STAPOTrainer:
     def __init__(self, config: STAPOConfig, *, reward_fn=None, mask: TokenMask | None = None,
                  train_dataset=None, eval_dataset=None):
         self.config = cfg = config
-        self.dist = init_distributed()
+        self.dist = init_distributed(timeout=build.collective_timeout(cfg))
         # before anything reads or writes it: one output_dir that every node sees, or a clear stop on all
         self.output_dir = require_shared_dir(cfg.trainer.output_dir, name="trainer.output_dir")
         plan = plan_run(cfg, self.dist.world_size)  # what `stapo train --dry-run` checks; nothing built yet
@@ -95,7 +97,8 @@ class STAPOTrainer:
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
         self.shaping = RewardShaping(cfg.rollout.max_response_length, cfg.reward.overlong_buffer,
                                      cfg.reward.overlong_penalty)
-        self.train_data, self.eval_data = build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset)
+        self.train_data, self.eval_data = build.main_rank_first(  # rank 0 fills the datasets cache first
+            self.dist, lambda: build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset))
         from stapo.data import PromptSampler
 
         self.sampler = PromptSampler(len(self.train_data), cfg.trainer.train_batch_size, seed=cfg.trainer.seed)
@@ -169,7 +172,7 @@ class STAPOTrainer:
         ref_logprobs = None
         if self.reference is not None:  # LoRA: the policy itself, adapters disabled
             with reference_scope(self.reference) as reference:
-                ref_logprobs = policy_stats(reference, rollout, self.opts)[0]
+                ref_logprobs = policy_stats(reference, rollout, self.opts, trace=REFERENCE)[0]
         loss_mask = None  # loss.mask_truncated: responses cut at max_response_length leave the loss
         if self.config.loss.mask_truncated:
             loss_mask = truncated_keep(rollout.response_mask, truncated_rows(rollout.finish_reason))
@@ -228,11 +231,12 @@ class STAPOTrainer:
         return ProducedBatch(index, examples, rollout, version, self.sampler.epoch, time.perf_counter() - start)
 
     def _next_prompts(self) -> list:
-        """This rank's contiguous share of the global batch (same order on every rank)."""
+        """This rank's share of the global batch, balanced by prompt tokens (every rank computes the
+        same deal from the sampler's batch, so a resumed run deals the same prompts)."""
         indices = self.sampler.next_batch()
-        share = len(indices) // self.dist.world_size
-        mine = indices[self.dist.rank * share:(self.dist.rank + 1) * share]
-        return [self.train_data[i] for i in mine]
+        indices = indices[:len(indices) - len(indices) % self.dist.world_size]
+        shares = balanced_shares([len(self.train_data[i].prompt_ids) for i in indices], self.dist.world_size)
+        return [self.train_data[indices[j]] for j in shares[self.dist.rank]]
 
     def _sampling(self, greedy: bool = False, round_index: int = 0, step: int | None = None) -> SamplingParams:
         r, t = self.config.rollout, self.config.trainer
@@ -247,6 +251,8 @@ class STAPOTrainer:
         """Rows for ``examples`` from the rollout engine, stamped with the policy ``version`` that sampled
         them (default: the current one, ``step_count``)."""
         n = 1 if greedy else self.config.rollout.group_size
+        if getattr(self.rollout_engine, "needs_weights", False):  # rollout.sleep_level 2 discarded them
+            sync_weights(self.model, self.rollout_engine, self.config.rollout.sync_bucket_mb * 2**20)
         self.rollout_engine.wake()
         rollout = self.rollout_engine.generate([e.prompt_ids for e in examples], n,
                                                self._sampling(greedy, round_index, step))
@@ -322,17 +328,16 @@ class STAPOTrainer:
                          merged=self.config.model.lora.export_merged)
         if self.dist.is_main and self.config.logging.plot:
             plot_training_curves(self.output_dir / METRICS_FILE, self.output_dir / CURVES_FILE)
-        summary = None
-        if self.dist.is_main:  # metrics.jsonl is rank 0's file; the others get its summary
-            rows = [r for r in read_metrics(self.output_dir / METRICS_FILE) if "silenced_frac" in r]
-            summary = {
-                "steps": self.step_count,
-                "accuracy_before": before.get("eval_accuracy", float("nan")),
-                "accuracy_after": after.get("eval_accuracy", float("nan")),
-                "silenced_frac_mean": sum(r["silenced_frac"] for r in rows) / max(len(rows), 1),
-                "spurious_frac_mean": sum(r["spurious_frac"] for r in rows) / max(len(rows), 1),
-                "seconds": seconds,
-            }
+        main = self.dist.is_main  # metrics.jsonl is rank 0's file: rank 0 reads it and broadcasts the summary
+        rows = [r for r in read_metrics(self.output_dir / METRICS_FILE) if "silenced_frac" in r] if main else []
+        summary = {
+            "steps": self.step_count,
+            "accuracy_before": before.get("eval_accuracy", float("nan")),
+            "accuracy_after": after.get("eval_accuracy", float("nan")),
+            "silenced_frac_mean": sum(r["silenced_frac"] for r in rows) / max(len(rows), 1),
+            "spurious_frac_mean": sum(r["spurious_frac"] for r in rows) / max(len(rows), 1),
+            "seconds": seconds,
+        }
         summary = broadcast_object(summary)
         self.logger.close()
         self._close_scorer()

@@ -24,6 +24,7 @@ from stapo.losses.ops import DEFAULT_CHUNK_SIZE
 from stapo.distributed.accumulation import GradientAccumulation
 from stapo.trainer.microbatch import MicroBatches
 from stapo.distributed.policy import response_token_stats
+from stapo.distributed.zero3_trace import NO_GRAD, UPDATE, pass_kind
 
 
 @dataclass(frozen=True)
@@ -87,16 +88,18 @@ class UpdateOptions:
 
 
 @torch.no_grad()
-def policy_stats(model, seqs, opts: UpdateOptions) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_stats(model, seqs, opts: UpdateOptions, trace: str = NO_GRAD) -> tuple[torch.Tensor, torch.Tensor]:
     """No-grad ``(logprobs, entropy)`` ``(B, T)`` fp32 on CPU of ``model`` over ``seqs`` (a Rollout
-    or TrainBatch: prompt/response ids and masks); zero on padding."""
+    or TrainBatch: prompt/response ids and masks); zero on padding. ``trace``: the ZeRO-3 pass kind
+    (:mod:`stapo.distributed.zero3_trace`; the LoRA reference, adapters off, calls other modules)."""
     shape = seqs.response_ids.shape
     logprobs = torch.zeros(shape, dtype=torch.float32)
     entropy = torch.zeros(shape, dtype=torch.float32)
-    for rows, inputs in MicroBatches(seqs, opts, _device(model), no_grad=True):
-        lp, ent = response_token_stats(model, inputs, temperature=opts.temperature, chunk_size=opts.chunk_size)
-        t_len = lp.shape[1]
-        logprobs[rows, :t_len], entropy[rows, :t_len] = lp.cpu(), ent.cpu()
+    with pass_kind(model, trace):
+        for rows, inputs in MicroBatches(seqs, opts, _device(model), no_grad=True):
+            lp, ent = response_token_stats(model, inputs, temperature=opts.temperature, chunk_size=opts.chunk_size)
+            t_len = lp.shape[1]
+            logprobs[rows, :t_len], entropy[rows, :t_len] = lp.cpu(), ent.cpu()
     return logprobs, entropy
 
 
@@ -114,6 +117,11 @@ def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
     ``keep``: ``(B, T)`` bool from the mask strategy (never true on padding). Returns this rank's
     metric SUMS as device tensors (the step reduces them once; no per-micro-batch sync).
     """
+    with pass_kind(model, UPDATE):  # ZeRO-3: its own forward + backward trace (zero3_trace)
+        return _update(engine, model, batch, keep, opts)
+
+
+def _update(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOptions) -> dict[str, torch.Tensor]:
     keep = keep & batch.trainable
     normalizer = _global_normalizer(keep, batch.trainable, opts.agg)
     device = _device(model)

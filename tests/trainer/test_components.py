@@ -51,3 +51,38 @@ def test_build_scorer_follows_reward_mode_function_and_reward_fn(tmp_path):
         close()
     scorer, _ = build_scorer(cfg, lambda response, answer: 1 / 0)  # reward_fn wins, in-process
     assert isinstance(scorer, CallableScorer) and scorer(["x"], ["1"]) == [-3.0] and scorer.failures == 1
+
+
+def _main_first_worker(out_dir, **_):
+    import time
+    from pathlib import Path
+
+    from stapo.distributed.process_group import init_distributed
+    from stapo.trainer.components import main_rank_first
+
+    info = init_distributed()
+    log = Path(out_dir) / "calls.txt"
+
+    def build():
+        with log.open("a") as f:
+            f.write(f"start {info.rank}\n")
+        time.sleep(0.5)  # rank 1 would start meanwhile if it did not wait
+        with log.open("a") as f:
+            f.write(f"end {info.rank}\n")
+        return info.rank * 10
+
+    return main_rank_first(info, build), log.read_text().split("\n")[:4] if info.rank == 1 else None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_main_rank_first_builds_on_rank_0_before_the_others(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _dist_utils import run_ranks
+
+    (r0, _), (r1, calls) = run_ranks(_main_first_worker, 2, tmp_path, timeout=400)
+    assert (r0, r1) == (0, 10)  # each rank gets its own build's result
+    assert calls == ["start 0", "end 0", "start 1", "end 1"]

@@ -72,6 +72,18 @@ def main(model_dir: str) -> None:
         engine.sleep()
         free_asleep, total = torch.cuda.mem_get_info()
         out["freed_fraction"] = (free_asleep - free_awake) / total
+        # level 2: the weights are discarded; generate refuses until a weight update pushed all of them
+        engine.wake()
+        engine.sleep_level = 2
+        engine.sleep()
+        try:
+            engine.generate(prompts, 1, greedy)
+            out["level2_refused"] = False
+        except RuntimeError as err:
+            out["level2_refused"] = "level-2 sleep" in str(err)
+        with engine.weight_update():
+            engine.load_weights([(n, t.to(device)) for n, t in original])
+        out["level2_restored"] = torch.equal(before, engine.generate(prompts, 1, greedy).response_ids)
     print("RESULT " + json.dumps(out), flush=True)
 
 

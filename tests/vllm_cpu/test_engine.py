@@ -100,3 +100,4 @@ def test_engine_inside_the_trainers_one_rank_group(tiny_model_dir):
     assert result["restored"] and result["seed_reproduces"] and result["caller_rngs_untouched_by_generate"]
     if torch.cuda.is_available():  # sleep mode exists on CUDA only: it must free memory there
         assert result["freed_fraction"] > 0.1, result
+        assert result["level2_refused"] and result["level2_restored"], result  # rollout.sleep_level 2

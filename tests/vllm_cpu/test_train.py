@@ -83,6 +83,20 @@ def test_two_torchrun_ranks_with_zero3_and_an_engine_each(warm_model_dir, tmp_pa
     assert all(r["mismatch_logp_abs_max"] <= 10 * FP32_LOGPROB_BOUND for r in steps), steps
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="TP of 2 needs 2 GPUs")
+def test_two_ranks_share_one_tensor_parallel_engine(warm_model_dir, tmp_path):
+    """rollout.tensor_parallel_size=2: both ranks run ONE engine (a shard each), submit the union of
+    their prompts and keep their own rows; every sync lands in both shards, so the sampler's
+    logprobs stay at fp32 noise from the trainer's recompute."""
+    out = tmp_path / "tp2"
+    steps = train(out, warm_model_dir, "trainer.total_steps=2", "trainer.save_every=0", "trainer.zero_stage=3",
+                  "rollout.tensor_parallel_size=2",
+                  launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["mismatch_logp_abs_max"] <= 10 * FP32_LOGPROB_BOUND for r in steps), steps
+    assert all(r["time_rollout_max"] >= r["time_rollout_min"] > 0 for r in steps)  # both ranks generated
+
+
 def test_stapo_eval_with_vllm(four_steps, tmp_path):
     out, _ = four_steps
     from stapo.tiny import arithmetic_problems

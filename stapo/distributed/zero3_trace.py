@@ -1,0 +1,112 @@
+"""One ZeRO-3 parameter trace per pass kind, so every pass prefetches (docs/distributed.md, "ZeRO-3 prefetch").
+
+DeepSpeed's stage-3 ``PartitionedParameterCoordinator`` (0.19.8, ``partitioned_param_coordinator.py``)
+records the order in which modules fetch their parameters between two forward pre-hooks of the root
+module, and prefetches from that trace only while it is COMPLETE. It holds ONE trace per engine:
+``trace_prologue`` invalidates it at the first module that does not match (or runs past its end), the
+next pass records a new one, and only the pass after that prefetches. The trainer alternates two
+kinds of pass within every step (the no-grad stats pass, forward only, and the update, forward +
+backward); with one update micro-batch per mini-batch the stats pass records a forward-only trace, the
+update's backward runs past its end, and only the update's forward prefetched (39-47% of the
+fetches of a tiny ``stapo train trainer.zero_stage=3`` on a complete trace, tests/trainer/test_pass_traces.py).
+
+Every hook of the engine reaches the coordinator through ``DeepSpeedZeRoOffload.get_param_coordinator()``,
+which returns its ``param_coordinator`` attribute. :func:`pass_kind` makes a coordinator of the pass's
+own kind the active one for the ``with`` body: each kind records its trace once and keeps it. The
+coordinators share the engine's in-flight registry (whichever starts the next pass waits for and
+releases anything left in flight), so gathers and releases follow DeepSpeed's own rules; only the
+choice of trace changes. Arithmetic is untouched: prefetching changes when a parameter is gathered,
+never its value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+#: pass kinds of the trainer: the no-grad stats (and token-record) passes, the update, the KL reference
+NO_GRAD, UPDATE, REFERENCE = "no_grad", "update", "reference"
+
+_TRACES: "weakref.WeakKeyDictionary[torch.nn.Module, PassTraces]" = weakref.WeakKeyDictionary()
+
+
+class PassTraces:
+    """The coordinators of one ZeRO-3 engine, one per pass kind (created on first use)."""
+
+    def __init__(self, offload) -> None:
+        self.offload = offload
+        self.coordinators: dict[str, object] = {}
+
+    def coordinator(self, kind: str):
+        if kind not in self.coordinators:
+            self.coordinators[kind] = _new_coordinator(self.offload)
+        return self.coordinators[kind]
+
+
+def _new_coordinator(offload):
+    """A fresh coordinator with the settings DeepSpeedZeRoOffload.__init__ gave the engine's own."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    stream_attr = "_DeepSpeedZeRoOffload__allgather_stream"  # private; set in __init__ since 0.6
+    if not hasattr(offload, stream_attr):
+        raise RuntimeError(f"this DeepSpeed's DeepSpeedZeRoOffload has no {stream_attr}; stapo's per-pass "
+                           "ZeRO-3 traces (stapo.distributed.zero3_trace) were written against 0.19.8")
+    return PartitionedParameterCoordinator(
+        prefetch_bucket_sz=offload._prefetch_bucket_sz,
+        max_reuse_distance_in_numel=offload._max_reuse_distance_in_numel,
+        max_available_parameters_in_numel=offload._max_available_parameters_in_numel,
+        allgather_stream=getattr(offload, stream_attr),
+        inflight_param_registry=offload.module.ds_inflight_param_registry,
+        prefetch_nvme=offload.offload_device == OffloadDeviceEnum.nvme,
+        timers=offload.timers,
+        zero_quantized_weights=offload.zero_quantized_weights,
+        zero_quantized_nontrainable_weights=offload.zero_quantized_nontrainable_weights,
+        fast_sharding_for_leaf_module=offload.fast_sharding_for_leaf_module,
+        log_trace_cache_warnings=offload.log_trace_cache_warnings,
+    )
+
+
+def zero3_offload(engine):
+    """The engine's ``DeepSpeedZeRoOffload`` (stage 3 only; None otherwise): the training engine's
+    optimizer holds it, an optimizer-less (inference) engine's optimizer IS it."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    optimizer = getattr(engine, "optimizer", None)
+    if isinstance(optimizer, DeepSpeedZeRoOffload):
+        return optimizer
+    return getattr(optimizer, "parameter_offload", None)
+
+
+def register(engine) -> None:
+    """Give the ZeRO-3 ``engine`` one trace per pass kind (no-op below stage 3)."""
+    offload = zero3_offload(engine)
+    if offload is not None:
+        _TRACES[engine.module] = PassTraces(offload)
+
+
+def unregister(module: torch.nn.Module) -> None:
+    """Back to DeepSpeed's single trace for ``module`` (benchmarks and tests compare both)."""
+    _TRACES.pop(module, None)
+
+
+@contextlib.contextmanager
+def pass_kind(module: torch.nn.Module, kind: str) -> Iterator[None]:
+    """Run the passes of ``module`` in the body on the ZeRO-3 trace kept for ``kind``.
+
+    ``module``: the root module the passes call (``engine.module``). A no-op for a module that is
+    not a registered ZeRO-3 engine's. Nested scopes: the innermost kind applies in its body.
+    """
+    traces = _TRACES.get(module)
+    if traces is None:
+        yield
+        return
+    offload = traces.offload
+    previous, offload.param_coordinator = offload.param_coordinator, traces.coordinator(kind)
+    try:
+        yield
+    finally:
+        offload.param_coordinator = previous
