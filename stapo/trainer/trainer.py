@@ -14,8 +14,6 @@ Launch: ``stapo train CONFIG`` (one process) or ``deepspeed --num_gpus N -m stap
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -25,12 +23,12 @@ import torch
 from stapo.config import STAPOConfig
 from stapo.losses import (TokenMask, TokenStats, build_mask, group_advantages, mismatch_sums, registered_name,
                           truncated_keep, truncated_rows)
-from stapo.rollout import Rollout, SamplingParams
+from stapo.rollout import Rollout
 from stapo.rollout.server_engine import NoRolloutServers
 from stapo.trainer import components as build
 from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, read_metrics
 from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_final
-from stapo.distributed.process_group import all_gather_object, barrier, broadcast_object, init_distributed
+from stapo.distributed.process_group import barrier, broadcast_object, init_distributed
 from stapo.distributed.shared_dir import require_shared_dir
 from stapo.telemetry.metrics import MetricsLogger
 from stapo.trainer.preflight import plan_run
@@ -38,14 +36,12 @@ from stapo.trainer.recording import TokenRecorder
 from stapo.distributed.deepspeed_engine import current_lr
 from stapo.distributed.lora import reference_scope
 from stapo.distributed.zero3_trace import REFERENCE
-from stapo.data import balanced_shares
-from stapo.trainer.producer import ProducedBatch, RolloutProducer
-from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout, score_rollout
+from stapo.trainer.rollouts import Rollouts
+from stapo.trainer.scored_rollout import RewardShaping
 from stapo.telemetry.mfu import device_peak_flops
 from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
                                         skipped_updates, stats_counts, step_metrics, token_counts)
 from stapo.trainer.update import TrainBatch, policy_stats, update_minibatch
-from stapo.sync.buckets import sync_weights
 
 log = logging.getLogger("stapo.trainer")
 
@@ -112,26 +108,24 @@ class STAPOTrainer:
         )
         self.recorder = TokenRecorder(self.output_dir, every=cfg.inspect.record_every, is_main=self.dist.is_main,
                                       all_minibatches=cfg.inspect.record_minibatches == "all")
+        self.rollouts = Rollouts(cfg, self.dist, self.rollout_engine, self.model, self.sampler, self.train_data,
+                                 self.score, self.shaping)  # lines 3-5: prompts, generation, rewards, sync
         self.step_count = 0
         self.skipped_steps = 0
         self._consecutive_skips = 0
-        self.producer: RolloutProducer | None = None  # rollout.max_staleness >= 1: rollouts ahead of the update
         if self.dist.is_main:
             cfg.to_yaml(self.output_dir / CONFIG_FILE)
         if resume_from is not None:
             self._resume(resume_from)
         elif cfg.rollout.mode == "server":
-            self._sync_weights()  # servers hold whatever they started with: give them this policy
-        if cfg.rollout.max_staleness > 0:
-            self.producer = RolloutProducer(self._produce, self.sampler.state_dict,
-                                            max_staleness=cfg.rollout.max_staleness, first_index=self.step_count,
-                                            version=self.step_count, stop_index=cfg.trainer.total_steps)
+            self.rollouts.sync(self.step_count)  # servers hold whatever they started with: give them this policy
+        self.rollouts.start_producer(self.step_count)  # rollout.max_staleness >= 1 only
 
     # ---- Algorithm 1 ------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
         """One training iteration (Algorithm 1 lines 3-13); returns the step's metrics."""
         cfg, timer = self.config, PhaseTimer()
-        scored = self._scored_rollout(timer)  # lines 4-5: x ~ D, G responses from pi_old, rewards
+        scored = self.rollouts.scored(self.step_count, timer)  # lines 4-5: x ~ D, G responses, rewards
         rollout, rewards = scored.rollout, scored.rewards
         advantages = group_advantages(  # line 5, Eq. 2
             rewards, cfg.rollout.group_size, scale=cfg.loss.advantage_scale, eps=cfg.loss.advantage_eps)
@@ -156,7 +150,7 @@ class STAPOTrainer:
             sums.add({**update_sums, **mask_sums(stats, masked, probe)})
         self.step_count += 1
         with timer("sync"):
-            synced = self._sync_weights()  # line 3, for the next iteration
+            synced = self.rollouts.sync(self.step_count)  # line 3, for the next iteration
         sums.add_value("sync_mb", synced.num_bytes / 2**20)
         self._track_skips(skipped_updates(sums))
         return step_metrics(step=self.step_count, epoch=scored.epoch, lr=current_lr(self.engine),
@@ -193,90 +187,6 @@ class STAPOTrainer:
         size = build.rows_per_rank(self.config, self.dist.world_size)
         return [slice(s, min(s + size, num_rows)) for s in range(0, num_rows, size)]
 
-    # ---- rollout ----------------------------------------------------------------------------
-    def _scored_rollout(self, timer: PhaseTimer) -> ScoredRollout:
-        """Generate (or, asynchronous, take from the producer) and score this rank's share; DAPO's filter
-        groups with ``rollout.dynamic_sampling``."""
-        r, world = self.config.rollout, self.dist.world_size
-        if self.producer is not None:
-            with timer("rollout"):  # the trainer's wait: generation itself ran during earlier updates
-                produced = self.producer.take(self.step_count)
-            with timer("reward"):
-                scored = score_rollout(self.score, produced.rollout, produced.examples, self.shaping)
-            return self._with_server_metrics(scored, produced.epoch, produced.seconds)
-        start = time.perf_counter()
-        scored = collect_scored_rollout(
-            self._next_prompts, lambda examples, round_index: self._generate(examples, round_index=round_index),
-            self.score, self.shaping, timer, group_size=r.group_size, dynamic=r.dynamic_sampling,
-            target_groups=self.config.trainer.train_batch_size // world, max_rounds=r.max_sampling_rounds,
-            multiple_of=self.config.trainer.mini_batch_size // world, gather=all_gather_object)
-        return self._with_server_metrics(scored, self.sampler.epoch, time.perf_counter() - start)
-
-    def _with_server_metrics(self, scored: ScoredRollout, epoch: int, generation_s: float) -> ScoredRollout:
-        """The draw's epoch, and in server mode the rows' staleness and the generation time (max over ranks)."""
-        sampling = dict(scored.sampling)
-        versions = scored.rollout.policy_version
-        if self.config.rollout.mode == "server" and versions is not None and len(versions):
-            staleness = self.step_count - int(versions.min())
-            gathered = all_gather_object((staleness, generation_s))
-            sampling["policy_staleness"] = float(max(g[0] for g in gathered))
-            sampling["generation_s"] = max(g[1] for g in gathered)
-        return dataclasses.replace(scored, sampling=sampling, epoch=epoch)
-
-    def _produce(self, index: int, version: int) -> ProducedBatch:
-        """The producer's work (its thread): draw batch ``index``'s prompts, generate with policy ``version``."""
-        start = time.perf_counter()
-        examples = self._next_prompts()
-        rollout = self._generate(examples, step=index, version=version)
-        return ProducedBatch(index, examples, rollout, version, self.sampler.epoch, time.perf_counter() - start)
-
-    def _next_prompts(self) -> list:
-        """This rank's share of the global batch, balanced by prompt tokens (every rank computes the
-        same deal from the sampler's batch, so a resumed run deals the same prompts)."""
-        indices = self.sampler.next_batch()
-        indices = indices[:len(indices) - len(indices) % self.dist.world_size]
-        shares = balanced_shares([len(self.train_data[i].prompt_ids) for i in indices], self.dist.world_size)
-        return [self.train_data[indices[j]] for j in shares[self.dist.rank]]
-
-    def _sampling(self, greedy: bool = False, round_index: int = 0, step: int | None = None) -> SamplingParams:
-        r, t = self.config.rollout, self.config.trainer
-        step = self.step_count if step is None else step  # the iteration the rows are for
-        # a seed per (run, step, rank, dynamic-sampling round): resumed runs regenerate the same responses
-        seed = (t.seed * 1_000_003 + step * 1_009 + self.dist.rank + round_index * 7_919) % 2**31
-        return SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
-                              top_k=-1 if greedy else r.top_k, max_new_tokens=r.max_response_length, seed=seed)
-
-    def _generate(self, examples: list, greedy: bool = False, round_index: int = 0, step: int | None = None,
-                  version: int | None = None) -> Rollout:
-        """Rows for ``examples`` from the rollout engine, stamped with the policy ``version`` that sampled
-        them (default: the current one, ``step_count``)."""
-        n = 1 if greedy else self.config.rollout.group_size
-        if getattr(self.rollout_engine, "needs_weights", False):  # rollout.sleep_level 2 discarded them
-            sync_weights(self.model, self.rollout_engine, self.config.rollout.sync_bucket_mb * 2**20)
-        self.rollout_engine.wake()
-        rollout = self.rollout_engine.generate([e.prompt_ids for e in examples], n,
-                                               self._sampling(greedy, round_index, step))
-        self.rollout_engine.sleep()
-        rollout = rollout.with_policy_version(self.step_count if version is None else version)
-        return rollout.with_ground_truth([e.ground_truth for e in examples]).with_prompt_text(
-            [e.prompt_text for e in examples])
-
-    def _sync_weights(self):
-        """theta_old <- theta (Algorithm 1 line 3) into the rollout engine. Rollout servers learn the policy
-        version, and no rank generates before the sync is done (nor, asynchronous, during it)."""
-        cfg = self.config.rollout
-        server = cfg.mode == "server"
-        with self.producer.paused() if self.producer is not None else contextlib.nullcontext():
-            if self.producer is not None:
-                barrier()  # every rank's producer is idle before rank 0 opens the servers' session
-            synced = sync_weights(self.model, self.rollout_engine, cfg.sync_bucket_mb * 2**20,
-                                  version=self.step_count if server else None)
-            if server:
-                barrier()
-        if self.producer is not None:
-            self.producer.advance(self.step_count)
-        return synced
-
     # ---- evaluation -------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -284,7 +194,7 @@ class STAPOTrainer:
         if self.eval_data is None:
             return {}
         examples = [self.eval_data[i] for i in range(self.dist.rank, len(self.eval_data), self.dist.world_size)]
-        rollout = self._generate(examples, greedy=True)
+        rollout = self.rollouts.generate(examples, self.step_count, greedy=True)
         rewards = self.score(rollout.response_text, rollout.ground_truth, [dict(e.fields) for e in examples])
         return evaluation_metrics(rewards)
 
@@ -313,8 +223,7 @@ class STAPOTrainer:
             self.save_checkpoint()
             raise
         finally:
-            if self.producer is not None:
-                self.producer.close()
+            self.rollouts.close()
         after = self.evaluate()
         if after:
             self.logger.log(self.step_count, after)
@@ -374,10 +283,7 @@ class STAPOTrainer:
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        sampler, ahead = self.sampler.state_dict(), 0
-        if self.producer is not None:  # the draw of the first batch not trained yet; later ones are regenerated
-            with self.producer.paused():
-                sampler, ahead = self.producer.resume_state(self.step_count)
+        sampler, ahead = self.rollouts.resume_state(self.step_count)  # async: later batches are regenerated
         state = {
             "step": self.step_count,
             "skipped_steps": self.skipped_steps,
@@ -401,7 +307,7 @@ class STAPOTrainer:
         self.step_count, self.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
         self.sampler.load_state_dict(state["sampler"])
         self.logger.truncate_after(self.step_count)
-        self._sync_weights()
+        self.rollouts.sync(self.step_count)
         log.info("resumed from %s at step %d", path, self.step_count)
         if state.get("rollouts_ahead"):
             log.info("%d rollout batches generated ahead of step %d before the restart are regenerated",

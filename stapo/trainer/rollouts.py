@@ -1,0 +1,138 @@
+"""Algorithm 1 lines 3-5 on one rank: the weight sync, the prompts, their G responses and rewards.
+
+`Rollouts` holds everything between the policy and a scored batch, so that `STAPOTrainer` reads as
+the algorithm box:
+
+* prompts: the sampler's batch, this rank's share balanced by prompt tokens (same on every rank);
+* generation: the rollout engine (colocated, or vLLM servers with ``rollout.mode: server``), seeded
+  per (run, iteration, rank, dynamic-sampling round) so a resumed run regenerates the same rows; each
+  row stamped with the policy version that sampled it;
+* asynchronous (``rollout.max_staleness`` >= 1): a `RolloutProducer` generates ahead; the iteration
+  takes its batch from it, and the checkpoint's resume point is its draw (docs/algorithm.md);
+* the weight sync (line 3), which pauses the producer and, with servers, makes every rank wait for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+from stapo.config import STAPOConfig
+from stapo.data import PromptSampler, balanced_shares
+from stapo.distributed.process_group import DistInfo, all_gather_object, barrier
+from stapo.rollout import Rollout, SamplingParams
+from stapo.sync.buckets import SyncStats, sync_weights
+from stapo.trainer.producer import ProducedBatch, RolloutProducer
+from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout, score_rollout
+
+__all__ = ["Rollouts"]
+
+
+class Rollouts:
+    """This rank's rollouts of a run: ``engine`` fed from ``model`` (see the module docstring)."""
+
+    def __init__(self, cfg: STAPOConfig, dist: DistInfo, engine, model, sampler: PromptSampler, train_data,
+                 score, shaping: RewardShaping) -> None:
+        self.cfg, self.dist, self.engine, self.model = cfg, dist, engine, model
+        self.sampler, self.train_data, self.score, self.shaping = sampler, train_data, score, shaping
+        self.server = cfg.rollout.mode == "server"
+        self.producer: RolloutProducer | None = None
+
+    def start_producer(self, step: int) -> None:
+        """Asynchronous training from iteration ``step`` on (the servers hold version ``step``)."""
+        if self.cfg.rollout.max_staleness > 0:
+            self.producer = RolloutProducer(self._produce, self.sampler.state_dict,
+                                            max_staleness=self.cfg.rollout.max_staleness, first_index=step,
+                                            version=step, stop_index=self.cfg.trainer.total_steps)
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+
+    # ---- lines 4-5 ----------------------------------------------------------------------------
+    def scored(self, step: int, timer) -> ScoredRollout:
+        """Iteration ``step``'s scored rows (asynchronous: from the producer); DAPO's filter groups with
+        ``rollout.dynamic_sampling``."""
+        r, t, world = self.cfg.rollout, self.cfg.trainer, self.dist.world_size
+        if self.producer is not None:
+            with timer("rollout"):  # the trainer's wait: generation itself ran during earlier updates
+                produced = self.producer.take(step)
+            with timer("reward"):
+                scored = score_rollout(self.score, produced.rollout, produced.examples, self.shaping)
+            return self._with_server_metrics(scored, step, produced.epoch, produced.seconds)
+        start = time.perf_counter()
+        scored = collect_scored_rollout(
+            self.next_prompts, lambda examples, round_index: self.generate(examples, step, round_index=round_index),
+            self.score, self.shaping, timer, group_size=r.group_size, dynamic=r.dynamic_sampling,
+            target_groups=t.train_batch_size // world, max_rounds=r.max_sampling_rounds,
+            multiple_of=t.mini_batch_size // world, gather=all_gather_object)
+        return self._with_server_metrics(scored, step, self.sampler.epoch, time.perf_counter() - start)
+
+    def _with_server_metrics(self, scored: ScoredRollout, step: int, epoch: int, generation_s: float) -> ScoredRollout:
+        """The draw's epoch, and in server mode the rows' staleness and the generation time (max over ranks)."""
+        sampling = dict(scored.sampling)
+        versions = scored.rollout.policy_version
+        if self.server and versions is not None and len(versions):
+            gathered = all_gather_object((step - int(versions.min()), generation_s))
+            sampling["policy_staleness"] = float(max(g[0] for g in gathered))
+            sampling["generation_s"] = max(g[1] for g in gathered)
+        return dataclasses.replace(scored, sampling=sampling, epoch=epoch)
+
+    def _produce(self, index: int, version: int) -> ProducedBatch:
+        """The producer's work (its thread): draw batch ``index``'s prompts, generate with policy ``version``."""
+        start = time.perf_counter()
+        examples = self.next_prompts()
+        rollout = self.generate(examples, index, version=version)
+        return ProducedBatch(index, examples, rollout, version, self.sampler.epoch, time.perf_counter() - start)
+
+    def next_prompts(self) -> list:
+        """This rank's share of the global batch, balanced by prompt tokens (every rank computes the
+        same deal from the sampler's batch, so a resumed run deals the same prompts)."""
+        indices = self.sampler.next_batch()
+        indices = indices[:len(indices) - len(indices) % self.dist.world_size]
+        shares = balanced_shares([len(self.train_data[i].prompt_ids) for i in indices], self.dist.world_size)
+        return [self.train_data[indices[j]] for j in shares[self.dist.rank]]
+
+    def sampling(self, step: int, greedy: bool = False, round_index: int = 0) -> SamplingParams:
+        r, t = self.cfg.rollout, self.cfg.trainer
+        # a seed per (run, step, rank, dynamic-sampling round): resumed runs regenerate the same responses
+        seed = (t.seed * 1_000_003 + step * 1_009 + self.dist.rank + round_index * 7_919) % 2**31
+        return SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
+                              top_k=-1 if greedy else r.top_k, max_new_tokens=r.max_response_length, seed=seed)
+
+    def generate(self, examples: list, step: int, greedy: bool = False, round_index: int = 0,
+                 version: int | None = None) -> Rollout:
+        """Rows for ``examples`` (the iteration ``step``'s seed), stamped with the policy ``version`` that
+        sampled them (default: ``step``'s, the weights of the last sync)."""
+        n = 1 if greedy else self.cfg.rollout.group_size
+        if getattr(self.engine, "needs_weights", False):  # rollout.sleep_level 2 discarded them
+            sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20)
+        self.engine.wake()
+        rollout = self.engine.generate([e.prompt_ids for e in examples], n, self.sampling(step, greedy, round_index))
+        self.engine.sleep()
+        rollout = rollout.with_policy_version(step if version is None else version)
+        return rollout.with_ground_truth([e.ground_truth for e in examples]).with_prompt_text(
+            [e.prompt_text for e in examples])
+
+    # ---- line 3 -------------------------------------------------------------------------------
+    def sync(self, version: int) -> SyncStats:
+        """theta_old <- theta into the rollout engine, which then holds policy ``version``. Rollout servers
+        learn the version, and no rank generates before the sync is done (nor, asynchronous, during it)."""
+        with self.producer.paused() if self.producer is not None else contextlib.nullcontext():
+            if self.producer is not None:
+                barrier()  # every rank's producer is idle before rank 0 opens the servers' session
+            synced = sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20,
+                                  version=version if self.server else None)
+            if self.server:
+                barrier()
+        if self.producer is not None:
+            self.producer.advance(version)
+        return synced
+
+    def resume_state(self, step: int) -> tuple[dict, int]:
+        """``(prompt sampler state to resume iteration step from, batches generated ahead of it)``."""
+        if self.producer is None:
+            return self.sampler.state_dict(), 0
+        with self.producer.paused():  # the draw of the first batch not trained yet; later ones are regenerated
+            return self.producer.resume_state(step)
