@@ -22,6 +22,10 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
   ``entropy_quantile`` (the paper's defaults for a mask without them),
   whatever mask is active), ``keep_frac``, ``mask_tau_h`` (the active mask's entropy threshold; NaN
   for a mask without one), ``probe_tau_h`` (the S2T probe's)
+- ``upweighted_frac``, ``downweighted_frac`` (valid tokens a weighting mask gave a weight > 1 / in
+  (0, 1); 0 for a plain mask), ``weight_mean`` (mean token weight over valid tokens: ``keep_frac`` for
+  a plain mask), ``mask_gate`` (a gated mask's gate, e.g. STARE's: 1 on, 0 off, the mean over the
+  step's mini-batches; NaN for a mask without a gate)
 - ``clip_frac_low``, ``clip_frac_high``, ``approx_kl``, ``loss``, ``grad_norm``, ``lr``
 - ``mismatch_logp_abs_mean``, ``mismatch_logp_abs_max``, ``mismatch_kl`` (rollout engine vs trainer:
   |log pi_sampler - log pi_old| over valid response tokens, its max, and the k3 estimate of
@@ -67,6 +71,7 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "response_length_mean", "response_length_max", "response_clip_ratio", "overlong_penalty_mean",
     "reward_failures",
     "entropy_mean", "silenced_frac", "spurious_frac", "keep_frac", "mask_tau_h", "probe_tau_h",
+    "upweighted_frac", "downweighted_frac", "weight_mean", "mask_gate",
     "clip_frac_low", "clip_frac_high", "approx_kl", "loss", "grad_norm", "lr",
     "mismatch_logp_abs_mean", "mismatch_logp_abs_max", "mismatch_kl",
     "zero_std_group_frac", "skipped_updates", "skipped_steps",

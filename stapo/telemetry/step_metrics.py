@@ -20,7 +20,7 @@ from stapo.rollout.batch import row_lengths
 
 # Quantities that are already global (identical on every rank) before the reduction. (The loss is
 # not: each rank holds its share of Eq. 1's numerator over the global denominator.)
-_GLOBAL = ("mask_tau_h", "probe_tau_h", "grad_norm")
+_GLOBAL = ("mask_tau_h", "probe_tau_h", "mask_gate", "grad_norm")
 
 
 class PhaseTimer:
@@ -78,7 +78,9 @@ def mask_sums(stats: TokenStats, masked: MaskResult, probe: MaskResult) -> dict[
 
     ``mask_tau_h`` is the ACTIVE mask's entropy threshold (NaN for a mask without one) and
     ``probe_tau_h`` the probe's (the S2T criterion at the configured tau_p / entropy_quantile,
-    whatever mask is active), so neither can be mistaken for the other.
+    whatever mask is active), so neither can be mistaken for the other. A weighting mask adds what it
+    up- and down-weighted, the sum of its weights and its gate (``mask_gate``: 1 on, 0 off; NaN for a
+    mask without one).
     """
     valid = stats.response_mask
     nan = torch.tensor(float("nan"), device=valid.device)
@@ -86,6 +88,10 @@ def mask_sums(stats: TokenStats, masked: MaskResult, probe: MaskResult) -> dict[
         "valid_tokens": valid.sum(),
         "kept_tokens_mask": masked.keep.sum(),
         "silenced_tokens": masked.silenced.sum(),
+        "upweighted_tokens": masked.upweighted.sum(),
+        "downweighted_tokens": masked.downweighted.sum(),
+        "weight_sum": masked.weights[valid].sum(),
+        "mask_gate": masked.thresholds.get("gate", nan).detach().float(),
         "spurious_tokens": probe.silenced.sum(),
         "entropy_sum": stats.entropy[valid].sum(),
         "mask_tau_h": masked.thresholds.get("tau_h", nan).detach().float(),
@@ -167,6 +173,10 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "silenced_frac": s["silenced_tokens"] / valid,
         "spurious_frac": s["spurious_tokens"] / valid,
         "keep_frac": s["kept_tokens_mask"] / valid,
+        "upweighted_frac": s["upweighted_tokens"] / valid,
+        "downweighted_frac": s["downweighted_tokens"] / valid,
+        "weight_mean": s["weight_sum"] / valid,
+        "mask_gate": s["mask_gate"] / minibatches,
         "mask_tau_h": s["mask_tau_h"] / minibatches,
         "probe_tau_h": s["probe_tau_h"] / minibatches,
         "clip_frac_low": s.get("clip_low_count", 0.0) / kept,

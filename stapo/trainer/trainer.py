@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from stapo.config import STAPOConfig
-from stapo.losses import (TokenMask, TokenStats, build_mask, group_advantages, mismatch_sums, registered_name,
+from stapo.losses import (TokenMask, TokenStats, all_reduce_sum_, build_mask, group_advantages, mismatch_sums, registered_name,
                           truncated_keep, truncated_rows)
 from stapo.rollout import Rollout, SamplingParams
 from stapo.trainer import components as build
@@ -41,6 +41,14 @@ from stapo.trainer.update import TrainBatch, policy_stats, update_minibatch
 from stapo.sync.buckets import sync_weights
 
 log = logging.getLogger("stapo.trainer")
+
+
+def rollout_entropy(batch: TrainBatch) -> float:
+    """Token-mean entropy of theta_old over the rollout batch's response tokens on all ranks."""
+    valid = batch.response_mask
+    sums = torch.stack([batch.old_entropy[valid].sum().double(), valid.sum().double()])
+    total, count = all_reduce_sum_(sums).tolist()
+    return total / count if count else float("nan")
 
 
 def spurious_probe(mask: TokenMask) -> TokenMask:
@@ -125,10 +133,12 @@ class STAPOTrainer:
         for key, value in {**scored.sums, **token_counts(rollout, no_grad_passes=1 + (self.reference is not None)),
                            **mismatch_sums(batch.sampling_logprobs, batch.old_logprobs, batch.response_mask)}.items():
             sums.add_value(key, value)  # rewards', token counts and rollout-vs-trainer sums
+        batch_entropy = rollout_entropy(batch)
+        self.mask.start_step(batch_entropy)  # a weighting mask's schedule (STARE's gate and W/M)
         for k, rows in enumerate(self._mini_batches(len(batch))):  # line 6
             mini = batch.rows(rows)
             with timer("stats"):
-                stats = self._mask_stats(mini, first=k == 0)  # line 8: p and H of the current policy
+                stats = self._mask_stats(mini, first=k == 0, batch_entropy=batch_entropy, seed=self._mask_seed(k))
             if k > 0 and cfg.mask.stats_source == "fresh":
                 for key, value in stats_counts(mini).items():
                     sums.add_value(key, value)
@@ -136,7 +146,8 @@ class STAPOTrainer:
             probe = self.spurious_probe.apply(stats)  # diagnostic: the S2T criterion, whatever the mask
             self._observe(k, mini, stats, masked, probe, rollout, rewards, rows)
             with timer("update"):  # lines 11-12: Eq. 1 over kept tokens, optimizer step
-                update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts)
+                update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts,
+                                               weights=masked.weights)
             sums.add({**update_sums, **mask_sums(stats, masked, probe)})
         with timer("sync"):
             synced = sync_weights(self.model, self.rollout_engine, cfg.rollout.sync_bucket_mb * 2**20)  # line 3
@@ -164,14 +175,21 @@ class STAPOTrainer:
                           advantages, old_logprobs, old_entropy, sampling_logprobs=rollout.sampling_logprobs,
                           ref_logprobs=ref_logprobs, loss_mask=loss_mask)
 
-    def _mask_stats(self, mini: TrainBatch, first: bool) -> TokenStats:
+    def _mask_stats(self, mini: TrainBatch, first: bool, batch_entropy: float, seed: int) -> TokenStats:
         """Exact stats for the first mini-batch (theta = theta_old); later ones need a fresh pass
         unless ``mask.stats_source: old`` (documented approximation)."""
         if first or self.config.mask.stats_source == "old":
             logprobs, entropy = mini.old_logprobs, mini.old_entropy
         else:
             logprobs, entropy = policy_stats(self.model, mini, self.opts)
-        return TokenStats(logprobs, entropy, mini.advantages, mini.trainable)  # truncated rows: padding
+        return TokenStats(logprobs, entropy, mini.advantages, mini.trainable,  # truncated rows: padding
+                          old_logprobs=mini.old_logprobs, clip_range=(self.opts.clip_low, self.opts.clip_high),
+                          batch_entropy=batch_entropy, seed=seed)
+
+    def _mask_seed(self, k: int) -> int:
+        """Seed of mini-batch ``k``'s random token choices (clip_cov): per (run, step, mini-batch), the
+        same on every rank, so runs reproduce and resume exactly."""
+        return (self.config.trainer.seed * 1_000_003 + self.step_count * 1_009 + k * 7_919 + 104_729) % 2**31
 
     def _mini_batches(self, num_rows: int) -> list[slice]:
         size = build.rows_per_rank(self.config, self.dist.world_size)
@@ -301,6 +319,7 @@ class STAPOTrainer:
             "step": self.step_count,
             "skipped_steps": self.skipped_steps,
             "sampler": self.sampler.state_dict(),  # RNG states of every rank are saved by the manager
+            "mask": self.mask.state_dict(),  # a weighting mask's schedule (STARE's W, M and gate)
             "config": self.config.to_dict(),
         }
         return self.checkpoints.save(self.engine, self.step_count, state)
@@ -318,6 +337,7 @@ class STAPOTrainer:
         state = self.checkpoints.load(self.engine, path)
         self.step_count, self.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
         self.sampler.load_state_dict(state["sampler"])
+        self.mask.load_state_dict(state.get("mask", {}))
         self.logger.truncate_after(self.step_count)
         sync_weights(self.model, self.rollout_engine, self.config.rollout.sync_bucket_mb * 2**20)
         log.info("resumed from %s at step %d", path, self.step_count)

@@ -108,13 +108,16 @@ def _global_normalizer(keep: torch.Tensor, trainable: torch.Tensor, agg: str) ->
 
 
 def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
-                     opts: UpdateOptions) -> dict[str, torch.Tensor]:
+                     opts: UpdateOptions, weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Eq. 1 over the kept tokens, backward over micro-batches, one optimizer step.
 
-    ``keep``: ``(B, T)`` bool from the mask strategy (never true on padding). Returns this rank's
-    metric SUMS as device tensors (the step reduces them once; no per-micro-batch sync).
+    ``keep``: ``(B, T)`` bool from the mask strategy (never true on padding); ``weights``: its
+    float token weights (``MaskResult.weights``; tokens of weight 0 leave ``keep``). Returns this
+    rank's metric SUMS as device tensors (the step reduces them once; no per-micro-batch sync).
     """
     keep = keep & batch.trainable
+    if weights is not None:
+        keep = keep & (weights > 0)
     normalizer = _global_normalizer(keep, batch.trainable, opts.agg)
     device = _device(model)
     micro_batches = MicroBatches(batch, opts, device, no_grad=False)
@@ -128,6 +131,7 @@ def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
         part = batch.rows(rows)
         old = part.old_logprobs[:, :t_len].to(device)
         micro_keep = keep[rows, :t_len].to(device)
+        micro_weights = weights[rows, :t_len].to(device) if weights is not None else None
         ref = part.ref_logprobs[:, :t_len].to(device) if part.ref_logprobs is not None else None
         weights = None  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
         if opts.tis_cap is not None and part.sampling_logprobs is not None:
@@ -137,7 +141,7 @@ def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
             clip_low=opts.clip_low, clip_high=opts.clip_high, clip_c=opts.clip_c, agg=opts.agg,
             normalizer=normalizer.to(device), max_response_length=opts.max_response_length,
             log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef, is_weights=weights,
-            entropy=entropy if bonus else None, entropy_coef=opts.entropy_coef,
+            entropy=entropy if bonus else None, entropy_coef=opts.entropy_coef, weights=micro_weights,
         )
         accumulation.backward(loss)
         _accumulate(sums, {"loss": loss.detach(), **metrics})
