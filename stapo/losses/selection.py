@@ -20,7 +20,7 @@ __all__ = ["global_top_k", "global_random_pick", "rank_offset", "top_ratio_count
 def top_ratio_count(n: int, ratio: float) -> int:
     """``k = max(1, ceil(ratio * n))`` for ``n > 0`` tokens (0 for none), as STARE's released code
     computes it: ``int(ratio * n + 0.999999)``, so the float error of ``ratio * n`` does not add a
-    token (0.1 * 30 = 3.0000000000000004 gives 3, not 4)."""
+    token (0.07 * 100 = 7.000000000000001 gives 7, not 8)."""
     if n <= 0:
         return 0
     return min(n, max(1, int(ratio * n + 0.999999)))
