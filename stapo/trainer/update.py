@@ -133,14 +133,14 @@ def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
         micro_keep = keep[rows, :t_len].to(device)
         micro_weights = weights[rows, :t_len].to(device) if weights is not None else None
         ref = part.ref_logprobs[:, :t_len].to(device) if part.ref_logprobs is not None else None
-        weights = None  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
+        is_weights = None  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
         if opts.tis_cap is not None and part.sampling_logprobs is not None:
-            weights = tis_weights(old, part.sampling_logprobs[:, :t_len].to(device), opts.tis_cap, micro_keep)
+            is_weights = tis_weights(old, part.sampling_logprobs[:, :t_len].to(device), opts.tis_cap, micro_keep)
         loss, metrics = clipped_surrogate_loss(
             logprobs, old, part.advantages.to(device), micro_keep,
             clip_low=opts.clip_low, clip_high=opts.clip_high, clip_c=opts.clip_c, agg=opts.agg,
             normalizer=normalizer.to(device), max_response_length=opts.max_response_length,
-            log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef, is_weights=weights,
+            log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef, is_weights=is_weights,
             entropy=entropy if bonus else None, entropy_coef=opts.entropy_coef, weights=micro_weights,
         )
         accumulation.backward(loss)
