@@ -7,6 +7,12 @@ peak / final accuracy and drop from peak, max and 95th-percentile grad norm, ent
 and spurious fractions, and how often the S2T criterion flags the largest-gradient tokens of the
 inspector's token records.
 
+The study's masks are ``none``, ``stapo``, ``entropy_top`` and, added later (docs/stability.md,
+"Settings"), the token-weighting ``stare`` and ``clip_cov``; the report keeps the committed rows of
+runs made in another output directory, so the later rows can run on their own::
+
+    python bench/stability.py --masks stare clip_cov --seeds 0 1 2 3 4 --lrs 2e-4 --out /tmp/study
+
 Runs go seed-major (every mask of seed 0, then seed 1, ...) so a study cut short stays balanced. It is
 resumable: a run whose metrics end with the final evaluation is not rerun; an interrupted one
 continues from its last checkpoint (``trainer.resume=auto``). ``--report`` (re)writes the committed
