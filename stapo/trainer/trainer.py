@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from stapo.config import STAPOConfig
-from stapo.losses import (TokenMask, TokenStats, all_reduce_sum_, build_mask, group_advantages, mismatch_sums, registered_name,
+from stapo.losses import (TokenMask, TokenStats, build_mask, group_advantages, mismatch_sums, registered_name,
                           truncated_keep, truncated_rows)
 from stapo.rollout import Rollout, SamplingParams
 from stapo.trainer import components as build
@@ -37,18 +37,10 @@ from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_s
 from stapo.telemetry.mfu import device_peak_flops
 from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
                                         skipped_updates, stats_counts, step_metrics, token_counts)
-from stapo.trainer.update import TrainBatch, policy_stats, update_minibatch
+from stapo.trainer.update import TrainBatch, policy_stats, rollout_entropy, update_minibatch
 from stapo.sync.buckets import sync_weights
 
 log = logging.getLogger("stapo.trainer")
-
-
-def rollout_entropy(batch: TrainBatch) -> float:
-    """Token-mean entropy of theta_old over the rollout batch's response tokens on all ranks."""
-    valid = batch.response_mask
-    sums = torch.stack([batch.old_entropy[valid].sum().double(), valid.sum().double()])
-    total, count = all_reduce_sum_(sums).tolist()
-    return total / count if count else float("nan")
 
 
 def spurious_probe(mask: TokenMask) -> TokenMask:

@@ -100,6 +100,15 @@ def policy_stats(model, seqs, opts: UpdateOptions) -> tuple[torch.Tensor, torch.
     return logprobs, entropy
 
 
+def rollout_entropy(batch: TrainBatch) -> float:
+    """Token-mean entropy of theta_old over the rollout batch's response tokens on all ranks (the
+    ``TokenStats.batch_entropy`` a gated weighting mask such as STARE reads); NaN with no token."""
+    valid = batch.response_mask
+    sums = torch.stack([batch.old_entropy[valid].sum().double(), valid.sum().double()])
+    total, count = all_reduce_sum_(sums).tolist()
+    return total / count if count else float("nan")
+
+
 def _global_normalizer(keep: torch.Tensor, trainable: torch.Tensor, agg: str) -> torch.Tensor:
     """Eq. 1's denominator over the whole mini-batch on all ranks: kept tokens for ``token-mean``,
     rows for the seq-mean modes (rows left out of the loss by ``loss.mask_truncated`` do not count)."""

@@ -62,3 +62,18 @@ def test_weighting_mask_trains_and_resumes_exactly(mask, tmp_path, tiny_model_di
         assert all(r["mask_gate"] != r["mask_gate"] for r in rows)  # NaN: clip_cov has no gate
         assert all(r["weight_mean"] == pytest.approx(r["keep_frac"]) for r in rows)  # weights 0 / 1
         assert any(r["silenced_frac"] > 0 for r in rows), rows
+
+
+def test_rollout_entropy_is_the_token_mean_over_response_tokens():
+    import torch
+
+    from stapo.trainer.update import TrainBatch, rollout_entropy
+
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    entropy = torch.tensor([[0.2, 0.4, 9.0], [0.6, 9.0, 9.0]])  # 9.0 on padding: ignored
+    batch = TrainBatch(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool),
+                       torch.zeros(2, 3, dtype=torch.long), mask, torch.zeros(2), torch.zeros(2, 3), entropy)
+    assert rollout_entropy(batch) == pytest.approx((0.2 + 0.4 + 0.6) / 3)
+    empty = TrainBatch(batch.prompt_ids, batch.prompt_mask, batch.response_ids, torch.zeros_like(mask),
+                       batch.advantages, batch.old_logprobs, entropy)
+    assert rollout_entropy(empty) != rollout_entropy(empty)  # NaN: STARE keeps its last gate
