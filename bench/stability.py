@@ -297,7 +297,7 @@ def _weight_summaries(steps: list[dict]) -> dict:
     """A weighting mask's per-step means (runs logged before the weight metrics existed have none)."""
     if not all("weight_mean" in r for r in steps):
         return {}
-    gates = [r["mask_gate"] for r in steps if math.isfinite(r["mask_gate"])]
+    gates = [r["mask_gate"] for r in steps if math.isfinite(r.get("mask_gate", math.nan))]
     return {"upweighted_frac": statistics.fmean(r["upweighted_frac"] for r in steps),
             "downweighted_frac": statistics.fmean(r["downweighted_frac"] for r in steps),
             "weight_mean": statistics.fmean(r["weight_mean"] for r in steps),

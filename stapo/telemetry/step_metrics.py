@@ -20,7 +20,7 @@ from stapo.rollout.batch import row_lengths
 
 # Quantities that are already global (identical on every rank) before the reduction. (The loss is
 # not: each rank holds its share of Eq. 1's numerator over the global denominator.)
-_GLOBAL = ("mask_tau_h", "probe_tau_h", "mask_gate", "grad_norm")
+_GLOBAL = ("mask_tau_h", "probe_tau_h", "grad_norm")
 
 
 class PhaseTimer:
@@ -79,19 +79,20 @@ def mask_sums(stats: TokenStats, masked: MaskResult, probe: MaskResult) -> dict[
     ``mask_tau_h`` is the ACTIVE mask's entropy threshold (NaN for a mask without one) and
     ``probe_tau_h`` the probe's (the S2T criterion at the configured tau_p / entropy_quantile,
     whatever mask is active), so neither can be mistaken for the other. A weighting mask adds what it
-    up- and down-weighted, the sum of its weights and its gate (``mask_gate``: 1 on, 0 off; NaN for a
-    mask without one).
+    up- and down-weighted and the sum of its weights; a gated one (a ``gate`` threshold, as STARE's)
+    its gate, ``mask_gate`` (1 on, 0 off; absent for a mask without one).
     """
     valid = stats.response_mask
     nan = torch.tensor(float("nan"), device=valid.device)
+    gate = {"mask_gate": masked.thresholds["gate"].detach().float()} if "gate" in masked.thresholds else {}
     return {
+        **gate,
         "valid_tokens": valid.sum(),
         "kept_tokens_mask": masked.keep.sum(),
         "silenced_tokens": masked.silenced.sum(),
         "upweighted_tokens": masked.upweighted.sum(),
         "downweighted_tokens": masked.downweighted.sum(),
         "weight_sum": masked.weights[valid].sum(),
-        "mask_gate": masked.thresholds.get("gate", nan).detach().float(),
         "spurious_tokens": probe.silenced.sum(),
         "entropy_sum": stats.entropy[valid].sum(),
         "mask_tau_h": masked.thresholds.get("tau_h", nan).detach().float(),
@@ -156,6 +157,8 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
     optional = dict(scored.sampling)  # dynamic sampling: already global
     if "kl_sum" in s:  # only with a reference policy
         optional["kl"] = s["kl_sum"] / kept
+    if "mask_gate" in s:  # only for a gated mask (STARE): identical on every rank, mean over mini-batches
+        optional["mask_gate"] = s["mask_gate"] / world_size / minibatches
     if "entropy_bonus_sum" in s:  # only with loss.entropy_coef != 0
         optional["entropy_bonus"] = entropy_coef * s["entropy_bonus_sum"] / kept
     return {
@@ -176,7 +179,6 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "upweighted_frac": s["upweighted_tokens"] / valid,
         "downweighted_frac": s["downweighted_tokens"] / valid,
         "weight_mean": s["weight_sum"] / valid,
-        "mask_gate": s["mask_gate"] / minibatches,
         "mask_tau_h": s["mask_tau_h"] / minibatches,
         "probe_tau_h": s["probe_tau_h"] / minibatches,
         "clip_frac_low": s.get("clip_low_count", 0.0) / kept,

@@ -52,14 +52,15 @@ def test_weighting_mask_trains_and_resumes_exactly(mask, tmp_path, tiny_model_di
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for step in expected:
         for key in COMPARED:
-            assert got[step][key] == pytest.approx(expected[step][key], rel=1e-6, abs=1e-9, nan_ok=True), (step, key)
+            if key in expected[step]:
+                assert got[step][key] == pytest.approx(expected[step][key], rel=1e-6, abs=1e-9), (step, key)
     rows = [expected[s] for s in sorted(expected)]
     if mask == "stare":
         assert all(r["mask_gate"] == 1.0 for r in rows), rows
         # a step whose groups all tie (A = 0 everywhere) re-weights nothing; the others do
         assert any(r["upweighted_frac"] > 0 for r in rows) and any(r["downweighted_frac"] > 0 for r in rows), rows
     else:
-        assert all(r["mask_gate"] != r["mask_gate"] for r in rows)  # NaN: clip_cov has no gate
+        assert all("mask_gate" not in r for r in rows)  # clip_cov has no gate
         assert all(r["weight_mean"] == pytest.approx(r["keep_frac"]) for r in rows)  # weights 0 / 1
         assert any(r["silenced_frac"] > 0 for r in rows), rows
 
