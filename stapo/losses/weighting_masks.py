@@ -93,6 +93,8 @@ class STAREMask(TokenMask):
         return {"reweight_w": self._w, "reweight_m": self._m, "gate_on": self._gate_on, "entropy": self._entropy}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:  # a checkpoint of a run with a stateless mask: start the schedule afresh
+            return
         self._w, self._m = float(state["reweight_w"]), float(state["reweight_m"])
         self._gate_on, self._entropy = bool(state["gate_on"]), float(state["entropy"])
 
