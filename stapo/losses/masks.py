@@ -65,7 +65,8 @@ class TokenStats:
     entropy: torch.Tensor  # (B, T) entropy of pi_theta(. | y_<t)
     advantages: torch.Tensor  # (B,) per response, or (B, T) per token
     response_mask: torch.Tensor  # (B, T) bool, True on real response tokens
-    # Optional, filled by the trainer; a strategy that needs one says so when it is missing.
+    # Optional, filled by the trainer (docs/losses.md, "Token weights"); each strategy documents what it
+    # does without one (clip_cov: rho = 1 without old_logprobs, an error without seed).
     old_logprobs: Optional[torch.Tensor] = None  # (B, T) log pi_theta_old(y_t): the ratio (clip_cov)
     clip_range: Optional[tuple[float, float]] = None  # the loss's (clip_low, clip_high) (clip_cov)
     batch_entropy: Optional[float] = None  # token-mean entropy of the whole rollout batch, all ranks,
