@@ -28,6 +28,7 @@ def build_token_record(
     decode_token: Callable[[int], str],
     prompt_texts: Sequence[str], response_texts: Sequence[str],
     rewards: Sequence[float] | torch.Tensor,
+    weights: torch.Tensor | None = None,  # (B, T) float, the mask's token weights (None: keep as 1 / 0)
 ) -> TokenRecord:
     """Flatten the valid tokens (row-major) of one mini-batch into a record; rows are 0..B-1."""
     token_ids, logprobs, entropy, advantages, response_mask, keep, topk_ids, topk_probs, \
@@ -63,4 +64,5 @@ def build_token_record(
         topk_ids=flat_topk, topk_probs=topk_probs[valid].float(),
         topk_text=[[cache[i] for i in r] for r in flat_topk.tolist()],
         collision=collision[valid].float(),
+        weight=None if weights is None else torch.where(kept, weights.detach().cpu()[valid].float(), 0.0),
     )

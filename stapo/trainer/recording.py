@@ -57,5 +57,6 @@ class TokenRecorder:
             topk_ids=topk_ids, topk_probs=topk_probs, collision=collision,
             decode_token=lambda i: tokenizer.decode([i]),
             prompt_texts=rollout.prompt_text, response_texts=rollout.response_text, rewards=rewards,
+            weights=masked.weights,
         )
         write_token_record(token_record_path(self.output_dir, step, minibatch), record)

@@ -40,7 +40,7 @@ from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_s
 from stapo.telemetry.mfu import device_peak_flops
 from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
                                         skipped_updates, stats_counts, step_metrics, token_counts)
-from stapo.trainer.update import TrainBatch, policy_stats, update_minibatch
+from stapo.trainer.update import TrainBatch, policy_stats, rollout_entropy, update_minibatch
 from stapo.sync.buckets import sync_weights
 
 log = logging.getLogger("stapo.trainer")
@@ -130,10 +130,12 @@ class STAPOTrainer:
         for key, value in {**scored.sums, **token_counts(rollout, no_grad_passes=1 + (self.reference is not None)),
                            **mismatch_sums(batch.sampling_logprobs, batch.old_logprobs, batch.response_mask)}.items():
             sums.add_value(key, value)  # rewards', token counts and rollout-vs-trainer sums
+        batch_entropy = rollout_entropy(batch)
+        self.mask.start_step(batch_entropy)  # a weighting mask's schedule (STARE's gate and W/M)
         for k, rows in enumerate(self._mini_batches(len(batch))):  # line 6
             mini = batch.rows(rows)
             with timer("stats"):
-                stats = self._mask_stats(mini, first=k == 0)  # line 8: p and H of the current policy
+                stats = self._mask_stats(mini, first=k == 0, batch_entropy=batch_entropy, seed=self._mask_seed(k))
             if k > 0 and cfg.mask.stats_source == "fresh":
                 for key, value in stats_counts(mini).items():
                     sums.add_value(key, value)
@@ -141,7 +143,8 @@ class STAPOTrainer:
             probe = self.spurious_probe.apply(stats)  # diagnostic: the S2T criterion, whatever the mask
             self._observe(k, mini, stats, masked, probe, rollout, rewards, rows)
             with timer("update"):  # lines 11-12: Eq. 1 over kept tokens, optimizer step
-                update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts)
+                update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts,
+                                               weights=masked.weights)
             sums.add({**update_sums, **mask_sums(stats, masked, probe)})
         with timer("sync"):
             synced = sync_weights(self.model, self.rollout_engine, cfg.rollout.sync_bucket_mb * 2**20)  # line 3
@@ -169,14 +172,21 @@ class STAPOTrainer:
                           advantages, old_logprobs, old_entropy, sampling_logprobs=rollout.sampling_logprobs,
                           ref_logprobs=ref_logprobs, loss_mask=loss_mask)
 
-    def _mask_stats(self, mini: TrainBatch, first: bool) -> TokenStats:
+    def _mask_stats(self, mini: TrainBatch, first: bool, batch_entropy: float, seed: int) -> TokenStats:
         """Exact stats for the first mini-batch (theta = theta_old); later ones need a fresh pass
         unless ``mask.stats_source: old`` (documented approximation)."""
         if first or self.config.mask.stats_source == "old":
             logprobs, entropy = mini.old_logprobs, mini.old_entropy
         else:
             logprobs, entropy = policy_stats(self.model, mini, self.opts)
-        return TokenStats(logprobs, entropy, mini.advantages, mini.trainable)  # truncated rows: padding
+        return TokenStats(logprobs, entropy, mini.advantages, mini.trainable,  # truncated rows: padding
+                          old_logprobs=mini.old_logprobs, clip_range=(self.opts.clip_low, self.opts.clip_high),
+                          batch_entropy=batch_entropy, seed=seed)
+
+    def _mask_seed(self, k: int) -> int:
+        """Seed of mini-batch ``k``'s random token choices (clip_cov): per (run, step, mini-batch), the
+        same on every rank, so runs reproduce and resume exactly."""
+        return (self.config.trainer.seed * 1_000_003 + self.step_count * 1_009 + k * 7_919 + 104_729) % 2**31
 
     def _mini_batches(self, num_rows: int) -> list[slice]:
         size = build.rows_per_rank(self.config, self.dist.world_size)
@@ -311,6 +321,7 @@ class STAPOTrainer:
             "step": self.step_count,
             "skipped_steps": self.skipped_steps,
             "sampler": self.sampler.state_dict(),  # RNG states of every rank are saved by the manager
+            "mask": self.mask.state_dict(),  # a weighting mask's schedule (STARE's W, M and gate)
             "config": self.config.to_dict(),
         }
         return self.checkpoints.save(self.engine, self.step_count, state)
@@ -328,6 +339,7 @@ class STAPOTrainer:
         state = self.checkpoints.load(self.engine, path)
         self.step_count, self.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
         self.sampler.load_state_dict(state["sampler"])
+        self.mask.load_state_dict(state.get("mask", {}))
         self.logger.truncate_after(self.step_count)
         sync_weights(self.model, self.rollout_engine, self.config.rollout.sync_bucket_mb * 2**20)
         log.info("resumed from %s at step %d", path, self.step_count)
