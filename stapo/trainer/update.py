@@ -128,10 +128,11 @@ def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
     rank's metric SUMS as device tensors (the step reduces them once; no per-micro-batch sync).
     """
     with pass_kind(model, UPDATE):  # ZeRO-3: its own forward + backward trace (zero3_trace)
-        return _update(engine, model, batch, keep, opts)
+        return _update(engine, model, batch, keep, opts, weights)
 
 
-def _update(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOptions) -> dict[str, torch.Tensor]:
+def _update(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOptions,
+            weights: torch.Tensor | None) -> dict[str, torch.Tensor]:
     keep = keep & batch.trainable
     if weights is not None:
         keep = keep & (weights > 0)
