@@ -220,7 +220,7 @@ class STAPOTrainer:
         examples = [self.eval_data[i] for i in range(self.dist.rank, len(self.eval_data), self.dist.world_size)]
         rollout = self._generate(examples, greedy=True)
         rewards = self.score(rollout.response_text, rollout.ground_truth, [dict(e.fields) for e in examples])
-        return evaluation_metrics(rewards)
+        return evaluation_metrics(rewards, rollout.response_mask.sum(dim=1).tolist())
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
