@@ -34,7 +34,7 @@ sys.meta_path.insert(0, _Block())
 """
 
 
-def _stapo(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 120):
+def _stapo(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 300):
     full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "STAPO_TRACEBACK"):
         full.pop(var, None)
@@ -99,7 +99,6 @@ def test_bad_input_is_one_message_naming_what_is_wrong(name, env, args, status, 
     argv = ["train", *(_sub(a, files) for a in args)]
     if not any(a.startswith("trainer.output_dir=") for a in argv):
         argv.append(f"trainer.output_dir={tmp_path / 'run'}")
-    started = time.monotonic()
     result = _stapo(*argv, *(["--dry-run"] if dry_run else []), env=_env(env, files))
     expected = [_sub(n, files) for n in names]
     note = dry_run and name in ("hub-dataset-offline", "model-offline", "lora-without-peft")
@@ -112,7 +111,7 @@ def test_bad_input_is_one_message_naming_what_is_wrong(name, env, args, status, 
         assert "not on this machine: " in result.stdout
     else:
         assert len(result.stderr.strip().splitlines()[-1]) > 20  # one line, not a bare exception name
-    assert time.monotonic() - started < 60, "the error must come before anything heavy starts"
+    assert "rollout engine:" not in result.stderr, "the error must come before anything heavy is built"
 
 
 def test_help_has_no_markup():
@@ -159,7 +158,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_older_one(straight, tmp
     shard = next((newest / "zero").glob("*model_states.pt"))  # ZeRO-3: zero_pp_rank_0_mp_rank_00_model_states.pt
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
 
-    named = _stapo("train", str(config), f"trainer.resume={newest}", timeout=120)
+    named = _stapo("train", str(config), f"trainer.resume={newest}")
     assert named.returncode == 2 and "Traceback" not in named.stderr, named.stderr[-3000:]
     assert f"trainer.resume: checkpoint {newest} cannot be resumed" in named.stderr
     assert f"{shard.name} is truncated" in named.stderr
