@@ -123,7 +123,7 @@ def test_help_has_no_markup():
 
 def _config(path: Path, out: Path, model_dir, data, steps: int) -> Path:
     STAPOConfig.from_yaml(None, [
-        f"model.path={model_dir}", f"data.source={data}", f"trainer.output_dir={out}",
+        f"model.path={model_dir}", f"data.source={data}", f"data.eval_source={data}", f"trainer.output_dir={out}",
         "trainer.train_batch_size=4", "trainer.mini_batch_size=2", "trainer.micro_batch_size=4",
         "rollout.group_size=4", "rollout.max_response_length=12", f"trainer.total_steps={steps}",
         "trainer.save_every=1", "trainer.keep_last=3", "optim.lr=1e-3", "optim.warmup_steps=2",
@@ -194,5 +194,6 @@ def test_a_signal_saves_a_checkpoint_exits_with_its_status_and_resumes_exactly(
 
     resumed = _stapo("train", str(config), timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"{4 - stopped_at} steps in" in resumed.stdout
+    assert f"{4 - stopped_at} steps in" in resumed.stdout and f"resumed at step {stopped_at}" in resumed.stdout
+    assert "held-out accuracy (greedy): " in resumed.stdout  # the step-0 evaluation, read back from metrics.jsonl
     assert _metrics(tmp_path / "run") == _metrics(straight)
