@@ -39,7 +39,8 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
 - ``tokens_per_s_rollout`` (generated tokens), ``tokens_per_s_stats`` (real tokens of the no-grad
   passes), ``tokens_per_s_update`` (real tokens of the update), over all ranks
 
-Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean`` (eval steps only);
+Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean``,
+``eval_response_length_mean`` (greedy response tokens; eval steps only);
 ``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``);
 ``mask_gate`` (a gated weighting mask's gate, e.g. STARE's: 1 on, 0 off, the mean over the step's
 mini-batches; only for such a mask);
@@ -83,9 +84,8 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "tokens_per_s_rollout", "tokens_per_s_stats", "tokens_per_s_update",
     "tokens_per_s",
 )
-OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "kl", "mask_gate", "entropy_bonus",
-                                         "mfu_stats",
-                                         "mfu_update",
+OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "eval_response_length_mean", "kl",
+                                         "mask_gate", "entropy_bonus", "mfu_stats", "mfu_update",
                                          "sampling_rounds", "groups_kept", "groups_dropped", "groups_surplus",
                                          "sampling_capped")
 #: Metrics measured from wall time: they differ between two runs of the same training.

@@ -206,11 +206,16 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
     }
 
 
-def evaluation_metrics(rewards: list[float]) -> dict[str, float]:
+def evaluation_metrics(rewards: list[float], response_lengths: list[int] | None = None) -> dict[str, float]:
+    """Held-out accuracy, mean reward and (with ``response_lengths``) mean response length, all ranks."""
+    lengths = [] if response_lengths is None else response_lengths
     s = reduce_metrics({"n": float(len(rewards)), "correct": float(sum(r > 0 for r in rewards)),
-                        "reward_sum": float(sum(rewards))})
+                        "reward_sum": float(sum(rewards)), "length_sum": float(sum(lengths))})
     n = max(s["n"], 1.0)
-    return {"eval_accuracy": s["correct"] / n, "eval_reward_mean": s["reward_sum"] / n}
+    row = {"eval_accuracy": s["correct"] / n, "eval_reward_mean": s["reward_sum"] / n}
+    if response_lengths is not None:
+        row["eval_response_length_mean"] = s["length_sum"] / n
+    return row
 
 
 def sample_completions(rollout, rewards: torch.Tensor, silenced: torch.Tensor, tokenizer, count: int = 2) -> list[dict]:

@@ -27,6 +27,7 @@ from stapo.rollout import Rollout, SamplingParams
 from stapo.trainer import components as build
 from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, read_metrics
 from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_final
+from stapo.trainer.interrupt import RunInterrupted, stop_on_signals
 from stapo.distributed.process_group import all_gather_object, barrier, broadcast_object, init_distributed
 from stapo.distributed.shared_dir import require_shared_dir
 from stapo.telemetry.metrics import MetricsLogger
@@ -75,9 +76,9 @@ class STAPOTrainer:
         self.dist = init_distributed(timeout=build.collective_timeout(cfg))
         # before anything reads or writes it: one output_dir that every node sees, or a clear stop on all
         self.output_dir = require_shared_dir(cfg.trainer.output_dir, name="trainer.output_dir")
-        plan = plan_run(cfg, self.dist.world_size)  # what `stapo train --dry-run` checks; nothing built yet
-        if plan.engine_problem is not None:
-            raise ValueError(plan.engine_problem)
+        plan = plan_run(cfg, self.dist.world_size, data=train_dataset is None)  # as `stapo train --dry-run`
+        if plan.run_problems:
+            raise ValueError(plan.run_problems[0])
         self.score, self._close_scorer = build.build_scorer(cfg, reward_fn)  # imports reward.function
         resume_from = broadcast_object(plan.resume_from)  # rank 0's pick: every rank resumes the same step
         if resume_from is None:
@@ -237,34 +238,53 @@ class STAPOTrainer:
         examples = [self.eval_data[i] for i in range(self.dist.rank, len(self.eval_data), self.dist.world_size)]
         rollout = self._generate(examples, greedy=True)
         rewards = self.score(rollout.response_text, rollout.ground_truth, [dict(e.fields) for e in examples])
-        return evaluation_metrics(rewards)
+        return evaluation_metrics(rewards, rollout.response_mask.sum(dim=1).tolist())
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        """Run to ``trainer.total_steps``; checkpoints, evaluation, export, plots. Returns a summary."""
-        cfg, start = self.config, time.perf_counter()
-        before = self.evaluate() if self.step_count == 0 else {}
-        if before:
+        """Run to ``trainer.total_steps``; checkpoints, evaluation, export, plots. Returns a summary.
+
+        Ctrl-C / SIGTERM stop at the next step boundary with a checkpoint (stapo.trainer.interrupt)."""
+        cfg, start, first_step = self.config, time.perf_counter(), self.step_count
+        before = self.evaluate() if self.step_count == 0 else self._logged_evaluation(0)
+        if before and self.step_count == 0:
             self.logger.log(0, before)
-        try:
+        with stop_on_signals() as stop:
             while self.step_count < cfg.trainer.total_steps:
+                self._stop_if_asked(stop)
                 metrics = self.step()
                 if cfg.trainer.eval_every and self.step_count % cfg.trainer.eval_every == 0:
                     metrics.update(self.evaluate())
                 self.logger.log(self.step_count, metrics)
                 if cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0:
                     self.save_checkpoint()
-        except KeyboardInterrupt:
-            log.warning("interrupted at step %d: saving a checkpoint before exiting", self.step_count)
-            self.save_checkpoint()
-            raise
+            self._stop_if_asked(stop)
         after = self.evaluate()
         if after:
             self.logger.log(self.step_count, after)
         self.save_checkpoint()
-        return self._finish(before, after, time.perf_counter() - start)
+        return self._finish(before, after, time.perf_counter() - start, self.step_count - first_step)
 
-    def _finish(self, before: dict, after: dict, seconds: float) -> dict[str, float]:
+    def _stop_if_asked(self, stop) -> None:
+        """At a step boundary: when any rank got Ctrl-C / SIGTERM, all save a checkpoint and stop."""
+        name = stop.agreed(all_gather_object) if self.dist.world_size > 1 else stop.signal_name
+        if name is None:
+            return
+        saved = None
+        if self.step_count > 0:
+            log.warning("%s at step %d: saving a checkpoint before exiting", name, self.step_count)
+            saved = self.save_checkpoint()
+        self.logger.close()
+        self._close_scorer()
+        raise RunInterrupted(name, self.step_count, saved)
+
+    def _logged_evaluation(self, step: int) -> dict[str, float]:
+        """A resumed run's evaluation at ``step`` from metrics.jsonl (the summary's "before")."""
+        rows = read_metrics(self.output_dir / METRICS_FILE) if self.dist.is_main else []
+        return next(({k: v for k, v in r.items() if k.startswith("eval_")} for r in rows
+                     if r.get("step") == step and "eval_accuracy" in r), {})
+
+    def _finish(self, before: dict, after: dict, seconds: float, session_steps: int) -> dict[str, float]:
         from stapo.plots import plot_training_curves
         if self.config.trainer.export_hf:
             export_final(self.engine, self.tokenizer, self.output_dir / FINAL_DIR,
@@ -275,6 +295,7 @@ class STAPOTrainer:
         rows = [r for r in read_metrics(self.output_dir / METRICS_FILE) if "silenced_frac" in r] if main else []
         summary = {
             "steps": self.step_count,
+            "session_steps": session_steps,  # this process's steps: fewer than ``steps`` after a resume
             "accuracy_before": before.get("eval_accuracy", float("nan")),
             "accuracy_after": after.get("eval_accuracy", float("nan")),
             "silenced_frac_mean": sum(r["silenced_frac"] for r in rows) / max(len(rows), 1),
