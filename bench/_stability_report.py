@@ -31,11 +31,12 @@ def _groups(rows: list[dict]) -> list[tuple[float, str, list[dict]]]:
 
 
 def balanced_seeds(rows: list[dict]) -> dict[float, list[int]]:
-    """Per lr, the seeds every mask has finished (done or failed): the summary's paired, balanced set."""
+    """Per lr, the seeds every mask has finished (done or failed): the summary's paired, balanced set.
+    A mask with no finished run at that lr yet (one just added to the study) does not empty the set."""
     out = {}
     for lr in dict.fromkeys(r["lr"] for r in rows):
         at_lr = [r for r in rows if r["lr"] == lr]
-        masks = set(r["mask"] for r in at_lr)
+        masks = set(r["mask"] for r in at_lr if "eval_curve" in r)
         seeds = dict.fromkeys(r["seed"] for r in at_lr)
         out[lr] = [s for s in seeds if all(any(r["mask"] == m and r["seed"] == s and "eval_curve" in r
                                                for r in at_lr) for m in masks)]
@@ -58,7 +59,7 @@ def summary_table(rows: list[dict]) -> str:
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     balanced = balanced_seeds(rows)
     for lr, mask, group in _groups(rows):
-        done = [r for r in group if r["seed"] in balanced[lr]]
+        done = [r for r in group if r["seed"] in balanced[lr] and "eval_curve" in r]
         hits = _top_grad_hits([r["top_grad"] for r in done])
         seeds = ", ".join(str(r["seed"]) for r in done) or "none yet"
         lines.append(
@@ -73,13 +74,13 @@ def summary_table(rows: list[dict]) -> str:
 
 def runs_table(rows: list[dict]) -> str:
     lines = ["| lr | mask | seed | status | held-out accuracy at each eval | peak (step) | final "
-             "| drop | max / p95 grad norm | entropy first → last | silenced % | spurious % "
-             "| S2T in top-grad | wall min |",
-             "|---:|---|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "| drop | max / p95 grad norm | entropy first → last | silenced % | up / down-weighted %, gate on % "
+             "| spurious % | S2T in top-grad | wall min |",
+             "|---:|---|---:|---|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|"]
     for r in rows:
         head = f"| {r['lr']:g} | `{r['mask']}` | {r['seed']} |"
         if "eval_curve" not in r:
-            lines.append(f"{head} {r['status']} ({r['steps_done']} steps) |" + " |" * 10)
+            lines.append(f"{head} {r['status']} ({r['steps_done']} steps) |" + " |" * 11)
             continue
         curve = " ".join(f"{100 * a:.0f}" for _, a in r["eval_curve"])
         ent = r["entropy_curve"]
@@ -90,9 +91,19 @@ def runs_table(rows: list[dict]) -> str:
         lines.append(
             f"{head} {status} | {curve} | {100 * r['peak_acc']:.1f} ({r['peak_step']}) | {100 * r['final_acc']:.1f} "
             f"| {100 * r['drop']:.1f} | {r['grad_norm_max']:.2f} / {r['grad_norm_p95']:.2f} "
-            f"| {ent[0][1]:.3f} → {ent[-1][1]:.3f} | {100 * r['silenced_frac']:.3f} | {100 * r['spurious_frac']:.3f} "
+            f"| {ent[0][1]:.3f} → {ent[-1][1]:.3f} | {100 * r['silenced_frac']:.3f} | {_weighting(r)} "
+            f"| {100 * r['spurious_frac']:.3f} "
             f"| {hits} | {r['wall_s'] / 60:.1f} |")
     return "\n".join(lines)
+
+
+def _weighting(row: dict) -> str:
+    """``up / down, gate`` in percent for a run of a weighting mask; – otherwise."""
+    if row.get("gate_on_frac") is None and not row.get("upweighted_frac") and not row.get("downweighted_frac"):
+        return "–"
+    gate = row.get("gate_on_frac")
+    on = f", gate on {100 * gate:.0f}%" if gate is not None else ""
+    return f"{100 * row['upweighted_frac']:.3f} / {100 * row['downweighted_frac']:.3f}{on}"
 
 
 def _mean_curve(done: list[dict]) -> tuple[list[int], list[float], list[float]]:

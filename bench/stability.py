@@ -7,6 +7,12 @@ peak / final accuracy and drop from peak, max and 95th-percentile grad norm, ent
 and spurious fractions, and how often the S2T criterion flags the largest-gradient tokens of the
 inspector's token records.
 
+The study's masks are ``none``, ``stapo``, ``entropy_top`` and, added later (docs/stability.md,
+"Settings"), the token-weighting ``stare`` and ``clip_cov``; the report keeps the committed rows of
+runs made in another output directory, so the later rows can run on their own::
+
+    python bench/stability.py --masks stare clip_cov --seeds 0 1 2 3 4 --lrs 2e-4 --out /tmp/study
+
 Runs go seed-major (every mask of seed 0, then seed 1, ...) so a study cut short stays balanced. It is
 resumable: a run whose metrics end with the final evaluation is not rerun; an interrupted one
 continues from its last checkpoint (``trainer.resume=auto``). ``--report`` (re)writes the committed
@@ -51,7 +57,7 @@ from _stability_report import BEGIN, END, plot_curves, render  # noqa: E402  (be
 from _train_runs import SMOKE, TrainingFailed, run_training, train_command  # noqa: E402
 
 # ---- the study's fixed settings (docs/stability.md, "Settings") ----------------------------------
-MASKS = ("none", "stapo", "entropy_top")
+MASKS = ("none", "stapo", "entropy_top", "stare", "clip_cov")  # the last two joined after the first 15 runs
 CORE = [(2e-4, seed) for seed in (0, 1, 2)]
 #: Run after the core grid, in this order, while time allows: two more seeds, then the lower lr.
 EXTRAS = [(2e-4, 3), (2e-4, 4), (1e-4, 0), (1e-4, 1), (1e-4, 2)]
@@ -277,6 +283,7 @@ def summarize_run(run: Run, out: Path, attempts: list[dict]) -> dict:
         grad_norm_max=max(grad), grad_norm_p95=_percentile(grad, 0.95),
         entropy_curve=[[int(r["step"]), round(r["entropy_mean"], 5)] for r in steps],
         silenced_frac=statistics.fmean(r["silenced_frac"] for r in steps),
+        **_weight_summaries(steps),
         spurious_frac=statistics.fmean(r["spurious_frac"] for r in steps),
         skipped_steps=int(steps[-1]["skipped_steps"]),
         top_grad=top_grad_s2t(run_dir),
@@ -286,14 +293,41 @@ def summarize_run(run: Run, out: Path, attempts: list[dict]) -> dict:
     return row
 
 
-def collect_rows(grid: list[Run], out: Path) -> list[dict]:
-    timings = read_timings(out)
-    return [summarize_run(run, out, timings.get(run.name, [])) for run in grid]
+def _weight_summaries(steps: list[dict]) -> dict:
+    """A weighting mask's per-step means (runs logged before the weight metrics existed have none)."""
+    if not all("weight_mean" in r for r in steps):
+        return {}
+    gates = [r["mask_gate"] for r in steps if math.isfinite(r.get("mask_gate", math.nan))]
+    return {"upweighted_frac": statistics.fmean(r["upweighted_frac"] for r in steps),
+            "downweighted_frac": statistics.fmean(r["downweighted_frac"] for r in steps),
+            "weight_mean": statistics.fmean(r["weight_mean"] for r in steps),
+            "gate_on_frac": statistics.fmean(gates) if gates else None}
+
+
+def collect_rows(grid: list[Run], out: Path, earlier: dict[str, dict] | None = None) -> list[dict]:
+    """Every run's row from ``out``; a run ``out`` has no directory for keeps its ``earlier`` row (the
+    committed results of runs made in another output directory, e.g. the study's first 15 runs)."""
+    timings, earlier = read_timings(out), earlier or {}
+    rows = []
+    for run in grid:
+        kept = earlier.get(run.name)
+        fresh = kept is None or kept["status"] == "pending" or (out / run.name).is_dir()
+        rows.append(summarize_run(run, out, timings.get(run.name, [])) if fresh else kept)
+    return rows
+
+
+def read_results(results: Path) -> dict[str, dict]:
+    """The committed rows by run name ({} without a file)."""
+    if not results.is_file():
+        return {}
+    rows = [json.loads(line) for line in results.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {row["run"]: row for row in rows}
 
 
 def write_report(grid: list[Run], out: Path, results: Path, doc: Path, figure: Path) -> None:
     results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text("".join(json.dumps(r) + "\n" for r in collect_rows(grid, out)), encoding="utf-8")
+    rows = collect_rows(grid, out, read_results(results))
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     rows = [json.loads(line) for line in results.read_text(encoding="utf-8").splitlines() if line.strip()]
     plot_curves(rows, figure)
     link = {path: Path(os.path.relpath(path, doc.parent)).as_posix() for path in (results, figure)}

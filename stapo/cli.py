@@ -1,4 +1,4 @@
-"""``stapo`` command line: train, list masks, evaluate, inspect spurious tokens.
+"""stapo command line: train, list masks, evaluate, inspect spurious tokens.
 
     stapo train                          # the built-in tiny CPU recipe (demo)
     stapo train recipe.yaml optim.lr=2e-6 trainer.output_dir=runs/x
@@ -7,7 +7,8 @@
     stapo eval MODEL_DIR --benchmark math500
     stapo inspect RUN_DIR                # spurious-token report of a run recorded with inspect.record_every
 
-User mistakes (missing file, unknown key, bad value) print one line, not a traceback.
+User mistakes (missing file, unknown key, bad value, unreadable data or checkpoint) print one line,
+not a traceback. Ctrl-C / SIGTERM during training save a checkpoint and exit with 130 / 143.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import importlib.resources
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from stapo.config import ConfigError, STAPOConfig
 from stapo.run_dir import written_artifacts
 
 TINY_RECIPE = "tiny_cpu.yaml"
+_DOTTED_KEY = re.compile(r"^[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)+$")  # section.key, not a file name
 
 
 class UserError(Exception):
@@ -53,6 +56,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config and not Path(config).exists():  # `stapo train key=value ...`
         config, overrides = None, [config, *overrides]
+    if config and not Path(config).exists() and _DOTTED_KEY.match(config) and \
+            Path(config).suffix not in (".yaml", ".yml"):  # `stapo train trainer.total_steps`
+        raise UserError(f"{config!r} is neither a config file nor an override: an override needs a value, "
+                        f"e.g. {config}=VALUE")
     cfg = STAPOConfig.from_yaml(Path(config) if config else builtin_recipe(), overrides=overrides)
     if args.world_size is not None and not args.dry_run:
         raise UserError("--world-size applies to --dry-run only (a launch takes its ranks from the launcher)")
@@ -60,8 +67,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _dry_run(cfg, args.world_size)
     from stapo.trainer import STAPOTrainer
 
+    from stapo.trainer.interrupt import RunInterrupted
+
     trainer = STAPOTrainer(cfg)
-    summary = trainer.train()
+    try:
+        summary = trainer.train()
+    except RunInterrupted as stop:
+        if trainer.dist.is_main:
+            print(f"stapo train: stopped by {stop}", file=sys.stderr)
+        return stop.exit_status
     if trainer.dist.is_main:
         _print_summary(cfg, summary)
     return 0
@@ -86,9 +100,11 @@ def _dry_run(cfg: STAPOConfig, world_size: int | None) -> int:
 
 def _print_summary(cfg: STAPOConfig, summary: dict) -> None:
     before, after = summary["accuracy_before"], summary["accuracy_after"]
+    session, steps = summary.get("session_steps", summary["steps"]), summary["steps"]
+    resumed = f" (resumed at step {steps - session}; now at step {steps})" if session != steps else ""
     lines = [
         "",
-        f"stapo: {summary['steps']} steps in {summary['seconds'] / 60:.1f} min  (mask: {cfg.mask.name})",
+        f"stapo: {session} steps in {summary['seconds'] / 60:.1f} min{resumed}  (mask: {cfg.mask.name})",
     ]
     if before == before and after == after:  # not NaN: a held-out set was evaluated
         lines.append(f"  held-out accuracy (greedy): {100 * before:.1f}% -> {100 * after:.1f}% "
@@ -241,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_third_party()
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # outside the training loop, or a second Ctrl-C inside it
+        if os.environ.get("STAPO_TRACEBACK"):
+            raise
+        print(f"stapo {args.command}: interrupted (no checkpoint written by this stop)", file=sys.stderr)
+        return 130
     except (UserError, ConfigError, FileNotFoundError, ValueError, NoRolloutServers) as exc:
         if os.environ.get("STAPO_TRACEBACK"):
             raise

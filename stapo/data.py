@@ -12,6 +12,7 @@ own "Answer:" instruction first, so the prompt asks for `\\boxed{}` only.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PAPER_INSTRUCTION", "PRESETS", "DatasetPreset", "PromptDataset", "PromptExample", "PromptSampler",
-           "format_problem", "load_prompt_dataset", "prompt_dataset_from_records", "strip_dapo_instruction"]
+__all__ = ["PAPER_INSTRUCTION", "PRESETS", "DataError", "DataFileScan", "DatasetPreset", "PromptDataset",
+           "PromptExample", "PromptSampler", "format_problem", "load_prompt_dataset", "prompt_dataset_from_records",
+           "resolve_fields", "row_field", "scan_data_file", "strip_dapo_instruction"]
 
 logger = logging.getLogger("stapo.data")
 
@@ -126,12 +128,8 @@ def prompt_dataset_from_records(records: Iterable[dict], *, prompt_field: str = 
                                 max_prompt_length: int | None = None) -> PromptDataset:
     """Rows already in memory (dicts, or an HF `datasets.Dataset`) -> prompts; same rules as
     `load_prompt_dataset` (field mapping, preset cleaning, instruction, chat template, filter)."""
-    clean: Callable[[str], str] = str.strip
-    if preset is not None:
-        p = _preset(preset)
-        prompt_field = p.prompt_field if prompt_field == "prompt" else prompt_field
-        answer_field = p.answer_field if answer_field == "answer" else answer_field
-        clean = p.clean_problem
+    prompt_field, answer_field = resolve_fields(prompt_field, answer_field, preset)
+    clean = _preset(preset).clean_problem if preset is not None else str.strip
     messages, problems, answers, extras = [], [], [], []
     used = {prompt_field.split(".")[0], answer_field.split(".")[0]}  # top-level columns of the mapping
     for i, row in enumerate(records):
@@ -156,6 +154,15 @@ def prompt_dataset_from_records(records: Iterable[dict], *, prompt_field: str = 
     return PromptDataset(examples, num_filtered=dropped)
 
 
+def resolve_fields(prompt_field: str, answer_field: str, preset: str | None) -> tuple[str, str]:
+    """The (prompt, answer) columns actually read: a preset's mapping unless the caller changed a default."""
+    if preset is None:
+        return prompt_field, answer_field
+    p = _preset(preset)
+    return (p.prompt_field if prompt_field == "prompt" else prompt_field,
+            p.answer_field if answer_field == "answer" else answer_field)
+
+
 def _preset(name: str) -> DatasetPreset:
     if name not in PRESETS:
         raise ValueError(f"unknown dataset preset {name!r}; available: {sorted(PRESETS)}")
@@ -165,13 +172,95 @@ def _preset(name: str) -> DatasetPreset:
 def _load_rows(source: str | Path, split: str, data_files: Any, cache_dir: str | Path | None):
     import datasets
 
-    path, cache = Path(source), (str(cache_dir) if cache_dir is not None else None)
-    if path.is_file():
-        if path.suffix not in _FORMATS:
-            raise ValueError(f"unsupported data file {path}: use one of {sorted(_FORMATS)}")
+    path, cache = Path(source).expanduser(), (str(cache_dir) if cache_dir is not None else None)
+    if path.is_file() or (looks_like_file(str(source)) and not path.is_dir()):
+        scan_data_file(path, head=0)  # missing, empty, truncated: one message naming file and line
         return datasets.load_dataset(_FORMATS[path.suffix], data_files={split: str(path)}, split=split,
                                      cache_dir=cache)
     return datasets.load_dataset(str(source), split=split, data_files=data_files, cache_dir=cache)
+
+
+class DataError(ValueError):
+    """Data a run cannot use (missing, empty, unreadable, wrong columns); the message names the file
+    and line, so ``stapo train`` prints it as one line before anything heavy starts."""
+
+
+@dataclass(frozen=True)
+class DataFileScan:
+    """What :func:`scan_data_file` read: the row count and the first rows."""
+
+    path: Path
+    rows: int
+    head: list[dict]
+
+
+def looks_like_file(source: str) -> bool:
+    """A source meant as a local file (a data file suffix, or a path like ``./x`` / ``/x`` / ``~/x``),
+    not a hub dataset name: a missing one is "no such file", not a failed download."""
+    return Path(source).suffix in _FORMATS or source.startswith(("/", "./", "../", "~"))
+
+
+def scan_data_file(path: str | Path, head: int = 8) -> DataFileScan:
+    """Read every row of a local ``.jsonl`` / ``.json`` / ``.parquet`` file, keep the first ``head``.
+
+    Parses the whole file (JSON lines are checked one by one), so a truncated or hand-edited file is
+    reported with its line here, not as ``datasets``' ``DatasetGenerationError`` later. DataError
+    when the file is missing, of another format, unreadable or has no rows.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"{path}: no such file" if not path.exists() else f"{path} is not a file")
+    if path.suffix not in _FORMATS:
+        raise DataError(f"unsupported data file {path}: use one of {sorted(_FORMATS)}")
+    rows = _parquet_rows(path, head) if path.suffix == ".parquet" else _json_rows(path, head)
+    if rows.rows == 0:
+        raise DataError(f"{path}: the file has no rows (it is empty)")
+    return rows
+
+
+def _json_rows(path: Path, head: int) -> DataFileScan:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix == ".json" and text.lstrip().startswith("["):  # one JSON array of row objects
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}, line {exc.lineno}: not valid JSON ({exc.msg}); is the file truncated?") from None
+        bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+        if bad is not None:
+            raise DataError(f"{path}: item {bad} of the array is a {type(rows[bad]).__name__}, not a row object")
+        return DataFileScan(path, len(rows), rows[:head])
+    lines, count, first = text.splitlines(), 0, []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            cut = number == len(lines) and not text.endswith("\n")
+            why = "the last line is cut off: the file looks truncated" if cut else "not valid JSON"
+            raise DataError(f"{path}, line {number}: {why} ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}, line {number}: a JSON {type(row).__name__}, not a row object {{...}}")
+        count += 1
+        if len(first) < head:
+            first.append(row)
+    return DataFileScan(path, count, first)
+
+
+def _parquet_rows(path: Path, head: int) -> DataFileScan:
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+        first = next(file.iter_batches(batch_size=head), None) if head else None
+    except Exception as exc:  # pyarrow raises several types for a damaged file; all mean the same here
+        raise DataError(f"{path}: not a readable Parquet file ({str(exc).strip() or type(exc).__name__})") from None
+    return DataFileScan(path, file.metadata.num_rows, first.to_pylist() if first is not None else [])
+
+
+def row_field(row: dict, dotted: str, i: int) -> Any:
+    """``row[a][b]`` for ``dotted="a.b"``; KeyError naming row ``i``, the missing key and the columns."""
+    return _field(row, dotted, i)
 
 
 def _field(row: dict, dotted: str, i: int) -> Any:

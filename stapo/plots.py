@@ -11,6 +11,7 @@ pyplot: no display, no global backend switch, safe in headless jobs and threads.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -40,7 +41,11 @@ def new_figure(n_panels: int, *, panel_size: tuple[float, float] = (4.5, 3.2),
 def save_figure(fig: Figure, out_png: str | Path, dpi: int = 120) -> Path:
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=dpi, format="png")
+    with warnings.catch_warnings():
+        # token texts of a byte-level vocabulary include scripts and control bytes the default font
+        # lacks; matplotlib draws a box for them, which is the right display, so its warning is noise
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font", category=UserWarning)
+        fig.savefig(out_png, dpi=dpi, format="png")
     return out_png
 
 

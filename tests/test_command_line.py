@@ -11,6 +11,7 @@ import yaml
 
 from stapo.cli import _print_summary, builtin_recipe, main
 from stapo.config import STAPOConfig
+from stapo.losses import build_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "examples" / "recipes").glob("*.yaml"))
@@ -67,7 +68,7 @@ def test_paper_recipes_differ_only_in_the_method():
     """Each paper recipe equals its size's JustRL recipe except mask / loss / output_dir."""
     method_keys = {("mask", "name"), ("mask", "params"), ("loss", "clip_high"), ("loss", "agg"),
                    ("trainer", "output_dir")}
-    paper = [p for p in RECIPES if p.stem.startswith("qwen3_") and not p.stem.endswith("_lora")]
+    paper = [p for p in RECIPES if p.stem.startswith("qwen3_") and not p.stem.endswith(("_lora", "_stare", "_clip_cov"))]
     assert len(paper) == 18  # 3 sizes x (STAPO, GRPO, JustRL, 20-Entropy, 2 ablations)
     for recipe in paper:
         base_name = "_".join(recipe.stem.split("_")[:3 if "1_7b" in recipe.stem else 2]) + "_justrl.yaml"
@@ -79,6 +80,20 @@ def test_paper_recipes_differ_only_in_the_method():
         if recipe.name != base_name:  # a method recipe must change what defines the method
             assert diffs & {("mask", "name"), ("loss", "agg"), ("loss", "clip_high")}, recipe.name
             assert ("trainer", "output_dir") in diffs, f"{recipe.name} would overwrite {base_name}'s run"
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_1_7b_stare", "qwen3_8b_stare", "qwen3_14b_stare", "qwen3_8b_clip_cov"])
+def test_weighting_recipes_are_the_stapo_recipe_with_their_mask(recipe):
+    """STARE / Clip-Cov recipes: the STAPO recipe's data and schedule; their mask, STARE's dual-clip 10."""
+    size = recipe.split("_", 1)[1].rsplit("_", 2 if recipe.endswith("clip_cov") else 1)[0]
+    stapo = STAPOConfig.from_yaml(ROOT / "examples" / "recipes" / f"qwen3_{size}_stapo.yaml").to_dict()
+    this = STAPOConfig.from_yaml(ROOT / "examples" / "recipes" / f"{recipe}.yaml").to_dict()
+    diffs = {(s, k) for s in stapo for k in stapo[s] if stapo[s][k] != this[s][k]}
+    method = "stare" if recipe.endswith("stare") else "clip_cov"
+    assert diffs == {("mask", "name"), ("mask", "params"), ("trainer", "output_dir")} | (
+        {("loss", "clip_c")} if method == "stare" else set())
+    assert this["mask"]["name"] == method and this["loss"]["clip_c"] == (10.0 if method == "stare" else None)
+    assert build_mask(method, **this["mask"]["params"]) == build_mask(method)  # the defaults, spelled out
 
 
 @pytest.mark.parametrize("size", ["8b", "14b"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from stapo.cli import main
 
@@ -78,8 +79,12 @@ def test_output_dir_resume_or_new(capsys, tmp_path):
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     assert "the earlier run's files move to" in _dry_run(capsys, TINY, f"trainer.output_dir={run}")[1]
     step = run / "checkpoints" / "step_25"
-    step.mkdir(parents=True)
-    (step / "client_state.pt").write_bytes(b"")
+    (step / "zero").mkdir(parents=True)
+    (step / "client_state.pt").write_bytes(b"")  # a save cut short: nothing else to resume
+    code, _, err = _dry_run(capsys, TINY, f"trainer.output_dir={run}")
+    assert code == 2 and f"{step}: client_state.pt cannot be read" in err and "trainer.resume=never" in err, err
+    torch.save({"world_size": 1}, step / "client_state.pt")
+    torch.save({}, step / "zero" / "mp_rank_00_model_states.pt")
     assert f"(resumes from {step})" in _dry_run(capsys, TINY, f"trainer.output_dir={run}")[1]
     code, _, err = _dry_run(capsys, TINY, f"trainer.resume={tmp_path / 'missing'}")
     assert code == 2 and "trainer.resume: checkpoint" in err and "does not exist" in err

@@ -192,7 +192,8 @@ class RewardConfig:
 class MaskConfig:
     name: str = "stapo"
     """Token mask from the registry (``stapo masks`` lists them): ``stapo``, ``none``, ``entropy_top``,
-    ``prob_only``, ``high_entropy_low_prob`` or a user-registered one."""
+    ``prob_only``, ``high_entropy_low_prob``, the token-weighting ``stare`` and ``clip_cov``, or a
+    user-registered one."""
     params: dict = field(default_factory=dict)
     """Keyword parameters of the mask, e.g. ``{tau_p: 0.002, entropy_quantile: 0.8}``; the mask's own
     defaults apply to the ones left out. The paper's "tau_h = 20%" is ``entropy_quantile: 0.8``

@@ -19,13 +19,14 @@ _MODULES = {
     "stapo.inspect.analysis": (
         "CLASS_NAMES", "SPURIOUS_CLASS", "ClassStat", "display_token", "grad_norm_by_class",
         "grad_norm_proxy", "silenced_ratio_from_records", "silenced_ratio_over_training",
-        "spurious_mask", "token_classes", "token_frequencies"),
+        "spurious_mask", "token_classes", "token_frequencies", "WEIGHT_CLASSES", "WeightClassStat",
+        "weight_classes"),
     "stapo.inspect.collect": ("build_token_record",),
     "stapo.inspect.figures": ("plot_grad_norm_by_class", "plot_prob_entropy_plane",
                               "plot_silenced_ratio", "plot_token_frequencies"),
     "stapo.inspect.records": ("RecordRow", "TokenRecord", "load_records", "read_token_record",
                               "write_token_record"),
-    "stapo.inspect.report": ("grad_norm_table_markdown", "inspect_run"),
+    "stapo.inspect.report": ("grad_norm_table_markdown", "inspect_run", "weight_table_markdown"),
     "stapo.inspect.tables": ("SilencedToken", "silenced_table_html", "silenced_table_markdown",
                              "silenced_token_table"),
     "stapo.run_dir": ("RECORDS_DIR", "token_record_path"),  # the run directory's format

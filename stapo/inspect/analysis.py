@@ -98,6 +98,47 @@ def grad_norm_by_class(records: Sequence[TokenRecord]) -> list[ClassStat]:
     return stats
 
 
+WEIGHT_CLASSES: tuple[str, ...] = ("up-weighted (w > 1)", "down-weighted (0 < w < 1)", "silenced (w = 0)",
+                                    "S2T: A>0, p<τ_p, H<τ_h")
+
+
+@dataclass(frozen=True)
+class WeightClassStat:
+    """Where the active mask's re-weighted tokens sit, next to STAPO's S2T class (one table row)."""
+
+    name: str
+    count: int
+    frac: float            # of all valid tokens
+    s2t_overlap: int       # how many also meet the S2T criterion
+    mean_weight: float
+    median_prob: float
+    mean_entropy: float
+    positive_frac: float   # share with A > 0
+    mean_grad_norm: float  # mean sqrt(A²(1 − 2p + Σπ²)), the Lemma A.1 proxy; NaN when empty
+
+
+def weight_classes(records: Sequence[TokenRecord]) -> list[WeightClassStat]:
+    """Up-weighted, down-weighted and silenced tokens of the active mask, and the S2T class, over all
+    records: their place on the probability–entropy plane and their gradient-norm proxy."""
+    if not records:
+        raise ValueError("weight_classes needs at least one token record")
+    w = torch.cat([r.weight for r in records])
+    s2t = torch.cat([spurious_mask(r) for r in records])
+    cat = {name: torch.cat([getattr(r, name) for r in records]) for name in ("logprob", "entropy", "advantage")}
+    norm = torch.cat([grad_norm_proxy(r.logprob, r.collision, r.advantage) for r in records]).double().sqrt()
+    selections = (w > 1, (w > 0) & (w < 1), w == 0, s2t)
+    out = []
+    for name, sel in zip(WEIGHT_CLASSES, selections):
+        n = int(sel.sum())
+        mean = (lambda t: float(t[sel].double().mean()) if n else math.nan)  # noqa: E731
+        out.append(WeightClassStat(
+            name=name, count=n, frac=n / w.numel() if w.numel() else math.nan, s2t_overlap=int((sel & s2t).sum()),
+            mean_weight=mean(w), median_prob=float(cat["logprob"][sel].exp().median()) if n else math.nan,
+            mean_entropy=mean(cat["entropy"]), positive_frac=mean((cat["advantage"] > 0).float()),
+            mean_grad_norm=mean(norm)))
+    return out
+
+
 def display_token(text: str) -> str:
     """A token as a visible word: surrounding whitespace stripped, whitespace-only made visible."""
     stripped = text.strip()

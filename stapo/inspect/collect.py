@@ -28,8 +28,13 @@ def build_token_record(
     decode_token: Callable[[int], str],
     prompt_texts: Sequence[str], response_texts: Sequence[str],
     rewards: Sequence[float] | torch.Tensor,
+    weights: torch.Tensor | None = None,  # (B, T) float, the mask's token weights (None: keep as 1 / 0)
+    row_texts: Callable[[list[int]], list[str]] | None = None,
 ) -> TokenRecord:
-    """Flatten the valid tokens (row-major) of one mini-batch into a record; rows are 0..B-1."""
+    """Flatten the valid tokens (row-major) of one mini-batch into a record; rows are 0..B-1.
+
+    ``row_texts`` (one row's valid token ids -> their texts, e.g. ``stapo.inspect.token_text.row_token_texts``)
+    decodes response tokens with their neighbours; without it each is ``decode_token(id)``."""
     token_ids, logprobs, entropy, advantages, response_mask, keep, topk_ids, topk_probs, \
         collision = (x.detach().cpu() for x in (token_ids, logprobs, entropy, advantages,
                                                  response_mask, keep, topk_ids, topk_probs,
@@ -57,10 +62,22 @@ def build_token_record(
         step=step, minibatch=minibatch, mask_name=mask_name,
         thresholds={k: float(v) for k, v in thresholds.items()}, rows=rows,
         row=rows_idx.long(), position=pos_idx.long(), token_id=flat_ids,
-        token_text=[cache[i] for i in flat_ids.tolist()],
+        token_text=_token_texts(flat_ids, rows_idx, cache, row_texts),
         logprob=logprobs[valid].float(), entropy=entropy[valid].float(),
         advantage=adv_bt[valid].float(), kept=kept, silenced=~kept,
         topk_ids=flat_topk, topk_probs=topk_probs[valid].float(),
         topk_text=[[cache[i] for i in r] for r in flat_topk.tolist()],
         collision=collision[valid].float(),
+        weight=None if weights is None else torch.where(kept, weights.detach().cpu()[valid].float(), 0.0),
     )
+
+
+def _token_texts(ids: torch.Tensor, rows: torch.Tensor, cache: dict[int, str],
+                 row_texts: Callable[[list[int]], list[str]] | None) -> list[str]:
+    """Texts of the flattened (row-major) tokens: per id from ``cache``, or per row from ``row_texts``."""
+    if row_texts is None:
+        return [cache[i] for i in ids.tolist()]
+    texts: list[str] = []
+    for row in rows.unique_consecutive().tolist():
+        texts += row_texts(ids[rows == row].tolist())
+    return texts

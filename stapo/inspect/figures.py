@@ -23,7 +23,8 @@ def plot_prob_entropy_plane(records: Sequence[TokenRecord], out_png: str | Path,
     """Probability (log x) vs entropy scatter coloured by advantage sign (paper Fig. 2a).
 
     The silenced region ``p < τ_p ∧ H < τ_h`` (for A > 0) is shaded; tokens the active mask
-    silenced are drawn as black crosses, always (only the others are subsampled to
+    silenced are drawn as black crosses and a weighting mask's up-/down-weighted ones as blue
+    triangles, always (only the others are subsampled to
     ``max_points``, deterministically with ``seed``).
     """
     if not records:
@@ -32,7 +33,9 @@ def plot_prob_entropy_plane(records: Sequence[TokenRecord], out_png: str | Path,
     h = torch.cat([r.entropy for r in records])
     a = torch.cat([r.advantage for r in records])
     silenced = torch.cat([r.silenced for r in records])
-    others = (~silenced).nonzero(as_tuple=True)[0]
+    w = torch.cat([r.weight for r in records])
+    reweighted = (w > 0) & (w != 1)  # a weighting mask's tokens: drawn always, as the silenced ones
+    others = (~silenced & ~reweighted).nonzero(as_tuple=True)[0]
     if others.numel() > max_points:
         g = torch.Generator().manual_seed(seed)
         others = others[torch.randperm(others.numel(), generator=g)[:max_points]]
@@ -52,6 +55,10 @@ def plot_prob_entropy_plane(records: Sequence[TokenRecord], out_png: str | Path,
     if silenced.any():
         ax.scatter(p[silenced], h[silenced], s=18, marker="x", color="black",
                    label=f"silenced ({int(silenced.sum())})")
+    for sel, marker, label in ((w > 1, "^", "up-weighted"), (reweighted & (w < 1), "v", "down-weighted")):
+        if sel.any():
+            ax.scatter(p[sel], h[sel], s=14, marker=marker, facecolors="none", edgecolors="tab:blue",
+                       linewidths=0.8, label=f"{label} ({int(sel.sum())})")
     ax.set_xscale("log")
     ax.set_xlim(lo, 1.5)
     ax.set_ylim(bottom=0)

@@ -11,8 +11,10 @@ A :class:`TokenRecord` holds::
     logprob (N,) f32, entropy (N,) f32, advantage (N,) f32, kept (N,) bool, silenced (N,) bool,
     topk_ids (N, K) long, topk_probs (N, K) f32, topk_text list[list[str]] (N x K),
     collision (N,) f32   # Σ_v π(v)², the collision probability of paper Lemma A.1
+    weight (N,) f32      # the active mask's token weight (a plain mask: 1 kept, 0 silenced)
 
 ``kept`` is the active mask's keep (``keep & response_mask``); ``silenced`` = valid and not kept.
+``weight`` is optional in the file (records written before token weights read as ``kept``).
 All statistics are those the mask saw (paper Fig. 2 records the same quantities). Missing or NaN
 thresholds (masks without them) are filled with STAPO's defaults, see :func:`default_thresholds`.
 
@@ -44,6 +46,7 @@ _TENSORS = {  # field -> (dtype, ndim)
     "logprob": (torch.float32, 1), "entropy": (torch.float32, 1),
     "advantage": (torch.float32, 1), "kept": (torch.bool, 1), "silenced": (torch.bool, 1),
     "topk_ids": (torch.long, 2), "topk_probs": (torch.float32, 2), "collision": (torch.float32, 1),
+    "weight": (torch.float32, 1),
 }
 
 
@@ -80,9 +83,12 @@ class TokenRecord:
     topk_probs: torch.Tensor  # (N, K) f32
     topk_text: list[list[str]]  # (N x K)
     collision: torch.Tensor   # (N,) f32, Σ π²
+    weight: torch.Tensor | None = None  # (N,) f32, the mask's token weight; None: kept as 1 / 0
 
     def __post_init__(self) -> None:
         self.rows = [r if isinstance(r, RecordRow) else RecordRow(**r) for r in self.rows]
+        if self.weight is None and isinstance(self.kept, torch.Tensor):
+            self.weight = self.kept.float()
         self.thresholds = default_thresholds(self.thresholds, self.entropy)
         self.validate()
 
@@ -117,6 +123,8 @@ class TokenRecord:
             raise ValueError(f"{where}: every topk_text entry needs {k} strings (topk_ids width)")
         if bool((self.kept & self.silenced).any()):
             raise ValueError(f"{where}: a token is both kept and silenced")
+        if not torch.equal(self.weight > 0, self.kept):
+            raise ValueError(f"{where}: weight > 0 must be exactly the kept tokens")
         unknown = set(self.row.unique().tolist()) - {r.row for r in self.rows}
         if unknown:
             raise ValueError(f"{where}: token rows {sorted(unknown)[:5]} are not in rows")
@@ -179,13 +187,14 @@ def read_token_record(path: str | Path) -> TokenRecord:
         raise ValueError(f"{path}: token record format_version {data.get('format_version')!r}, "
                          f"this stapo reads {FORMAT_VERSION}")
     names = {f.name for f in fields(TokenRecord)} - {"token_text", "topk_text"}
-    missing = (names | set(_PACKED)) - data.keys()
+    missing = (names - _OPTIONAL | set(_PACKED)) - data.keys()
     if missing:
         raise ValueError(f"{path}: token record misses fields {sorted(missing)}")
     token_text, topk_text = _unpack_texts(data)
-    return TokenRecord(**{k: data[k] for k in names}, token_text=token_text, topk_text=topk_text)
+    return TokenRecord(**{k: data[k] for k in names if k in data}, token_text=token_text, topk_text=topk_text)
 
 
+_OPTIONAL = {"weight"}  # fields records written by an earlier stapo may lack
 _PACKED = ("text_bytes", "text_offsets", "token_text_idx", "topk_text_idx")
 
 

@@ -1,6 +1,7 @@
 """``inspect_run``: every inspector artifact of a run into ``RUN_DIR/inspect/`` (docs/inspector.md).
 
 Outputs: ``prob_entropy.png`` (Fig. 2a), ``grad_norm_by_class.png`` + table (Fig. 2b),
+``weighted_tokens.md`` (a weighting mask's up-/down-weighted and silenced tokens next to S2T),
 ``silenced_tokens.md``/``.html`` (App. C Tables 3–5), ``token_frequencies.png`` (Fig. 6b/c),
 ``silenced_ratio.png`` (Fig. 6a), ``training_curves.png`` when ``metrics.jsonl`` exists, and
 ``index.md`` / ``report.html`` linking them all.
@@ -13,8 +14,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from stapo.inspect.analysis import (ClassStat, grad_norm_by_class, silenced_ratio_over_training,
-                                    spurious_mask, token_frequencies)
+from stapo.inspect.analysis import (ClassStat, WeightClassStat, grad_norm_by_class, silenced_ratio_over_training,
+                                    spurious_mask, token_frequencies, weight_classes)
 from stapo.inspect.figures import (plot_grad_norm_by_class, plot_prob_entropy_plane,
                                    plot_silenced_ratio, plot_token_frequencies)
 from stapo.inspect.records import TokenRecord, load_records
@@ -42,6 +43,18 @@ def grad_norm_table_markdown(stats: Sequence[ClassStat]) -> str:
         lines.append(f"| {name} | {s.count} | {_num(100 * s.frac, '.3f')}% | {s.silenced} | "
                      f"{_num(s.mean_grad_norm_sq, '.4g')} | {_num(s.mean_grad_norm, '.4g')} "
                      f"| {rel} |")
+    return "\n".join(lines) + "\n"
+
+
+def weight_table_markdown(stats: Sequence[WeightClassStat]) -> str:
+    """The active mask's weighted tokens as classes next to S2T (docs/inspector.md)."""
+    lines = ["| tokens | count | share | also S2T | mean weight | median p | mean H | A > 0 | mean ‖∇‖ |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in stats:
+        lines.append(f"| {s.name} | {s.count} | {_num(100 * s.frac, '.4f')}% | {s.s2t_overlap} "
+                     f"| {_num(s.mean_weight, '.3g')} | {_num(s.median_prob, '.3g')} | {_num(s.mean_entropy, '.3f')} "
+                     f"| {_num(100 * s.positive_frac, '.0f')}{'' if math.isnan(s.positive_frac) else '%'} "
+                     f"| {_num(s.mean_grad_norm, '.4g')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -83,6 +96,8 @@ def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, *,
     plot_grad_norm_by_class(stats, out / "grad_norm_by_class.png")
     grad_md = grad_norm_table_markdown(stats)
     (out / "grad_norm_by_class.md").write_text(grad_md, encoding="utf-8")
+    weights_md = weight_table_markdown(weight_classes(records))
+    (out / "weighted_tokens.md").write_text(weights_md, encoding="utf-8")
     plot_silenced_ratio(silenced_ratio_over_training(run_dir, records), out / "silenced_ratio.png")
     plot_token_frequencies(*token_frequencies(records), out / "token_frequencies.png",
                            top=top_tokens)
@@ -103,8 +118,8 @@ def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, *,
     (out / "silenced_tokens.html").write_text(_page("Silenced tokens", table_html),
                                               encoding="utf-8")
     summary = _summary_lines(_summary(records))
-    _write_index(out, run_dir, summary, figures, grad_md)
-    _write_html(out, run_dir, summary, figures, stats, table_html)
+    _write_index(out, run_dir, summary, figures, grad_md + "\n## Weighted tokens next to S2T\n\n" + weights_md)
+    _write_html(out, run_dir, summary, figures, stats, table_html, weights_md)
     return out
 
 
@@ -119,7 +134,7 @@ def _write_index(out: Path, run_dir: Path, summary: list[str], figures, grad_md:
 
 
 def _write_html(out: Path, run_dir: Path, summary: list[str], figures,
-                stats: Sequence[ClassStat], table_html: str) -> None:
+                stats: Sequence[ClassStat], table_html: str, weights_md: str) -> None:
     esc = html.escape
     body = [f"<h1>Spurious-token inspection: {esc(run_dir.name)}</h1><ul>"]
     body += [f"<li>{esc(line[2:])}</li>" for line in summary] + ["</ul>"]
@@ -132,6 +147,12 @@ def _write_html(out: Path, run_dir: Path, summary: list[str], figures,
         body.append(f"<tr><td>{esc(s.name)}</td><td>{s.count}</td><td>{s.silenced}</td>"
                     f"<td>{_num(s.mean_grad_norm_sq, '.4g')}</td>"
                     f"<td>{_num(s.mean_grad_norm, '.4g')}</td><td>{rel}</td></tr>")
+    body.append("</table><h2>Weighted tokens next to S2T</h2><table>")
+    for i, line in enumerate(weights_md.strip().splitlines()):
+        if i != 1:  # the Markdown separator row
+            cell = "th" if i == 0 else "td"
+            body.append("<tr>" + "".join(f"<{cell}>{esc(c.strip())}</{cell}>" for c in line.strip("|").split("|"))
+                        + "</tr>")
     body += ["</table>", "<h2>Silenced tokens (paper App. C Tables 3–5)</h2>", table_html]
     (out / "report.html").write_text(_page("stapo inspect", "\n".join(body)), encoding="utf-8")
 

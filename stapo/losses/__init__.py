@@ -35,6 +35,8 @@ from stapo.losses.builtin_masks import (
     ProbOnlyMask,
     STAPOMask,
 )
+from stapo.losses import weighting_masks  # noqa: E402,F401  (registers stare and clip_cov)
+from stapo.losses.weighting_masks import ClipCovMask, STAREMask
 from stapo.losses.mismatch import mismatch_sums, tis_weights
 from stapo.losses.surrogate import AGG_MODES, aggregate_loss, clipped_surrogate_loss
 from stapo.losses.truncation import truncated_keep, truncated_rows
@@ -67,6 +69,8 @@ __all__ = [
     "ProbOnlyMask",
     "HighEntropyLowProbMask",
     "EntropyTopMask",
+    "STAREMask",
+    "ClipCovMask",
     # surrogate (Eq. 1)
     "clipped_surrogate_loss",
     "aggregate_loss",

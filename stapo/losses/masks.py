@@ -1,10 +1,17 @@
 """Token masks: which response tokens contribute to the loss (paper §3.3, Algorithm 1 lines 7-10).
 
 One meaning of mask everywhere: ``keep`` is True where a token contributes. A mask strategy is a
-small dataclass (its fields are its parameters) that implements ONE method, ``silence(stats)``,
-returning a bool ``(B, T)`` tensor of tokens to silence (optionally with a dict of the thresholds
-it used). The base class turns that into ``keep = response_mask & ~silenced``, so no mask can ever
-keep padding, and ``apply`` reports what was silenced without storing state on the mask.
+small dataclass (its fields are its parameters) that implements ONE method: either
+``silence(stats)``, returning a bool ``(B, T)`` tensor of tokens to silence, or ``weigh(stats)``,
+returning float ``(B, T)`` token weights (each optionally with a dict of the thresholds it used).
+The base class turns that into ``keep``, ``silenced`` and ``weights`` (float, 0 on padding and on
+silenced tokens, 1 on the kept tokens of a plain mask), so no strategy can ever keep padding. The
+loss multiplies each token's clipped surrogate by its weight and divides by the number of tokens
+with ``weight > 0`` (docs/losses.md, "Token weights"): a plain mask's losses are bit-identical.
+
+A strategy with state across steps (STARE's adaptive weights) overrides ``start_step`` (called once
+per step with the rollout batch's mean entropy) and ``state_dict`` / ``load_state_dict`` (saved in
+the trainer's checkpoint, so a resumed run continues exactly).
 
 One registry (a dict + decorator + getter; unknown names list the valid ones) makes a strategy available to
 ``build_mask``, configs and ``stapo masks``. Adding your own takes ~10 lines::
@@ -25,14 +32,14 @@ One registry (a dict + decorator + getter; unknown names list the valid ones) ma
     keep = build_mask("neg_low_prob", tau_p=1e-4)(stats)  # (B, T) bool
 
 The built-ins (``none``, ``stapo``, ``prob_only``, ``high_entropy_low_prob``, ``entropy_top``)
-live in ``builtin_masks.py``.
+live in ``builtin_masks.py``; the weighting ones (``stare``, ``clip_cov``) in ``weighting_masks.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -58,6 +65,13 @@ class TokenStats:
     entropy: torch.Tensor  # (B, T) entropy of pi_theta(. | y_<t)
     advantages: torch.Tensor  # (B,) per response, or (B, T) per token
     response_mask: torch.Tensor  # (B, T) bool, True on real response tokens
+    # Optional, filled by the trainer (docs/losses.md, "Token weights"); each strategy documents what it
+    # does without one (clip_cov: rho = 1 without old_logprobs, an error without seed).
+    old_logprobs: Optional[torch.Tensor] = None  # (B, T) log pi_theta_old(y_t): the ratio (clip_cov)
+    clip_range: Optional[tuple[float, float]] = None  # the loss's (clip_low, clip_high) (clip_cov)
+    batch_entropy: Optional[float] = None  # token-mean entropy of the whole rollout batch, all ranks,
+    #                                        from the step's no-grad pass before the update (stare's gate)
+    seed: Optional[int] = None  # the trainer's seed for this step and mini-batch, same on every rank (clip_cov)
 
     def __post_init__(self):
         if self.logprobs.dim() != 2:
@@ -75,6 +89,10 @@ class TokenStats:
                 f"TokenStats.advantages must be (B,) = ({shape[0]},) or (B, T) = {tuple(shape)}, "
                 f"got {tuple(self.advantages.shape)}"
             )
+        if self.old_logprobs is not None and self.old_logprobs.shape != shape:
+            raise ValueError(
+                f"TokenStats.old_logprobs shape {tuple(self.old_logprobs.shape)} != logprobs shape {tuple(shape)}"
+            )
 
     @property
     def advantages_bt(self) -> torch.Tensor:
@@ -88,53 +106,106 @@ class TokenStats:
 class MaskResult:
     """Outcome of one mask application; all tensors ``(B, T)`` bool unless noted."""
 
-    keep: torch.Tensor  # valid & ~silenced: tokens that contribute to the loss
-    silenced: torch.Tensor  # valid & not kept
+    keep: torch.Tensor  # valid & ~silenced: tokens that contribute to the loss (weight > 0)
+    silenced: torch.Tensor  # valid & not kept (weight 0)
     thresholds: dict[str, torch.Tensor] = field(default_factory=dict)  # 0-dim, e.g. {"tau_h": ..}
+    weights: Optional[torch.Tensor] = None  # (B, T) float32: 0 off keep, 1 on keep for a plain mask
+    upweighted: Optional[torch.Tensor] = None  # kept tokens with weight > 1
+    downweighted: Optional[torch.Tensor] = None  # kept tokens with 0 < weight < 1
+
+    def __post_init__(self):
+        if self.weights is None:
+            self.weights = self.keep.float()
+        if self.upweighted is None:
+            self.upweighted = self.keep & (self.weights > 1.0)
+        if self.downweighted is None:
+            self.downweighted = self.keep & (self.weights < 1.0)
 
 
 SilenceOutput = Union[torch.Tensor, "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+WeighOutput = SilenceOutput  # float weights instead of a bool tensor
 
 
 @dataclass
 class TokenMask:
-    """Base class of mask strategies. Subclasses implement ``silence`` only.
+    """Base class of mask strategies. Subclasses implement ``silence`` OR ``weigh``.
 
     ``silence(stats)`` returns a bool ``(B, T)`` tensor (or one that broadcasts to it, e.g. a
     ``(T,)`` positional rule), True = silence this token, or a pair
-    ``(silenced, thresholds)``. Its value on padding does not matter: the base class intersects
-    with ``stats.response_mask``. Quantile thresholds should use
-    ``stapo.losses.masked_quantile`` so that they are global over ranks when distributed.
+    ``(silenced, thresholds)``. ``weigh(stats)`` returns a float tensor of finite weights ``>= 0``
+    that broadcasts to ``(B, T)`` (0 = silence, 1 = as GRPO, 1.1 = up-weight), or a pair
+    ``(weights, thresholds)``. Values on padding do not matter: the base class intersects with
+    ``stats.response_mask``. Quantile thresholds and top-k selections should be global over ranks
+    (``stapo.losses.masked_quantile``) so that the update does not depend on the data split.
     """
 
     def silence(self, stats: TokenStats) -> SilenceOutput:
-        raise NotImplementedError(f"{type(self).__name__} must implement silence(stats)")
+        raise NotImplementedError(f"{type(self).__name__} must implement silence(stats) or weigh(stats)")
+
+    def weigh(self, stats: TokenStats) -> WeighOutput:
+        raise NotImplementedError(f"{type(self).__name__} must implement silence(stats) or weigh(stats)")
+
+    # ---- state across steps (no-ops for a stateless strategy) --------------------------------
+    def start_step(self, batch_entropy: float) -> None:
+        """Called by the trainer once per step, before its first mini-batch, with the rollout batch's
+        token-mean entropy (all ranks): where a strategy's schedule advances."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold for a resumed run to continue exactly (plain Python values)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output; ``{}`` (a checkpoint of a stateless mask) changes nothing."""
+
+    # ---- application -------------------------------------------------------------------------
+    @property
+    def weighs(self) -> bool:
+        """True for a strategy that implements ``weigh`` (rather than ``silence``)."""
+        return type(self).weigh is not TokenMask.weigh
 
     def apply(self, stats: TokenStats) -> MaskResult:
-        """Keep tensor plus what was silenced and the thresholds used."""
+        """Keep tensor, weights, what was silenced / re-weighted and the thresholds used."""
+        if self.weighs:
+            return self._apply_weights(stats)
         out = self.silence(stats)
         raw, thresholds = out if isinstance(out, tuple) else (out, {})
-        shape = stats.logprobs.shape
-        ok = isinstance(raw, torch.Tensor) and raw.dtype == torch.bool
-        try:
-            raw = torch.broadcast_to(raw, shape) if ok else raw
-        except RuntimeError:
-            ok = False
-        if not ok:
-            got = f"{raw.dtype} {tuple(raw.shape)}" if isinstance(raw, torch.Tensor) else type(raw).__name__
-            raise TypeError(
-                f"{type(self).__name__}.silence must return a bool tensor broadcastable to "
-                f"{tuple(shape)}, got {got}"
-            )
+        raw = _broadcast(raw, stats, lambda t: t.dtype == torch.bool, f"{type(self).__name__}.silence", "a bool")
         valid = stats.response_mask
         silenced = valid & raw
         return MaskResult(keep=valid & ~raw, silenced=silenced, thresholds=dict(thresholds))
+
+    def _apply_weights(self, stats: TokenStats) -> MaskResult:
+        out = self.weigh(stats)
+        raw, thresholds = out if isinstance(out, tuple) else (out, {})
+        raw = _broadcast(raw, stats, lambda t: t.is_floating_point(), f"{type(self).__name__}.weigh", "a float")
+        valid = stats.response_mask
+        weights = torch.where(valid, raw.detach().float(), torch.zeros((), device=raw.device))
+        bad = valid & ~(torch.isfinite(weights) & (weights >= 0))
+        if bad.any():
+            raise ValueError(f"{type(self).__name__}.weigh returned {int(bad.sum())} weight(s) that are negative "
+                             f"or not finite, e.g. {weights[bad][0].item()}; weights must be finite and >= 0")
+        keep = weights > 0
+        return MaskResult(keep=keep, silenced=valid & ~keep, thresholds=dict(thresholds), weights=weights)
 
     def mask(self, stats: TokenStats) -> torch.Tensor:
         """Bool ``(B, T)`` keep tensor, never True on padding."""
         return self.apply(stats).keep
 
     __call__ = mask
+
+
+def _broadcast(raw, stats: TokenStats, dtype_ok, what: str, kind: str) -> torch.Tensor:
+    """``raw`` broadcast to ``(B, T)``, or a TypeError naming what ``what`` returned."""
+    shape = stats.logprobs.shape
+    ok = isinstance(raw, torch.Tensor) and dtype_ok(raw)
+    try:
+        raw = torch.broadcast_to(raw, shape) if ok else raw
+    except RuntimeError:
+        ok = False
+    if not ok:
+        got = f"{raw.dtype} {tuple(raw.shape)}" if isinstance(raw, torch.Tensor) else type(raw).__name__
+        raise TypeError(f"{what} must return {kind} tensor broadcastable to {tuple(shape)}, got {got}")
+    return raw
 
 
 _REGISTRY: dict[str, type[TokenMask]] = {}
@@ -178,9 +249,16 @@ def registered_name(mask: TokenMask | type[TokenMask]) -> str | None:
     return next((name for name, registered in _REGISTRY.items() if registered is cls), None)
 
 
+def _listing() -> str:
+    """The registry's names, the silencing masks first, then the token-weighting ones."""
+    weighing = [n for n in available_masks() if _REGISTRY[n].weigh is not TokenMask.weigh]
+    silencing = ", ".join(n for n in available_masks() if n not in weighing)
+    return f"{silencing}; token-weighting masks: {', '.join(weighing)}" if weighing else silencing
+
+
 def _lookup(name: str) -> type[TokenMask]:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown mask {name!r}; available masks: {', '.join(available_masks())}")
+        raise ValueError(f"unknown mask {name!r}; available masks: {_listing()}")
     return _REGISTRY[name]
 
 

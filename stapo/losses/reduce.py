@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["masked_sum", "masked_mean", "masked_quantile", "all_reduce_sum_", "world_size", "distributed_on"]
+__all__ = ["masked_sum", "masked_mean", "masked_quantile", "all_reduce_sum_", "world_size", "distributed_on",
+           "rank", "all_gather_variable"]
 
 
 def distributed_on() -> bool:
@@ -24,6 +25,17 @@ def distributed_on() -> bool:
 def world_size(group=None) -> int:
     """Number of ranks in ``group`` (1 when torch.distributed is not initialized)."""
     return dist.get_world_size(group) if distributed_on() else 1
+
+
+def rank(group=None) -> int:
+    """This process's rank in ``group`` (0 when torch.distributed is not initialized)."""
+    return dist.get_rank(group) if world_size(group) > 1 else 0
+
+
+def all_gather_variable(values: torch.Tensor, group=None) -> torch.Tensor:
+    """1-D ``values`` of every rank of ``group`` concatenated in rank order (lengths may differ);
+    ``values`` itself with one rank."""
+    return _gather_variable(values, group) if world_size(group) > 1 else values
 
 
 def all_reduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:

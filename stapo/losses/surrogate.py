@@ -5,6 +5,7 @@ Per token, with ``rho = exp(clamp(logprobs - old_logprobs, +-log_ratio_clamp))``
     l_t = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A)          (PPO / clip-higher)
     l_t = min(l_t, -clip_c A)   if clip_c is set and A < 0              (dual-clip, verl / DAPO)
     l_t = w_t * l_t             if is_weights are given                 (TIS, stapo.losses.mismatch)
+    l_t = v_t * l_t             if token weights are given              (a weighting mask: STARE, ...)
 
 ``aggregate_loss`` is the ONE place that normalizes (a second normalizer would silently disagree):
 
@@ -20,6 +21,12 @@ Per token, with ``rho = exp(clamp(logprobs - old_logprobs, +-log_ratio_clamp))``
 Silenced tokens get EXACTLY zero gradient even when their logprobs are inf/NaN: inputs are
 selected with ``torch.where(keep, x, 0)`` before any arithmetic (never multiplied by the mask).
 A zero normalizer (nothing kept anywhere) gives a loss of exactly 0, never NaN.
+
+Token weights ``v`` (float ``(B, T)``, from a weighting mask's ``MaskResult.weights``): a token
+with ``v = 0`` leaves the loss like a silenced one (``keep &= v > 0``), the others count ``v_t l_t``
+in the numerator and ONE in the denominator (weights do not renormalize, as in STARE). With
+weights in ``{0, 1}`` the loss and its gradient are bit-identical to the keep mask alone
+(``l * 1.0 == l`` exactly), in every aggregation mode.
 
 Entropy bonus (PPO's entropy term, verl's ``entropy_coeff``; off in the paper): with ``entropy``
 (differentiable, see ``token_logprobs_and_entropy(..., entropy_grad=True)``) and ``entropy_coef``,
@@ -108,6 +115,7 @@ def clipped_surrogate_loss(
     is_weights: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
     entropy_coef: float = 0.0,
+    weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Negative clipped surrogate over kept tokens (Eq. 1 with ``agg="token-mean"``).
 
@@ -122,6 +130,10 @@ def clipped_surrogate_loss(
     :func:`stapo.losses.tis_weights`) multiplying each token's surrogate, after clipping and the
     dual-clip cap, before aggregation; treated as constants (detached). The KL term is not
     reweighted. ``pg_loss_sum`` reports the weighted loss.
+
+    ``weights`` ``(B, T)``: a weighting mask's token weights (detached, ``>= 0``): tokens with
+    weight 0 leave ``keep``; the others' surrogate (after TIS) is multiplied by the weight. The
+    denominator counts kept tokens, unweighted (module doc). KL and entropy terms are not reweighted.
 
     ``metrics`` (0-dim, detached; sums and counts, so they add across micro-batches and ranks):
 
@@ -138,8 +150,11 @@ def clipped_surrogate_loss(
     """
     _check_inputs(logprobs, old_logprobs, advantages, keep, ref_logprobs, clip_low, clip_high, clip_c, kl_coef,
                   entropy)
-    if is_weights is not None and is_weights.shape != logprobs.shape:
-        raise ValueError(f"is_weights shape {tuple(is_weights.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    for name, w in (("is_weights", is_weights), ("weights", weights)):
+        if w is not None and w.shape != logprobs.shape:
+            raise ValueError(f"{name} shape {tuple(w.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if weights is not None:  # weight 0 = silenced: out of numerator and denominator
+        keep = keep & (weights.detach() > 0)
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
     adv = advantages.float()
     adv = torch.where(keep, adv[:, None] if adv.dim() == 1 else adv, zero)  # (B, T)
@@ -157,6 +172,8 @@ def clipped_surrogate_loss(
         pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
     if is_weights is not None:  # TIS: a constant per-token factor (no gradient through the weight)
         pg = pg * torch.where(keep, is_weights.detach().float(), zero)
+    if weights is not None:  # token weights: numerator only (x * 1.0 == x, so {0, 1} weights are exact)
+        pg = pg * torch.where(keep, weights.detach().float(), zero)
     loss = aggregate_loss(pg, keep, agg, normalizer, max_response_length)
 
     with torch.no_grad():

@@ -97,10 +97,11 @@ class HFEngine:
         attn = prompt_mask.long().to(dev)  # (P, Lp)
         positions = (attn.cumsum(dim=1) - 1).clamp(min=0)  # (P, Lp): 0 at each first real token
         cache = DynamicCache(config=self.model.config)
+        cache_kw = cache_argument(self.model)
         out = self.model(input_ids=prompt_ids.to(dev), attention_mask=attn, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **{cache_kw: cache})
         # Prefill once per prompt, then give each of its n samples a copy of the cache.
-        cache = out.past_key_values
+        cache = getattr(out, cache_kw)
         cache.batch_repeat_interleave(n)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # (B, V)
         attn = attn.repeat_interleave(n, dim=0)  # (B, Lp)
@@ -129,7 +130,7 @@ class HFEngine:
                 rows, tokens, attn, next_pos = rows[keep], tokens[keep], attn[keep], next_pos[keep]
             attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)  # (A, Lp+step+1)
             logits = self.model(input_ids=tokens[:, None], attention_mask=attn, position_ids=next_pos,
-                                past_key_values=cache, use_cache=True).logits[:, -1]  # (A, V)
+                                use_cache=True, **{cache_kw: cache}).logits[:, -1]  # (A, V)
             next_pos = next_pos + 1
         response, logprobs, valid = response[:, :steps].cpu(), logprobs[:, :steps].cpu(), valid[:, :steps].cpu()
         texts = self.tokenizer.batch_decode([r[m].tolist() for r, m in zip(response, valid, strict=True)],
@@ -206,3 +207,11 @@ def _pad_token_id(tokenizer, model, eos_ids: list[int]) -> int:
         if isinstance(value, int):
             return value
     return eos_ids[0] if eos_ids else 0
+
+
+def cache_argument(model) -> str:
+    """The KV-cache keyword of ``model.forward`` (and attribute of its output): ``cache`` in current
+    transformers, ``past_key_values`` (deprecated there, with a FutureWarning each call) before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

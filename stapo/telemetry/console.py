@@ -2,8 +2,9 @@
 
 Split from the metric sinks (:mod:`stapo.telemetry.metrics`) so what is written to disk and what is
 shown on screen change independently. Plain mode prints at most one line every
-``plain_interval_s`` seconds (plus the first and last step) and no control characters, so
-redirected logs and CI output stay readable.
+``plain_interval_s`` seconds (plus the first and last step, and every evaluation) and no control
+characters, so redirected logs and CI output stay readable. Lines carry an ETA from the measured
+wall time of this session's steps (evaluations and checkpoints included).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any, TextIO
 # (key, label, format) shown on the progress bar / plain log lines, in this order.
 SHOWN = (("reward_mean", "reward", "num"), ("accuracy", "acc", "num"),
          ("entropy_mean", "entropy", "num"), ("silenced_frac", "silenced", "pct"),
-         ("time_step", "step_time", "sec"))
+         ("time_step", "step_time", "sec"),
+         ("eval_accuracy", "held-out acc", "num"), ("eval_response_length_mean", "held-out length", "num"))
 
 
 def format_value(kind: str, value: Any) -> str:
@@ -34,6 +36,31 @@ def step_summary(row: dict[str, Any]) -> str:
     return " | ".join(f"{label} {format_value(kind, row[key])}" for key, label, kind in SHOWN if key in row)
 
 
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``1h02m``."""
+    whole = max(0, int(round(seconds)))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
+class StepClock:
+    """ETA from the wall time of the steps seen so far (the first one counted from its ``time_step``)."""
+
+    def __init__(self) -> None:
+        self._origin: tuple[int, float] | None = None  # (step before the first timed one, its start)
+
+    def eta(self, step: int, total: int | None, row: dict[str, Any], now: float) -> float | None:
+        if self._origin is None and "time_step" in row:
+            self._origin = (step - 1, now - float(row["time_step"]))
+        if self._origin is None or total is None or step >= total or step <= self._origin[0]:
+            return None
+        first, start = self._origin
+        return (now - start) / (step - first) * (total - step)
+
+
 class ConsoleView:
     """Step lines / progress bar and sample completions on ``stream`` (rank 0 only)."""
 
@@ -47,21 +74,32 @@ class ConsoleView:
         self._bar = None  # (rich Progress, task id) once started
         self._console = None
         self._last_plain = -math.inf
+        self._clock = StepClock()
 
     def show_step(self, step: int, row: dict[str, Any]) -> None:
-        """One step's metrics (non-finite values already restored to floats)."""
+        """One step's metrics (non-finite values already restored to floats); an evaluation always
+        gets its line."""
         if not self._progress:
             return
+        now = time.monotonic()
+        eta = self._clock.eta(step, self.total_steps, row, now)
+        evaluated = "eval_accuracy" in row
         if self._tty:
             bar, task = self._progress_bar()
             bar.update(task, completed=step, stats=step_summary(row))
+            if evaluated:
+                self.print(self._line(step, row, None))
             return
-        now = time.monotonic()
         last = self.total_steps is not None and step >= self.total_steps
-        if now - self._last_plain >= self._plain_interval_s or last:
-            self._last_plain = now
-            total = f"/{self.total_steps}" if self.total_steps else ""
-            self.print(f"step {step}{total} | {step_summary(row)}")
+        if now - self._last_plain >= self._plain_interval_s or last or evaluated:
+            if "time_step" in row:  # an evaluation alone (before training) does not hold back step 1
+                self._last_plain = now
+            self.print(self._line(step, row, eta))
+
+    def _line(self, step: int, row: dict[str, Any], eta: float | None) -> str:
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        return " | ".join([f"step {step}{total}", step_summary(row)] +
+                          ([f"eta {format_duration(eta)}"] if eta is not None else []))
 
     def show_sample(self, step: int, sample: dict[str, Any]) -> None:
         self.print(self._render_sample(step, sample))

@@ -22,6 +22,9 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
   ``entropy_quantile`` (the paper's defaults for a mask without them),
   whatever mask is active), ``keep_frac``, ``mask_tau_h`` (the active mask's entropy threshold; NaN
   for a mask without one), ``probe_tau_h`` (the S2T probe's)
+- ``upweighted_frac``, ``downweighted_frac`` (valid tokens a weighting mask gave a weight > 1 / in
+  (0, 1); 0 for a plain mask), ``weight_mean`` (mean token weight over valid tokens: ``keep_frac`` for
+  a plain mask)
 - ``clip_frac_low``, ``clip_frac_high``, ``approx_kl``, ``loss``, ``grad_norm``, ``lr``
 - ``mismatch_logp_abs_mean``, ``mismatch_logp_abs_max``, ``mismatch_kl`` (rollout engine vs trainer:
   |log pi_sampler - log pi_old| over valid response tokens, its max, and the k3 estimate of
@@ -36,8 +39,11 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
 - ``tokens_per_s_rollout`` (generated tokens), ``tokens_per_s_stats`` (real tokens of the no-grad
   passes), ``tokens_per_s_update`` (real tokens of the update), over all ranks
 
-Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean`` (eval steps only);
+Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean``,
+``eval_response_length_mean`` (greedy response tokens; eval steps only);
 ``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``);
+``mask_gate`` (a gated weighting mask's gate, e.g. STARE's: 1 on, 0 off, the mean over the step's
+mini-batches; only for such a mask);
 ``mfu_stats``, ``mfu_update`` (model FLOPs utilization of the phase on a GPU whose peak is known,
 stapo.telemetry.mfu; absent on CPU); ``entropy_bonus`` (``loss.entropy_coef`` x mean entropy of kept
 tokens, subtracted from the loss; only when ``loss.entropy_coef != 0``); with ``rollout.dynamic_sampling``: ``sampling_rounds``,
@@ -73,6 +79,7 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "response_length_mean", "response_length_max", "response_clip_ratio", "overlong_penalty_mean",
     "reward_failures",
     "entropy_mean", "silenced_frac", "spurious_frac", "keep_frac", "mask_tau_h", "probe_tau_h",
+    "upweighted_frac", "downweighted_frac", "weight_mean",
     "clip_frac_low", "clip_frac_high", "approx_kl", "loss", "grad_norm", "lr",
     "mismatch_logp_abs_mean", "mismatch_logp_abs_max", "mismatch_kl",
     "zero_std_group_frac", "skipped_updates", "skipped_steps",
@@ -81,8 +88,8 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "tokens_per_s_rollout", "tokens_per_s_stats", "tokens_per_s_update",
     "tokens_per_s",
 )
-OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "kl", "entropy_bonus", "mfu_stats",
-                                         "mfu_update",
+OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "eval_response_length_mean", "kl",
+                                         "mask_gate", "entropy_bonus", "mfu_stats", "mfu_update",
                                          "sampling_rounds", "groups_kept", "groups_dropped", "groups_surplus",
                                          "sampling_capped", "policy_staleness", "generation_s")
 #: Metrics measured from wall time: they differ between two runs of the same training.

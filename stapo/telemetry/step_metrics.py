@@ -78,14 +78,21 @@ def mask_sums(stats: TokenStats, masked: MaskResult, probe: MaskResult) -> dict[
 
     ``mask_tau_h`` is the ACTIVE mask's entropy threshold (NaN for a mask without one) and
     ``probe_tau_h`` the probe's (the S2T criterion at the configured tau_p / entropy_quantile,
-    whatever mask is active), so neither can be mistaken for the other.
+    whatever mask is active), so neither can be mistaken for the other. A weighting mask adds what it
+    up- and down-weighted and the sum of its weights; a gated one (a ``gate`` threshold, as STARE's)
+    its gate, ``mask_gate`` (1 on, 0 off; absent for a mask without one).
     """
     valid = stats.response_mask
     nan = torch.tensor(float("nan"), device=valid.device)
+    gate = {"mask_gate": masked.thresholds["gate"].detach().float()} if "gate" in masked.thresholds else {}
     return {
+        **gate,
         "valid_tokens": valid.sum(),
         "kept_tokens_mask": masked.keep.sum(),
         "silenced_tokens": masked.silenced.sum(),
+        "upweighted_tokens": masked.upweighted.sum(),
+        "downweighted_tokens": masked.downweighted.sum(),
+        "weight_sum": masked.weights[valid].sum(),
         "spurious_tokens": probe.silenced.sum(),
         "entropy_sum": stats.entropy[valid].sum(),
         "mask_tau_h": masked.thresholds.get("tau_h", nan).detach().float(),
@@ -152,6 +159,8 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
     optional = dict(scored.sampling)  # dynamic sampling: already global
     if "kl_sum" in s:  # only with a reference policy
         optional["kl"] = s["kl_sum"] / kept
+    if "mask_gate" in s:  # only for a gated mask (STARE): identical on every rank, mean over mini-batches
+        optional["mask_gate"] = s["mask_gate"] / world_size / minibatches
     if "entropy_bonus_sum" in s:  # only with loss.entropy_coef != 0
         optional["entropy_bonus"] = entropy_coef * s["entropy_bonus_sum"] / kept
     return {
@@ -169,6 +178,9 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "silenced_frac": s["silenced_tokens"] / valid,
         "spurious_frac": s["spurious_tokens"] / valid,
         "keep_frac": s["kept_tokens_mask"] / valid,
+        "upweighted_frac": s["upweighted_tokens"] / valid,
+        "downweighted_frac": s["downweighted_tokens"] / valid,
+        "weight_mean": s["weight_sum"] / valid,
         "mask_tau_h": s["mask_tau_h"] / minibatches,
         "probe_tau_h": s["probe_tau_h"] / minibatches,
         "clip_frac_low": s.get("clip_low_count", 0.0) / kept,
@@ -194,11 +206,16 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
     }
 
 
-def evaluation_metrics(rewards: list[float]) -> dict[str, float]:
+def evaluation_metrics(rewards: list[float], response_lengths: list[int] | None = None) -> dict[str, float]:
+    """Held-out accuracy, mean reward and (with ``response_lengths``) mean response length, all ranks."""
+    lengths = [] if response_lengths is None else response_lengths
     s = reduce_metrics({"n": float(len(rewards)), "correct": float(sum(r > 0 for r in rewards)),
-                        "reward_sum": float(sum(rewards))})
+                        "reward_sum": float(sum(rewards)), "length_sum": float(sum(lengths))})
     n = max(s["n"], 1.0)
-    return {"eval_accuracy": s["correct"] / n, "eval_reward_mean": s["reward_sum"] / n}
+    row = {"eval_accuracy": s["correct"] / n, "eval_reward_mean": s["reward_sum"] / n}
+    if response_lengths is not None:
+        row["eval_response_length_mean"] = s["length_sum"] / n
+    return row
 
 
 def sample_completions(rollout, rewards: torch.Tensor, silenced: torch.Tensor, tokenizer, count: int = 2) -> list[dict]:

@@ -33,9 +33,9 @@ from stapo.run_dir import (CHECKPOINT_DIR, CLIENT_FILE, LATEST, MERGED_DIR, PREV
 from stapo.distributed.process_group import all_gather_object, barrier, get_rank, get_world_size
 from stapo.distributed.lora import adapter_state, is_peft_model, plain_model
 from stapo.sync.buckets import DEFAULT_BUCKET_BYTES, iter_weight_buckets
+from stapo.trainer.resume import DS_TAG, CheckpointUnreadable
 
 TMP_PREFIX = ".tmp-"
-DS_TAG = "zero"
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -192,8 +192,13 @@ class CheckpointManager:
             raise RuntimeError(f"checkpoint {path} was saved with world size {payload['world_size']}, "
                                f"now {get_world_size()}: resume with the same number of ranks")
         partial = {"load_module_strict": False} if self.exclude_frozen else {}  # frozen base not in the file
-        loaded, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
-                                           load_lr_scheduler_states=True, **partial)
+        try:  # damage the preflight's checks (stapo.trainer.resume) cannot see: one message naming the path
+            loaded, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
+                                               load_lr_scheduler_states=True, **partial)
+        except Exception as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointUnreadable(f"checkpoint {path} could not be loaded ({reason}); nothing was "
+                                       "deleted: trainer.resume=PATH picks an older checkpoint") from exc
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path / DS_TAG}")
         if restore_rng:

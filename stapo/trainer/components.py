@@ -19,7 +19,6 @@ import torch
 
 from stapo.config import STAPOConfig
 from stapo.distributed.process_group import DistInfo, barrier, broadcast_object
-from stapo.run_dir import latest_checkpoint
 from stapo.distributed.deepspeed_engine import ZeroTuning
 from stapo.trainer.model_source import BUILTIN_MODEL, require_model
 from stapo.trainer.update import UpdateOptions
@@ -272,11 +271,15 @@ def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset
             return prompt_dataset_from_rows(builtin_rows(n_builtin, seed, cfg.tiny.terms), cfg, tokenizer)
         from stapo.data import load_prompt_dataset
 
-        return load_prompt_dataset(
-            source, split=split, prompt_field=d.prompt_field, answer_field=d.answer_field, preset=d.preset,
-            tokenizer=tokenizer, instruction=d.instruction, max_prompt_length=d.max_prompt_length,
-            cache_dir=Path(cfg.trainer.output_dir) / "cache" / "datasets",  # nothing written elsewhere
-        )
+        try:
+            return load_prompt_dataset(
+                source, split=split, prompt_field=d.prompt_field, answer_field=d.answer_field, preset=d.preset,
+                tokenizer=tokenizer, instruction=d.instruction, max_prompt_length=d.max_prompt_length,
+                cache_dir=Path(cfg.trainer.output_dir) / "cache" / "datasets",  # nothing written elsewhere
+            )
+        except KeyError as exc:  # a column a hub dataset lacks (local files are checked by plan_run)
+            raise ValueError(f"{source}: {exc.args[0]} (data.prompt_field={d.prompt_field}, "
+                             f"data.answer_field={d.answer_field})") from None
 
     train = load(d.source, train_dataset, d.num_builtin_problems, TRAIN_DATA_SEED, d.split)
     eval_source = d.eval_source if d.eval_source is not None else (BUILTIN_DATA if d.source == BUILTIN_DATA else None)
@@ -298,21 +301,3 @@ def prompt_dataset_from_rows(rows, cfg: STAPOConfig, tokenizer):
         answer_field="answer" if builtin else d.answer_field, preset=None if builtin else d.preset,
         tokenizer=tokenizer, instruction=d.instruction, max_prompt_length=d.max_prompt_length,
     )
-
-
-def checkpoint_to_resume(cfg: STAPOConfig) -> Path | None:
-    """``trainer.resume`` -> the checkpoint to continue, or None to start from scratch."""
-    how = cfg.trainer.resume
-    if how == "never":
-        return None
-    if how == "auto":
-        return latest_checkpoint(cfg.trainer.output_dir)
-    if not Path(how).exists():
-        raise FileNotFoundError(f"trainer.resume: checkpoint {how} does not exist")
-    return Path(how)
-
-
-def output_dir(cfg: STAPOConfig) -> Path:
-    path = Path(cfg.trainer.output_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    return path

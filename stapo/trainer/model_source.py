@@ -40,7 +40,7 @@ def offline() -> bool:
 
 def _how_to_fix(path: str) -> str:
     return (f"set model.path to a local model directory, or download it once where the hub is reachable "
-            f"(huggingface-cli download {path}) and run with HF_HUB_OFFLINE=1 to use the cache")
+            f"(hf download {path}) and run with HF_HUB_OFFLINE=1 to use the cache")
 
 
 def model_source(path: str) -> ModelSource:

@@ -13,7 +13,10 @@ what this machine lacks (the engine's package, a model not in the cache) is repo
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +24,11 @@ from stapo.config import STAPOConfig
 from stapo.losses import build_mask, mask_params
 from stapo.rollout.registry import engine_problem, resolve_engine
 from stapo.run_dir import written_artifacts
-from stapo.trainer.components import checkpoint_to_resume, rows_per_rank
-from stapo.trainer.model_source import ModelSource, model_source, unavailable_reason
+from stapo.distributed.process_group import get_rank
+from stapo.trainer.components import rows_per_rank
+from stapo.trainer.data_check import DataSource, check_data
+from stapo.trainer.model_source import ModelSource, model_source, offline, unavailable_reason
+from stapo.trainer.resume import choose_checkpoint, warn_skipped
 
 __all__ = ["RunPlan", "plan_run", "summary_lines"]
 
@@ -39,14 +45,29 @@ class RunPlan:
     model_problem: str | None  # why the weights cannot load here without the network
     resume_from: Path | None  # the checkpoint trainer.resume continues, None: a fresh start
     earlier_run: bool  # a fresh start moves an earlier run's files to previous_runs/
+    data: tuple[DataSource, ...] = ()  # data.source (and data.eval_source), checked
+    packages: tuple[tuple[str, str, bool], ...] = ()  # (package, why, required) the config needs but is missing
+    resume_skipped: tuple[tuple[Path, str], ...] = ()  # newer checkpoints that cannot be resumed, and why
 
     @property
     def machine_problems(self) -> list[str]:
-        return [p for p in (self.engine_problem, self.model_problem) if p is not None]
+        """Everything this machine lacks for the run (``--dry-run`` notes)."""
+        data = [d.problem for d in self.data if d.problem is not None]
+        return [p for p in (self.engine_problem, self.model_problem) if p is not None] + data + \
+            [why for _, why, _ in self.packages]
+
+    @property
+    def run_problems(self) -> list[str]:
+        """What stops ``stapo train`` here before anything is built (the model is checked as it loads)."""
+        data = [d.problem for d in self.data if d.problem is not None and offline()]
+        return [p for p in (self.engine_problem,) if p is not None] + data + \
+            [why for _, why, required in self.packages if required]
 
 
-def plan_run(cfg: STAPOConfig, world_size: int) -> RunPlan:
-    """The run of ``cfg`` on ``world_size`` ranks; ValueError / FileNotFoundError on the first error."""
+def plan_run(cfg: STAPOConfig, world_size: int, *, data: bool = True) -> RunPlan:
+    """The run of ``cfg`` on ``world_size`` ranks; ValueError / FileNotFoundError on the first error.
+
+    ``data=False``: the caller brings its own datasets, ``data.source`` is not read."""
     if world_size < 1:
         raise ValueError(f"the number of ranks must be >= 1, got {world_size}")
     rows = rows_per_rank(cfg, world_size)
@@ -57,16 +78,60 @@ def plan_run(cfg: STAPOConfig, world_size: int) -> RunPlan:
                          f"of ranks it divides (this run: {world_size}): each group of {tp} consecutive ranks "
                          "shares one vLLM engine (docs/gpu.md)")
     source = model_source(cfg.model.path)
-    resume_from = checkpoint_to_resume(cfg)
-    earlier = resume_from is None and bool(written_artifacts(cfg.trainer.output_dir))
+    check_writable(cfg.trainer.output_dir)
+    resume = choose_checkpoint(cfg.trainer.output_dir, cfg.trainer.resume, world_size)
+    if get_rank() == 0:
+        warn_skipped(resume)
+    earlier = resume.path is None and bool(written_artifacts(cfg.trainer.output_dir))
     return RunPlan(world_size, rows, engine, engine_problem(engine), source, unavailable_reason(source),
-                   resume_from, earlier)
+                   resume.path, earlier, tuple(check_data(cfg)) if data else (), missing_packages(cfg),
+                   resume.skipped)
+
+
+# (config says, package, why, required): optional packages a config turns on
+_OPTIONAL = (
+    (lambda cfg: cfg.model.lora.enabled, "peft",
+     "model.lora.enabled needs PEFT: pip install 'stapo[lora]' (or pip install peft)", True),
+    (lambda cfg: bool(cfg.logging.wandb_project), "wandb",
+     "logging.wandb_project needs wandb (pip install wandb); without it the run logs no W&B", False),
+    (lambda cfg: cfg.logging.tensorboard, "tensorboard",
+     "logging.tensorboard needs tensorboard (pip install tensorboard); without it the run writes no "
+     "TensorBoard scalars (or set logging.tensorboard=false)", False),
+)
+
+
+def missing_packages(cfg: STAPOConfig) -> tuple[tuple[str, str, bool], ...]:
+    """``(package, why, required)`` for every optional package the config turns on and this machine lacks."""
+    return tuple((name, why, required) for wanted, name, why, required in _OPTIONAL
+                 if wanted(cfg) and not _installed(name))
+
+
+def _installed(name: str) -> bool:
+    try:  # find_spec imports nothing heavy: the package itself is not executed
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_writable(output_dir: str | os.PathLike) -> None:
+    """ValueError naming ``trainer.output_dir`` when the run could not create or write it; writes
+    (and removes) an empty probe directory in it, or in its nearest existing parent."""
+    path = Path(output_dir).expanduser()
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"trainer.output_dir {output_dir}: {existing} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".stapo-write-check-", dir=existing))
+    except OSError as exc:
+        raise ValueError(f"trainer.output_dir {output_dir} cannot be created or written here "
+                         f"({exc.strerror or exc} in {existing})") from None
 
 
 def _output_line(cfg: STAPOConfig, plan: RunPlan) -> str:
     out = cfg.trainer.output_dir
     if plan.resume_from is not None:
-        return f"output_dir: {out} (resumes from {plan.resume_from})"
+        skipped = "".join(f"; {p.name} skipped: {why}" for p, why in plan.resume_skipped)
+        return f"output_dir: {out} (resumes from {plan.resume_from}{skipped})"
     if plan.earlier_run:
         return f"output_dir: {out} (a new run; the earlier run's files move to {out}/previous_runs/)"
     return f"output_dir: {out} (a new run)"
@@ -104,6 +169,7 @@ def summary_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:
         f"rollout.engine: {r.engine}" + (f" -> {plan.engine}" if plan.engine != r.engine else ""),
         f"reward: {'reward.function ' + cfg.reward.function if cfg.reward.function else cfg.reward.mode}",
         f"mask: {cfg.mask.name} ({params})",
+        *(f"{d.setting}: {d.source} ({d.describe()})" for d in plan.data),
         _output_line(cfg, plan),
     ]
     lines += [f"not on this machine: {problem}" for problem in plan.machine_problems]

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from stapo.inspect.collect import build_token_record
+from stapo.inspect.token_text import piece_text, row_token_texts
 from stapo.inspect.records import write_token_record
 from stapo.run_dir import token_record_path
 from stapo.trainer.microbatch import MicroBatches
@@ -49,13 +50,16 @@ class TokenRecorder:
                 collision[flat] = top.collision.cpu()
         if not self.is_main:
             return
+        alone: dict[int, str] = {}
         record = build_token_record(
             step=step, minibatch=minibatch, mask_name=mask_name,
             thresholds={k: float(v) for k, v in thresholds.items()},
             token_ids=mini.response_ids, logprobs=stats.logprobs, entropy=stats.entropy,
             advantages=stats.advantages, response_mask=stats.response_mask, keep=masked.keep,
             topk_ids=topk_ids, topk_probs=topk_probs, collision=collision,
-            decode_token=lambda i: tokenizer.decode([i]),
+            decode_token=lambda i: piece_text(tokenizer, i),  # a byte piece as \xNN, never U+FFFD
+            row_texts=lambda ids: row_token_texts(tokenizer, ids, alone),  # pieces completed by neighbours
             prompt_texts=rollout.prompt_text, response_texts=rollout.response_text, rewards=rewards,
+            weights=masked.weights,
         )
         write_token_record(token_record_path(self.output_dir, step, minibatch), record)

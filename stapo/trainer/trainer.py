@@ -28,7 +28,8 @@ from stapo.rollout.server_engine import NoRolloutServers
 from stapo.trainer import components as build
 from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, read_metrics
 from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_final
-from stapo.distributed.process_group import barrier, broadcast_object, init_distributed
+from stapo.trainer.interrupt import RunInterrupted, stop_on_signals
+from stapo.distributed.process_group import all_gather_object, barrier, broadcast_object, init_distributed
 from stapo.distributed.shared_dir import require_shared_dir
 from stapo.telemetry.metrics import MetricsLogger
 from stapo.trainer.preflight import plan_run
@@ -41,7 +42,7 @@ from stapo.trainer.scored_rollout import RewardShaping
 from stapo.telemetry.mfu import device_peak_flops
 from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
                                         skipped_updates, stats_counts, step_metrics, token_counts)
-from stapo.trainer.update import TrainBatch, policy_stats, update_minibatch
+from stapo.trainer.update import TrainBatch, policy_stats, rollout_entropy, update_minibatch
 
 log = logging.getLogger("stapo.trainer")
 
@@ -75,9 +76,9 @@ class STAPOTrainer:
         self.dist = init_distributed(timeout=build.collective_timeout(cfg))
         # before anything reads or writes it: one output_dir that every node sees, or a clear stop on all
         self.output_dir = require_shared_dir(cfg.trainer.output_dir, name="trainer.output_dir")
-        plan = plan_run(cfg, self.dist.world_size)  # what `stapo train --dry-run` checks; nothing built yet
-        if plan.engine_problem is not None:
-            raise ValueError(plan.engine_problem)
+        plan = plan_run(cfg, self.dist.world_size, data=train_dataset is None)  # as `stapo train --dry-run`
+        if plan.run_problems:
+            raise ValueError(plan.run_problems[0])
         self.score, self._close_scorer = build.build_scorer(cfg, reward_fn)  # imports reward.function
         resume_from = broadcast_object(plan.resume_from)  # rank 0's pick: every rank resumes the same step
         if resume_from is None:
@@ -135,10 +136,12 @@ class STAPOTrainer:
         for key, value in {**scored.sums, **token_counts(rollout, no_grad_passes=1 + (self.reference is not None)),
                            **mismatch_sums(batch.sampling_logprobs, batch.old_logprobs, batch.response_mask)}.items():
             sums.add_value(key, value)  # rewards', token counts and rollout-vs-trainer sums
+        batch_entropy = rollout_entropy(batch)
+        self.mask.start_step(batch_entropy)  # a weighting mask's schedule (STARE's gate and W/M)
         for k, rows in enumerate(self._mini_batches(len(batch))):  # line 6
             mini = batch.rows(rows)
             with timer("stats"):
-                stats = self._mask_stats(mini, first=k == 0)  # line 8: p and H of the current policy
+                stats = self._mask_stats(mini, first=k == 0, batch_entropy=batch_entropy, seed=self._mask_seed(k))
             if k > 0 and cfg.mask.stats_source == "fresh":
                 for key, value in stats_counts(mini).items():
                     sums.add_value(key, value)
@@ -146,7 +149,8 @@ class STAPOTrainer:
             probe = self.spurious_probe.apply(stats)  # diagnostic: the S2T criterion, whatever the mask
             self._observe(k, mini, stats, masked, probe, rollout, rewards, rows)
             with timer("update"):  # lines 11-12: Eq. 1 over kept tokens, optimizer step
-                update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts)
+                update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts,
+                                               weights=masked.weights)
             sums.add({**update_sums, **mask_sums(stats, masked, probe)})
         self.step_count += 1
         with timer("sync"):
@@ -174,14 +178,21 @@ class STAPOTrainer:
                           advantages, old_logprobs, old_entropy, sampling_logprobs=rollout.sampling_logprobs,
                           ref_logprobs=ref_logprobs, loss_mask=loss_mask)
 
-    def _mask_stats(self, mini: TrainBatch, first: bool) -> TokenStats:
+    def _mask_stats(self, mini: TrainBatch, first: bool, batch_entropy: float, seed: int) -> TokenStats:
         """Exact stats for the first mini-batch (theta = theta_old); later ones need a fresh pass
         unless ``mask.stats_source: old`` (documented approximation)."""
         if first or self.config.mask.stats_source == "old":
             logprobs, entropy = mini.old_logprobs, mini.old_entropy
         else:
             logprobs, entropy = policy_stats(self.model, mini, self.opts)
-        return TokenStats(logprobs, entropy, mini.advantages, mini.trainable)  # truncated rows: padding
+        return TokenStats(logprobs, entropy, mini.advantages, mini.trainable,  # truncated rows: padding
+                          old_logprobs=mini.old_logprobs, clip_range=(self.opts.clip_low, self.opts.clip_high),
+                          batch_entropy=batch_entropy, seed=seed)
+
+    def _mask_seed(self, k: int) -> int:
+        """Seed of mini-batch ``k``'s random token choices (clip_cov): per (run, step, mini-batch), the
+        same on every rank, so runs reproduce and resume exactly."""
+        return (self.config.trainer.seed * 1_000_003 + self.step_count * 1_009 + k * 7_919 + 104_729) % 2**31
 
     def _mini_batches(self, num_rows: int) -> list[slice]:
         size = build.rows_per_rank(self.config, self.dist.world_size)
@@ -196,27 +207,28 @@ class STAPOTrainer:
         examples = [self.eval_data[i] for i in range(self.dist.rank, len(self.eval_data), self.dist.world_size)]
         rollout = self.rollouts.generate(examples, self.step_count, greedy=True)
         rewards = self.score(rollout.response_text, rollout.ground_truth, [dict(e.fields) for e in examples])
-        return evaluation_metrics(rewards)
+        return evaluation_metrics(rewards, rollout.response_mask.sum(dim=1).tolist())
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        """Run to ``trainer.total_steps``; checkpoints, evaluation, export, plots. Returns a summary."""
-        cfg, start = self.config, time.perf_counter()
-        before = self.evaluate() if self.step_count == 0 else {}
-        if before:
+        """Run to ``trainer.total_steps``; checkpoints, evaluation, export, plots. Returns a summary.
+
+        Ctrl-C / SIGTERM stop at the next step boundary with a checkpoint (stapo.trainer.interrupt)."""
+        cfg, start, first_step = self.config, time.perf_counter(), self.step_count
+        before = self.evaluate() if self.step_count == 0 else self._logged_evaluation(0)
+        if before and self.step_count == 0:
             self.logger.log(0, before)
         try:
-            while self.step_count < cfg.trainer.total_steps:
-                metrics = self.step()
-                if cfg.trainer.eval_every and self.step_count % cfg.trainer.eval_every == 0:
-                    metrics.update(self.evaluate())
-                self.logger.log(self.step_count, metrics)
-                if cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0:
-                    self.save_checkpoint()
-        except KeyboardInterrupt:
-            log.warning("interrupted at step %d: saving a checkpoint before exiting", self.step_count)
-            self.save_checkpoint()
-            raise
+            with stop_on_signals() as stop:
+                while self.step_count < cfg.trainer.total_steps:
+                    self._stop_if_asked(stop)
+                    metrics = self.step()
+                    if cfg.trainer.eval_every and self.step_count % cfg.trainer.eval_every == 0:
+                        metrics.update(self.evaluate())
+                    self.logger.log(self.step_count, metrics)
+                    if cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0:
+                        self.save_checkpoint()
+                self._stop_if_asked(stop)
         except NoRolloutServers as err:
             log.error("step %d: %s; saving a checkpoint before stopping (restart a server and rerun: the run "
                       "resumes)", self.step_count + 1, err)
@@ -228,9 +240,28 @@ class STAPOTrainer:
         if after:
             self.logger.log(self.step_count, after)
         self.save_checkpoint()
-        return self._finish(before, after, time.perf_counter() - start)
+        return self._finish(before, after, time.perf_counter() - start, self.step_count - first_step)
 
-    def _finish(self, before: dict, after: dict, seconds: float) -> dict[str, float]:
+    def _stop_if_asked(self, stop) -> None:
+        """At a step boundary: when any rank got Ctrl-C / SIGTERM, all save a checkpoint and stop."""
+        name = stop.agreed(all_gather_object) if self.dist.world_size > 1 else stop.signal_name
+        if name is None:
+            return
+        saved = None
+        if self.step_count > 0:
+            log.warning("%s at step %d: saving a checkpoint before exiting", name, self.step_count)
+            saved = self.save_checkpoint()
+        self.logger.close()
+        self._close_scorer()
+        raise RunInterrupted(name, self.step_count, saved)
+
+    def _logged_evaluation(self, step: int) -> dict[str, float]:
+        """A resumed run's evaluation at ``step`` from metrics.jsonl (the summary's "before")."""
+        rows = read_metrics(self.output_dir / METRICS_FILE) if self.dist.is_main else []
+        return next(({k: v for k, v in r.items() if k.startswith("eval_")} for r in rows
+                     if r.get("step") == step and "eval_accuracy" in r), {})
+
+    def _finish(self, before: dict, after: dict, seconds: float, session_steps: int) -> dict[str, float]:
         from stapo.plots import plot_training_curves
         if self.config.trainer.export_hf:
             export_final(self.engine, self.tokenizer, self.output_dir / FINAL_DIR,
@@ -241,6 +272,7 @@ class STAPOTrainer:
         rows = [r for r in read_metrics(self.output_dir / METRICS_FILE) if "silenced_frac" in r] if main else []
         summary = {
             "steps": self.step_count,
+            "session_steps": session_steps,  # this process's steps: fewer than ``steps`` after a resume
             "accuracy_before": before.get("eval_accuracy", float("nan")),
             "accuracy_after": after.get("eval_accuracy", float("nan")),
             "silenced_frac_mean": sum(r["silenced_frac"] for r in rows) / max(len(rows), 1),
@@ -289,6 +321,7 @@ class STAPOTrainer:
             "skipped_steps": self.skipped_steps,
             "sampler": sampler,  # RNG states of every rank are saved by the manager
             "rollouts_ahead": ahead,
+            "mask": self.mask.state_dict(),  # a weighting mask's schedule (STARE's W, M and gate)
             "config": self.config.to_dict(),
         }
         return self.checkpoints.save(self.engine, self.step_count, state)
@@ -306,6 +339,7 @@ class STAPOTrainer:
         state = self.checkpoints.load(self.engine, path)
         self.step_count, self.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
         self.sampler.load_state_dict(state["sampler"])
+        self.mask.load_state_dict(state.get("mask", {}))
         self.logger.truncate_after(self.step_count)
         self.rollouts.sync(self.step_count)
         log.info("resumed from %s at step %d", path, self.step_count)

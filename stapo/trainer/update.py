@@ -103,6 +103,15 @@ def policy_stats(model, seqs, opts: UpdateOptions, trace: str = NO_GRAD) -> tupl
     return logprobs, entropy
 
 
+def rollout_entropy(batch: TrainBatch) -> float:
+    """Token-mean entropy of theta_old over the rollout batch's response tokens on all ranks (the
+    ``TokenStats.batch_entropy`` a gated weighting mask such as STARE reads); NaN with no token."""
+    valid = batch.response_mask
+    sums = torch.stack([batch.old_entropy[valid].sum().double(), valid.sum().double()])
+    total, count = all_reduce_sum_(sums).tolist()
+    return total / count if count else float("nan")
+
+
 def _global_normalizer(keep: torch.Tensor, trainable: torch.Tensor, agg: str) -> torch.Tensor:
     """Eq. 1's denominator over the whole mini-batch on all ranks: kept tokens for ``token-mean``,
     rows for the seq-mean modes (rows left out of the loss by ``loss.mask_truncated`` do not count)."""
@@ -111,18 +120,22 @@ def _global_normalizer(keep: torch.Tensor, trainable: torch.Tensor, agg: str) ->
 
 
 def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
-                     opts: UpdateOptions) -> dict[str, torch.Tensor]:
+                     opts: UpdateOptions, weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Eq. 1 over the kept tokens, backward over micro-batches, one optimizer step.
 
-    ``keep``: ``(B, T)`` bool from the mask strategy (never true on padding). Returns this rank's
-    metric SUMS as device tensors (the step reduces them once; no per-micro-batch sync).
+    ``keep``: ``(B, T)`` bool from the mask strategy (never true on padding); ``weights``: its
+    float token weights (``MaskResult.weights``; tokens of weight 0 leave ``keep``). Returns this
+    rank's metric SUMS as device tensors (the step reduces them once; no per-micro-batch sync).
     """
     with pass_kind(model, UPDATE):  # ZeRO-3: its own forward + backward trace (zero3_trace)
-        return _update(engine, model, batch, keep, opts)
+        return _update(engine, model, batch, keep, opts, weights)
 
 
-def _update(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOptions) -> dict[str, torch.Tensor]:
+def _update(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOptions,
+            weights: torch.Tensor | None) -> dict[str, torch.Tensor]:
     keep = keep & batch.trainable
+    if weights is not None:
+        keep = keep & (weights > 0)
     normalizer = _global_normalizer(keep, batch.trainable, opts.agg)
     device = _device(model)
     micro_batches = MicroBatches(batch, opts, device, no_grad=False)
@@ -136,16 +149,17 @@ def _update(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOp
         part = batch.rows(rows)
         old = part.old_logprobs[:, :t_len].to(device)
         micro_keep = keep[rows, :t_len].to(device)
+        micro_weights = weights[rows, :t_len].to(device) if weights is not None else None
         ref = part.ref_logprobs[:, :t_len].to(device) if part.ref_logprobs is not None else None
-        weights = None  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
+        is_weights = None  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
         if opts.tis_cap is not None and part.sampling_logprobs is not None:
-            weights = tis_weights(old, part.sampling_logprobs[:, :t_len].to(device), opts.tis_cap, micro_keep)
+            is_weights = tis_weights(old, part.sampling_logprobs[:, :t_len].to(device), opts.tis_cap, micro_keep)
         loss, metrics = clipped_surrogate_loss(
             logprobs, old, part.advantages.to(device), micro_keep,
             clip_low=opts.clip_low, clip_high=opts.clip_high, clip_c=opts.clip_c, agg=opts.agg,
             normalizer=normalizer.to(device), max_response_length=opts.max_response_length,
-            log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef, is_weights=weights,
-            entropy=entropy if bonus else None, entropy_coef=opts.entropy_coef,
+            log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef, is_weights=is_weights,
+            entropy=entropy if bonus else None, entropy_coef=opts.entropy_coef, weights=micro_weights,
         )
         accumulation.backward(loss)
         _accumulate(sums, {"loss": loss.detach(), **metrics})

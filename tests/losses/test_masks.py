@@ -241,7 +241,7 @@ def test_param_validation(name, params, match):
 
 def test_describe_masks_lists_params_and_defaults():
     infos = {i.name: i for i in describe_masks()}
-    assert sorted(infos) == sorted(BUILTINS)
+    assert sorted(infos) == sorted(BUILTINS + ["stare", "clip_cov"])  # + the token-weighting built-ins
     assert infos["stapo"].params == {"tau_p": 2e-3, "entropy_quantile": 0.8}
     assert infos["entropy_top"].params == {"entropy_quantile": 0.8}
     assert infos["none"].params == {}

@@ -11,6 +11,7 @@ import pytest
 
 from stapo.telemetry import metrics as metrics_mod
 from stapo.run_dir import read_metrics
+from stapo.telemetry.console import StepClock, format_duration
 from stapo.telemetry.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS, MetricsLogger
 
 ANSI = re.compile(r"\x1b\[")
@@ -169,12 +170,34 @@ def test_plain_console_lines_have_no_control_characters(tmp_path):
             log.log(s, {"reward_mean": 0.5, "accuracy": 0.75, "entropy_mean": 0.123456,
                         "silenced_frac": 0.0001, "time_step": 2.0})
     lines = stream.getvalue().splitlines()
-    # first step, then nothing until the interval passes, then the last step
+    # first step, then nothing until the interval passes, then the last step; the ETA after step 1
+    # is its 2 s step time x the 2 steps left = 4 s (the last step has none)
     assert lines == [
-        "step 1/3 | reward 0.5 | acc 0.75 | entropy 0.1235 | silenced 0.010% | step_time 2.00s",
+        "step 1/3 | reward 0.5 | acc 0.75 | entropy 0.1235 | silenced 0.010% | step_time 2.00s | eta 4s",
         "step 3/3 | reward 0.5 | acc 0.75 | entropy 0.1235 | silenced 0.010% | step_time 2.00s",
     ]
     assert not ANSI.search(stream.getvalue()) and "\r" not in stream.getvalue()
+
+
+def test_every_evaluation_reaches_the_plain_console(tmp_path):
+    stream = io.StringIO()
+    with _logger(tmp_path, stream=stream, total_steps=4, plain_interval_s=1e9) as log:
+        log.log(0, {"eval_accuracy": 0.25, "eval_reward_mean": -0.5, "eval_response_length_mean": 12.5})
+        for s in (1, 2, 3, 4):
+            log.log(s, {"reward_mean": 0.5, "time_step": 1.0, **({"eval_accuracy": 0.5} if s == 2 else {})})
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "step 0/4 | held-out acc 0.25 | held-out length 12.5"  # before training: no ETA yet
+    assert [line.split(" |")[0] for line in lines] == ["step 0/4", "step 1/4", "step 2/4", "step 4/4"]
+    assert "held-out acc 0.5" in lines[2] and "eta " in lines[2]
+
+
+def test_eta_is_the_mean_wall_time_per_step_times_the_steps_left():
+    clock = StepClock()
+    assert clock.eta(5, 10, {"eval_accuracy": 0.5}, now=100.0) is None  # an evaluation row: no step timed yet
+    assert clock.eta(6, 10, {"time_step": 4.0}, now=104.0) == 16.0  # step 6 started at 100: 4 s x 4 left
+    assert clock.eta(8, 10, {"time_step": 3.0}, now=115.0) == 10.0  # 15 s for steps 6-8: 5 s x 2 left
+    assert clock.eta(10, 10, {"time_step": 3.0}, now=120.0) is None
+    assert [format_duration(s) for s in (4.4, 65, 3725)] == ["4s", "1m05s", "1h02m"]
 
 
 def test_tty_console_uses_a_progress_bar(tmp_path):

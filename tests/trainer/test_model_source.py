@@ -26,7 +26,7 @@ def test_an_uncached_hub_name_offline_says_what_to_do(monkeypatch):
     message = str(raised.value)
     assert message == unavailable_reason(model_source(NOT_CACHED))
     for part in (f"model.path {NOT_CACHED!r}", "local model directory", "HF_HUB_OFFLINE=1",
-                 f"huggingface-cli download {NOT_CACHED}"):
+                 f"hf download {NOT_CACHED}"):
         assert part in message, message
 
 

@@ -1,0 +1,138 @@
+"""Which checkpoint ``trainer.resume`` continues, checked before any weights load.
+
+A checkpoint can be unreadable after the run that wrote it: a file truncated by a full disk or a
+copy, a shard deleted by hand, a world size that changed. With ``trainer.resume=auto`` such a
+checkpoint is skipped (a warning names it and why) and the newest intact one is used; nothing is
+deleted. A checkpoint the user named (``trainer.resume=PATH``) fails with the reason instead: they
+asked for that one. The checks read the small client state and the zip directories of DeepSpeed's
+files (their ends, where a truncated file loses its table of contents), not the tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import zipfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stapo.run_dir import CHECKPOINT_DIR, CLIENT_FILE, LATEST, complete_checkpoints
+
+__all__ = ["CheckpointUnreadable", "ResumeChoice", "checkpoint_problem", "choose_checkpoint"]
+
+log = logging.getLogger("stapo.trainer")
+
+DS_TAG = "zero"  # the DeepSpeed tag directory inside a checkpoint (its files: stapo.trainer.checkpoint)
+_RANK_FILE = re.compile(r"rank_(\d+)_")  # zero_pp_rank_<r>_mp_rank_00_optim_states.pt: one per rank
+
+
+class CheckpointUnreadable(ValueError):
+    """The checkpoint the user named, or every checkpoint of the run, cannot be loaded."""
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    """The checkpoint to continue (None: a fresh start) and the newer ones skipped, with why."""
+
+    path: Path | None
+    skipped: tuple[tuple[Path, str], ...] = ()
+
+
+def checkpoint_problem(path: Path, world_size: int) -> str | None:
+    """Why checkpoint ``path`` cannot be resumed on ``world_size`` ranks, or None when it looks intact."""
+    client = path / CLIENT_FILE
+    if not client.is_file():
+        return f"{CLIENT_FILE} is missing (the save did not finish)"
+    try:
+        saved = int(torch.load(client, weights_only=False, map_location="cpu")["world_size"])  # our own file
+    except Exception as exc:  # a damaged file raises whatever the unpickler met
+        return f"{CLIENT_FILE} cannot be read ({_first_line(exc)})"
+    if saved != world_size:
+        return f"saved with {saved} rank(s), this run has {world_size}: resume with the same number of ranks"
+    files = sorted((path / DS_TAG).glob("*.pt"))
+    if not any(f.name.endswith("model_states.pt") for f in files):
+        return f"{DS_TAG}/ holds no model states file"
+    shards: dict[str, set[int]] = defaultdict(set)
+    for file in files:
+        match = _RANK_FILE.search(file.name)
+        if match:
+            shards[_RANK_FILE.sub("rank_N_", file.name, count=1)].add(int(match.group(1)))
+    for kind, ranks in sorted(shards.items()):
+        missing = sorted(set(range(saved)) - ranks)
+        if missing:
+            return f"{DS_TAG}/{kind}: the shard(s) of rank(s) {missing} are missing"
+    for file in files:
+        problem = _zip_problem(file)
+        if problem is not None:
+            return f"{DS_TAG}/{file.name} {problem}"
+    return None
+
+
+def _zip_problem(file: Path) -> str | None:
+    """torch.save files are zip archives: a cut-off file has no table of contents at its end, or
+    entries that run past it."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            size = file.stat().st_size
+            if any(info.header_offset + info.compress_size > size for info in archive.infolist()):
+                return "is truncated (entries run past the end of the file)"
+    except (zipfile.BadZipFile, OSError) as exc:
+        return f"is truncated or damaged ({_first_line(exc)})"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def choose_checkpoint(output_dir: str | Path, how: str, world_size: int) -> ResumeChoice:
+    """``trainer.resume`` (``auto`` / ``never`` / a path) -> the checkpoint to load.
+
+    ``auto``: the one ``latest`` names, else the newest complete one; unreadable ones are skipped
+    for the next older (:class:`ResumeChoice` lists them). CheckpointUnreadable when a named
+    checkpoint, or every checkpoint there is, cannot be resumed.
+    """
+    if how == "never":
+        return ResumeChoice(None)
+    if how != "auto":
+        path = Path(how)
+        if not path.exists():
+            raise FileNotFoundError(f"trainer.resume: checkpoint {how} does not exist")
+        problem = checkpoint_problem(path, world_size)
+        if problem is not None:
+            raise CheckpointUnreadable(f"trainer.resume: checkpoint {path} cannot be resumed: {problem}")
+        return ResumeChoice(path)
+    skipped = []
+    for path in _candidates(Path(output_dir)):
+        problem = checkpoint_problem(path, world_size)
+        if problem is None:
+            return ResumeChoice(path, tuple(skipped))
+        skipped.append((path, problem))
+    if skipped:
+        listed = "; ".join(f"{p}: {why}" for p, why in skipped)
+        raise CheckpointUnreadable(
+            f"trainer.resume=auto: no checkpoint under {Path(output_dir) / CHECKPOINT_DIR} can be resumed ({listed}). "
+            "Nothing was deleted; trainer.resume=never starts over (the run's files move to previous_runs/)")
+    return ResumeChoice(None)
+
+
+def _candidates(output_dir: Path) -> list[Path]:
+    """Complete checkpoints newest first, the one ``latest`` names leading."""
+    done = complete_checkpoints(output_dir)[::-1]
+    pointer = output_dir / CHECKPOINT_DIR / LATEST
+    if pointer.is_file():
+        named = output_dir / CHECKPOINT_DIR / pointer.read_text(encoding="utf-8").strip()
+        if named in done:
+            done = [named] + [p for p in done if p != named]
+    return done
+
+
+def warn_skipped(choice: ResumeChoice) -> None:
+    """One warning per skipped checkpoint: its path, why, and the one used instead."""
+    for path, why in choice.skipped:
+        log.warning("checkpoint %s cannot be resumed (%s): skipped, resuming from %s instead (nothing was "
+                    "deleted)", path, why, choice.path)
