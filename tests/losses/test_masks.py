@@ -18,7 +18,6 @@ from stapo.losses import (
     mask_params,
     register_mask,
 )
-from stapo.losses import masks as masks_module
 
 BUILTINS = ["none", "stapo", "prob_only", "high_entropy_low_prob", "entropy_top"]
 T, F = True, False
@@ -152,14 +151,6 @@ def test_token_stats_validation_and_broadcast():
         TokenStats(ok, ok, torch.zeros(2), valid.float())
     with pytest.raises(ValueError, match=r"\(B, T\)"):
         TokenStats(torch.zeros(6), torch.zeros(6), torch.zeros(6), torch.ones(6, dtype=torch.bool))
-
-
-@pytest.fixture
-def clean_registry():
-    before = dict(masks_module._REGISTRY)
-    yield
-    masks_module._REGISTRY.clear()
-    masks_module._REGISTRY.update(before)
 
 
 def test_user_subclass_in_ten_lines(clean_registry):

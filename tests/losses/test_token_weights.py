@@ -14,19 +14,10 @@ import pytest
 import torch
 
 from stapo.losses import AGG_MODES, TokenMask, TokenStats, build_mask, clipped_surrogate_loss, register_mask
-from stapo.losses import masks as masks_module
 from stapo.losses.selection import global_random_pick, global_top_k, top_ratio_count
 from stapo.losses.weighting_masks import ratio_clipped, token_covariance
 
 T_, F_ = True, False
-
-
-@pytest.fixture
-def clean_registry():
-    before = dict(masks_module._REGISTRY)
-    yield
-    masks_module._REGISTRY.clear()
-    masks_module._REGISTRY.update(before)
 
 
 def _random_batch(seed: int, b: int = 6, t: int = 11, per_token_adv: bool = False):
