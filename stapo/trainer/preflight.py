@@ -48,13 +48,16 @@ class RunPlan:
     data: tuple[DataSource, ...] = ()  # data.source (and data.eval_source), checked
     packages: tuple[tuple[str, str, bool], ...] = ()  # (package, why, required) the config needs but is missing
     resume_skipped: tuple[tuple[Path, str], ...] = ()  # newer checkpoints that cannot be resumed, and why
+    servers_down: tuple[str, ...] = ()  # rollout.mode=server: listed servers that do not answer now
 
     @property
     def machine_problems(self) -> list[str]:
         """Everything this machine lacks for the run (``--dry-run`` notes)."""
         data = [d.problem for d in self.data if d.problem is not None]
         return [p for p in (self.engine_problem, self.model_problem) if p is not None] + data + \
-            [why for _, why, _ in self.packages]
+            [why for _, why, _ in self.packages] + \
+            [f"rollout server {a} does not answer now (start it with `stapo serve MODEL --port "
+             f"{a.rpartition(':')[2]}`)" for a in self.servers_down]
 
     @property
     def run_problems(self) -> list[str]:
@@ -85,7 +88,7 @@ def plan_run(cfg: STAPOConfig, world_size: int, *, data: bool = True) -> RunPlan
     earlier = resume.path is None and bool(written_artifacts(cfg.trainer.output_dir))
     return RunPlan(world_size, rows, engine, engine_problem(engine), source, unavailable_reason(source),
                    resume.path, earlier, tuple(check_data(cfg)) if data else (), missing_packages(cfg),
-                   resume.skipped)
+                   resume.skipped, servers_down(cfg))
 
 
 # (config says, package, why, required): optional packages a config turns on
@@ -98,6 +101,16 @@ _OPTIONAL = (
      "logging.tensorboard needs tensorboard (pip install tensorboard); without it the run writes no "
      "TensorBoard scalars (or set logging.tensorboard=false)", False),
 )
+
+
+def servers_down(cfg: STAPOConfig) -> tuple[str, ...]:
+    """``rollout.mode=server``: the listed servers that do not answer their health route now (a note: they
+    may be started after the dry run; the run itself stops naming the first one that does not answer)."""
+    if cfg.rollout.mode != "server":
+        return ()
+    from stapo.rollout.server_client import ServerClient, parse_address
+
+    return tuple(a for a in map(parse_address, cfg.rollout.servers) if not ServerClient(a).healthy(timeout_s=2.0))
 
 
 def missing_packages(cfg: STAPOConfig) -> tuple[tuple[str, str, bool], ...]:

@@ -144,3 +144,18 @@ def test_a_bucket_crosses_a_gloo_group_exactly():
     assert received == [(name, str(t.dtype), True) for name, t in _bucket()]
     with pytest.raises(ValueError, match="gloo or nccl"):
         GroupSpec("h", 1, 2, backend="mpi")
+
+
+def test_the_dry_run_notes_servers_that_do_not_answer(capsys, tmp_path):
+    import socket
+
+    from stapo.cli import main
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = main(["train", "rollout.mode=server", f"rollout.servers=[127.0.0.1:{port}]",
+                 f"trainer.output_dir={tmp_path / 'run'}", "--dry-run"])
+    assert code == 0  # a note, not an error: servers may be started after the dry run
+    assert f"rollout server 127.0.0.1:{port} does not answer now (start it with `stapo serve MODEL --port {port}`)" \
+        in capsys.readouterr().out
