@@ -33,9 +33,17 @@ def k0_run(servers, warm_model_dir, tmp_path_factory):
 
 
 def test_server_and_in_process_engines_give_the_same_samples(servers, warm_model_dir, prompts):
-    # same weights (both loaded the warm model, nothing synced yet), same seed: the same rows
+    from transformers import AutoModelForCausalLM
+
+    from stapo.sync.buckets import sync_weights
+
+    # same weights (the warm model, loaded in-process and broadcast into the server, which other tests of the
+    # session may have trained), same seed: the same rows
+    remote_engine = ServerEngine([servers[0].address], pad_token_id=0)
+    warm = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32)
+    sync_weights(warm, remote_engine, bucket_bytes=2**20, version=0)
     sampling = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=24, seed=5)
-    remote = ServerEngine([servers[0].address], pad_token_id=0, sends_weights=False).generate(prompts, 4, sampling)
+    remote = remote_engine.generate(prompts, 4, sampling)
     local = VLLMEngine(warm_model_dir, dtype="float32", max_model_len=512, enforce_eager=True).generate(
         prompts, 4, sampling)
     assert torch.equal(remote.response_ids, local.response_ids)
