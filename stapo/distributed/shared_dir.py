@@ -71,7 +71,10 @@ def require_shared_dir(path: str | os.PathLike, *, name: str, wait_s: float = 5.
     """
     root = Path(path)
     if get_world_size() == 1:
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"{name} {root} cannot be created or written here ({err.strerror or err})") from None
         return root
     token, problem = _write_probe(root) if get_rank() == 0 else (None, None)
     token, problem = broadcast_object((token, problem))  # rank 0 wrote the probe before this returns
