@@ -189,10 +189,7 @@ def build_engine(
     _check_args(lr, warmup_steps, grad_accum_steps, micro_batch_size, grad_clip, zero_stage, bf16)
     _check_same_weights(model)
     if gradient_checkpointing:
-        if not hasattr(model, "gradient_checkpointing_enable"):
-            raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} has no "
-                             "gradient_checkpointing_enable() (expected a transformers model)")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_activation_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -274,3 +271,16 @@ def _optimizer_class(zero_stage: int, bf16: bool) -> type[torch.optim.Optimizer]
 def current_lr(engine) -> float:
     """lr of the first param group, as used by the *next* step."""
     return float(engine.get_lr()[0])
+
+
+def _enable_activation_checkpointing(model) -> None:
+    """transformers >= 5.2x names it ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
+    is its deprecated alias); older releases have only the alias. A PeftModel forwards either."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} has no "
+                         "activation_checkpointing_enable() (expected a transformers model)")

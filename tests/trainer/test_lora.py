@@ -137,6 +137,7 @@ def test_reference_is_the_base_model_and_adapters_come_back():
 def test_gradient_checkpointing_gives_the_same_adapter_gradients():
     """The 8B/14B recipes checkpoint activations: with a frozen base and frozen embeddings the adapters
     must still get their gradients through the recomputed layers (non-reentrant checkpointing)."""
+    from stapo.distributed.deepspeed_engine import _enable_activation_checkpointing
     from stapo.distributed.policy import PolicyInputs, response_token_stats
 
     prompt = torch.tensor([[5, 6, 7], [0, 8, 9]])
@@ -147,7 +148,7 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients():
         model = _lora()
         _perturb_adapters(model)  # B = 0 would leave A's gradient at exactly zero
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _enable_activation_checkpointing(model)  # what build_engine does for model.gradient_checkpointing
         model.train()
         logprobs, _ = response_token_stats(model, inputs, temperature=1.0, chunk_size=4)
         logprobs.sum().backward()
@@ -169,6 +170,7 @@ def _full(module) -> dict[str, torch.Tensor]:
 
 def _train_steps(engine, steps: int) -> None:
     """A few real updates through the trainer's token-stats op (lm_head frozen, run as its forward)."""
+    from stapo.distributed.deepspeed_engine import _enable_activation_checkpointing
     from stapo.distributed.policy import PolicyInputs, response_token_stats
 
     prompt = torch.tensor([[5, 6, 7], [0, 8, 9]])
