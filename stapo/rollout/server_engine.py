@@ -225,7 +225,7 @@ class ServerEngine:
             if client not in targets:
                 self.pool.mark_down(client, "no answer at the weight sync")
         if not targets:
-            raise NoRolloutServers("no rollout server answers: the weights cannot be synced")
+            raise NoRolloutServers("no rollout server is left: none answers at the weight sync")
         for client in targets:
             self._workers[client.address] = len(self._versions_of(client))
         self._session = BroadcastSession([(c, self._workers[c.address]) for c in targets], self.sync_timeout_s)

@@ -19,7 +19,7 @@ from test_train import COMMON, samples_of, train
 
 from stapo.rollout import SamplingParams, VLLMEngine
 from stapo.rollout.server_engine import ServerEngine
-from stapo.run_dir import METRICS_FILE, read_metrics
+from stapo.run_dir import METRICS_FILE, latest_checkpoint, read_metrics, step_of
 from stapo.telemetry.metrics import training_metrics
 
 pytestmark = pytest.mark.timeout(2400)
@@ -155,7 +155,9 @@ def test_the_run_checkpoints_and_stops_when_no_server_is_left(servers, warm_mode
     _, stderr = proc.communicate(timeout=1800)
     assert proc.returncode != 0
     assert "no rollout server is left" in stderr and "Traceback" not in stderr, stderr[-3000:]
-    assert (out / "checkpoints" / "step_1").is_dir()
+    # killed during step 2's generation (checkpoint step_1) or, on a fast machine, after it (step 2's update
+    # done, its sync finds no server: checkpoint step_2); either way the trained steps are kept
+    assert step_of(latest_checkpoint(out)) in (1, 2)
 
 
 def test_a_server_that_does_not_answer_at_start_is_named(servers):
