@@ -230,8 +230,8 @@ class STAPOTrainer:
                         self.save_checkpoint()
                 self._stop_if_asked(stop)
         except NoRolloutServers as err:
-            log.error("step %d: %s; saving a checkpoint before stopping (restart a server and rerun: the run "
-                      "resumes)", self.step_count + 1, err)
+            log.error("%s; saving a checkpoint at step %d before stopping (restart a server and rerun: the run "
+                      "resumes)", err, self.step_count)
             self.save_checkpoint()
             raise
         finally:
