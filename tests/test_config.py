@@ -180,3 +180,15 @@ def test_rollout_sleep_level_is_checked_and_reaches_the_engine_options(monkeypat
     monkeypatch.setattr(registry, "build_engine", lambda name, path, tok, opts: (name, seen.setdefault("opts", opts)))
     build_rollout_engine(STAPOConfig.from_dict({}, ["rollout.sleep_level=2"]), "unused", None)
     assert seen["opts"].sleep_level == 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.mode=server", "rollout.servers=[127.0.0.1:8000]"], "offload_training_state is for colocated engines"),
+    (["trainer.zero_stage=0", "model.dtype=fp32"], "offload_training_state needs trainer.zero_stage >= 1"),
+    (["trainer.offload=true"], "offload_training_state and trainer.offload"),
+    (["model.lora.enabled=true"], "offload_training_state has nothing worth moving with model.lora.enabled"),
+])
+def test_offload_training_state_names_what_it_cannot_go_with(overrides, message):
+    assert STAPOConfig.from_dict({}, ["rollout.offload_training_state=true"]).rollout.offload_training_state
+    with pytest.raises(ConfigError, match=message):
+        STAPOConfig.from_dict({}, ["rollout.offload_training_state=true", *overrides])

@@ -125,6 +125,11 @@ class RolloutConfig:
     sleep (28 GB per rank for 14B in bf16: ~236 GB of host RAM on a node of 8), though every sync
     overwrites them; 2: they are discarded (vLLM's mode for weight updates) and pushed again before the
     next generation (one extra sync after an evaluation or a dynamic-sampling round). docs/gpu.md."""
+    offload_training_state: bool = False
+    """Colocated vLLM: move the training side's ZeRO state (parameter and gradient shards, fp32 master
+    weights, AdamW moments: ~29.5 GB per rank for 14B on 8 ranks under ZeRO-3) to pinned host memory
+    while vLLM starts and generates, and back before the update; training is bit-identical. The memory
+    it frees lets ``gpu_memory_utilization`` grow, i.e. the KV cache (docs/gpu.md, "Colocated memory")."""
     sync_bucket_mb: int = 256
     """Size of the buckets in which ZeRO-3 shards are gathered and pushed into the engine."""
     max_batch_size: int = 256

@@ -94,6 +94,7 @@ def validate(cfg) -> None:
     rw = cfg.reward
     _check(r.max_sampling_rounds >= 1, f"rollout.max_sampling_rounds must be >= 1, got {r.max_sampling_rounds}")
     _check_rollout_servers(r)
+    _check_offload_training_state(cfg)
     _check(0 <= rw.overlong_buffer <= r.max_response_length,
            f"reward.overlong_buffer must be in [0, rollout.max_response_length={r.max_response_length}], "
            f"got {rw.overlong_buffer}")
@@ -141,6 +142,20 @@ def _spec_error(spec: str) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def _check_offload_training_state(cfg) -> None:
+    """``rollout.offload_training_state`` moves ZeRO state aside while a colocated vLLM generates."""
+    if not cfg.rollout.offload_training_state:
+        return
+    name, r, t = "rollout.offload_training_state", cfg.rollout, cfg.trainer
+    _check(r.mode == "colocated", f"{name} is for colocated engines: with rollout.mode=server vLLM has devices "
+                                  "of its own")
+    _check(t.zero_stage >= 1, f"{name} needs trainer.zero_stage >= 1: stage 0 keeps no ZeRO state to move")
+    _check(not t.offload, f"{name} and trainer.offload: ZeRO-Offload keeps the optimizer state on the host "
+                          "already; use one of them")
+    _check(not cfg.model.lora.enabled, f"{name} has nothing worth moving with model.lora.enabled: the adapters' "
+                                       "state is small and the frozen base weights are not optimizer state")
 
 
 def _check_rollout_servers(r) -> None:

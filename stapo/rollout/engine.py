@@ -18,7 +18,7 @@ import torch
 from stapo.rollout.batch import Rollout
 from stapo.rollout.sampling import SamplingParams
 
-__all__ = ["RolloutEngine", "check_prompts"]
+__all__ = ["RolloutEngine", "check_prompts", "release_cached_memory"]
 
 
 @runtime_checkable
@@ -65,3 +65,14 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> list[list[int]
     if empty:
         raise ValueError(f"prompts {empty[:10]} are empty; every prompt needs at least one token")
     return prompts
+
+
+def release_cached_memory() -> None:
+    """Return the blocks PyTorch's caching allocator holds but does not use (freed gathers, activations,
+    offloaded training state) to the GPU, so a colocated vLLM can map them when it starts or wakes
+    (vLLM empties that cache only when it sleeps). No-op without CUDA."""
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()

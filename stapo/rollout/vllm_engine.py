@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from stapo.rollout.batch import Rollout, left_pad, right_pad
+from stapo.rollout.engine import release_cached_memory
 from stapo.rollout.engine import check_prompts
 from stapo.rollout.sampling import SamplingParams, derived_seed
 from stapo.rollout.vllm_worker import WORKER_EXTENSION, pack_bucket
@@ -292,7 +293,7 @@ class VLLMEngine:
         if self._updating:
             raise RuntimeError("a weight update session is already open")
         if "weights" in self._sleeping:  # writing into offloaded weights would be lost / crash
-            _release_cached_memory()
+            release_cached_memory()
             self.llm.wake_up(tags=["weights"])
             self._sleeping.discard("weights")
         self.llm.collective_rpc("stapo_begin_weight_update")
@@ -327,19 +328,9 @@ class VLLMEngine:
     def wake(self) -> None:
         """Bring back whatever is asleep (weights and/or KV cache), after PyTorch's cache is emptied."""
         if self._sleeping:
-            _release_cached_memory()
+            release_cached_memory()
             self.llm.wake_up(tags=sorted(self._sleeping))
             self._sleeping = set()
-
-
-def _release_cached_memory() -> None:
-    """Return the blocks PyTorch's caching allocator holds but does not use (the trainer's freed
-    gathers and activations) to the GPU, so vLLM's wake can map its memory back (no-op on CPU)."""
-    if torch.cuda.is_available():
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def rollout_from_vllm_outputs(outputs: Sequence, prompts: Sequence[Sequence[int]], n: int,

@@ -154,6 +154,16 @@ def build_deepspeed(model, cfg: STAPOConfig, world_size: int):
     )
 
 
+def build_training_offload(cfg: STAPOConfig, engine):
+    """What moves the engine's ZeRO state to the host around generation, or None (the default):
+    ``rollout.offload_training_state``, for a colocated vLLM's KV cache (docs/gpu.md)."""
+    if not cfg.rollout.offload_training_state:
+        return None
+    from stapo.distributed.training_offload import TrainingOffload
+
+    return TrainingOffload(engine)
+
+
 def build_reference(cfg: STAPOConfig, model_path: str, policy=None):
     """The frozen reference policy of the KL term, or None when ``loss.kl_coef`` is 0 (the paper).
 

@@ -21,6 +21,7 @@ import time
 from stapo.config import STAPOConfig
 from stapo.data import PromptSampler, balanced_shares
 from stapo.distributed.process_group import DistInfo, all_gather_object, barrier
+from stapo.distributed.training_offload import offloaded
 from stapo.rollout import Rollout, SamplingParams
 from stapo.sync.buckets import SyncStats, sync_weights
 from stapo.trainer.producer import ProducedBatch, RolloutProducer
@@ -33,8 +34,9 @@ class Rollouts:
     """This rank's rollouts of a run: ``engine`` fed from ``model`` (see the module docstring)."""
 
     def __init__(self, cfg: STAPOConfig, dist: DistInfo, engine, model, sampler: PromptSampler, train_data,
-                 score, shaping: RewardShaping) -> None:
+                 score, shaping: RewardShaping, training_offload=None) -> None:
         self.cfg, self.dist, self.engine, self.model = cfg, dist, engine, model
+        self.training_offload = training_offload  # rollout.offload_training_state: ZeRO state aside while generating
         self.sampler, self.train_data, self.score, self.shaping = sampler, train_data, score, shaping
         self.server = cfg.rollout.mode == "server"
         self.producer: RolloutProducer | None = None
@@ -108,9 +110,10 @@ class Rollouts:
         n = 1 if greedy else self.cfg.rollout.group_size
         if getattr(self.engine, "needs_weights", False):  # rollout.sleep_level 2 discarded them
             sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20)
-        self.engine.wake()
-        rollout = self.engine.generate([e.prompt_ids for e in examples], n, self.sampling(step, greedy, round_index))
-        self.engine.sleep()
+        with offloaded(self.training_offload):  # after any sync: that gathers from the ZeRO shards
+            self.engine.wake()
+            rollout = self.engine.generate([e.prompt_ids for e in examples], n, self.sampling(step, greedy, round_index))
+            self.engine.sleep()
         rollout = rollout.with_policy_version(step if version is None else version)
         return rollout.with_ground_truth([e.ground_truth for e in examples]).with_prompt_text(
             [e.prompt_text for e in examples])

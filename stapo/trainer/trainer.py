@@ -31,6 +31,7 @@ from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, ex
 from stapo.trainer.interrupt import RunInterrupted, stop_on_signals
 from stapo.distributed.process_group import all_gather_object, barrier, broadcast_object, init_distributed
 from stapo.distributed.shared_dir import require_shared_dir
+from stapo.distributed.training_offload import offloaded
 from stapo.telemetry.metrics import MetricsLogger
 from stapo.trainer.preflight import plan_run
 from stapo.trainer.recording import TokenRecorder
@@ -89,7 +90,9 @@ class STAPOTrainer:
         self.model = self.engine.module  # a PeftModel with model.lora (stapo/distributed/lora.py)
         self.reference = build.build_reference(cfg, self.model_path, self.model)  # None unless loss.kl_coef > 0
         self.peak_flops = device_peak_flops(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-        self.rollout_engine = build.build_rollout_engine(cfg, self.model_path, self.tokenizer, self.dist.rank)
+        self.training_offload = build.build_training_offload(cfg, self.engine)  # None unless configured
+        with offloaded(self.training_offload):  # vLLM sizes its memory share against what is free at start
+            self.rollout_engine = build.build_rollout_engine(cfg, self.model_path, self.tokenizer, self.dist.rank)
         self.mask = mask if mask is not None else build_mask(cfg.mask.name, **cfg.mask.params)
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
         self.shaping = RewardShaping(cfg.rollout.max_response_length, cfg.reward.overlong_buffer,
@@ -110,7 +113,7 @@ class STAPOTrainer:
         self.recorder = TokenRecorder(self.output_dir, every=cfg.inspect.record_every, is_main=self.dist.is_main,
                                       all_minibatches=cfg.inspect.record_minibatches == "all")
         self.rollouts = Rollouts(cfg, self.dist, self.rollout_engine, self.model, self.sampler, self.train_data,
-                                 self.score, self.shaping)  # lines 3-5: prompts, generation, rewards, sync
+                                 self.score, self.shaping, training_offload=self.training_offload)  # lines 3-5: prompts, generation, rewards, sync
         self.step_count = 0
         self.skipped_steps = 0
         self._consecutive_skips = 0

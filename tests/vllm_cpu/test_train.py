@@ -76,8 +76,11 @@ def test_resumed_run_regenerates_the_same_rollouts(four_steps, warm_model_dir, t
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="an engine per rank needs 2 GPUs")
 def test_two_torchrun_ranks_with_zero3_and_an_engine_each(warm_model_dir, tmp_path):
+    """Each rank's ZeRO-3 state is moved to the host while its engine starts and generates
+    (rollout.offload_training_state; exactness: tests/trainer/test_training_offload.py)."""
     out = tmp_path / "ranks2"
     steps = train(out, warm_model_dir, "trainer.total_steps=2", "trainer.save_every=0", "trainer.zero_stage=3",
+                  "rollout.offload_training_state=true",
                   launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["mismatch_logp_abs_max"] <= 10 * FP32_LOGPROB_BOUND for r in steps), steps
