@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--engine", choices=engine_choices(), default="auto",
                         help="auto: vLLM on a GPU when installed, else the HF engine")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="GPUs of the one vLLM engine (one process; for models one GPU cannot hold). "
+                             "For one engine per GPU instead, launch with torchrun --nproc_per_node N")
+    parser.add_argument("--batch-rows", type=int, default=1024, metavar="ROWS",
+                        help="problems x samples per generate call (default 1024): each call waits for its "
+                             "longest response; chunks are dealt to torchrun ranks, so keep several per rank")
     parser.add_argument("--pass-k", type=int, nargs="+", default=list(DEFAULT_PASS_K), metavar="K",
                         help=f"k of pass@k to report (default: {' '.join(map(str, DEFAULT_PASS_K))}; k > N skipped)")
     parser.add_argument("--out", metavar="DIR", help="results directory (default: MODEL/eval)")
@@ -70,7 +76,8 @@ def run_cli(args: argparse.Namespace) -> int:
         raise ValueError("--reward-function-batched needs --reward-function")
     if args.reward_timeout <= 0:
         raise ValueError(f"--reward-timeout must be > 0, got {args.reward_timeout}")
-    for name, value in (("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens)):
+    for name, value in (("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens),
+                        ("--tensor-parallel-size", args.tensor_parallel_size), ("--batch-rows", args.batch_rows)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     benchmarks = _benchmarks(args)
@@ -82,10 +89,14 @@ def run_cli(args: argparse.Namespace) -> int:
                             cache_dir=args.cache_dir, reward_mode=args.reward_mode,
                             reward_function=args.reward_function,
                             reward_function_batched=args.reward_function_batched,
-                            reward_timeout_s=args.reward_timeout)
-    paths = report.write(Path(args.out) if args.out else model / "eval")
-    print(report.markdown())
-    print("written: " + ", ".join(str(p) for p in paths.values()))
+                            reward_timeout_s=args.reward_timeout, tensor_parallel_size=args.tensor_parallel_size,
+                            batch_rows=args.batch_rows)
+    from stapo.distributed.process_group import get_rank
+
+    if get_rank() == 0:  # under torchrun every rank holds the whole report
+        paths = report.write(Path(args.out) if args.out else model / "eval")
+        print(report.markdown())
+        print("written: " + ", ".join(str(p) for p in paths.values()))
     return 0
 
 
@@ -103,7 +114,8 @@ def _dry_run(model: Path, benchmarks: list, args: argparse.Namespace) -> int:
         source = "local file" if p.is_local else "hub dataset, downloaded at start"
         lines.append(f"  {p.name}: {p.hf_name} ({source}), N = {args.samples or p.num_samples}")
     lines += [f"  settings: {args.settings}; max new tokens: {args.max_new_tokens}; pass@k: {args.pass_k}",
-              f"  engine: {args.engine}" + (f" -> {engine}" if engine != args.engine else ""),
+              f"  engine: {args.engine}" + (f" -> {engine}" if engine != args.engine else "")
+              + (f", tensor parallel over {args.tensor_parallel_size} GPUs" if args.tensor_parallel_size > 1 else ""),
               f"  judge: {args.reward_function or args.reward_mode}"]
     problem = engine_problem(engine)
     lines += [f"  not on this machine: {problem}"] if problem else []

@@ -17,8 +17,10 @@ verifier); our numbers are the rule-based verifier's only (see docs/evaluation.m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
+from datetime import timedelta
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,11 +32,13 @@ from stapo.evaluation.benchmarks import (PAPER_SETTINGS, BenchmarkPreset, Decodi
                                          load_benchmark)
 from stapo.evaluation.report import BenchmarkResult, EvalReport
 
-__all__ = ["build_engine", "check_model_dir", "evaluate_model", "sample_benchmark"]
+__all__ = ["Ranks", "build_engine", "check_model_dir", "evaluate_model", "sample_benchmark"]
 
 logger = logging.getLogger("stapo.evaluation")
 
 DEFAULT_PASS_K = (1, 4, 32)
+#: How long a data-parallel rank may wait at the exchange for the slowest rank's last chunk.
+EVAL_COLLECTIVE_TIMEOUT = timedelta(hours=12)
 
 
 def check_model_dir(model_path: str | Path) -> Path:
@@ -57,7 +61,7 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
                    instruction: str | None = PAPER_INSTRUCTION, keep_responses: bool = True,
                    cache_dir: str | Path | None = None, reward_mode: str = "math",
                    reward_function: str | None = None, reward_function_batched: bool = False,
-                   reward_timeout_s: float = 5.0) -> EvalReport:
+                   reward_timeout_s: float = 5.0, tensor_parallel_size: int = 1) -> EvalReport:
     """Evaluate a model on `benchmarks` (preset names or `BenchmarkPreset`s) under `settings`.
 
     Args:
@@ -72,11 +76,21 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
         reward_mode: a `stapo.rewards.REWARD_MODES` name (`math`, `dapo`, `dapo_boxed`, ...).
         reward_function: `"pkg.mod:fn"` or `"file.py:fn"` (as `reward.function`; implies mode
             `function`), `reward_function_batched` its batch form; `reward_timeout_s` per call.
+        tensor_parallel_size: GPUs of the one vLLM engine (vLLM's own executor; one process).
+
+    Under a launcher (``torchrun --nproc_per_node 8 -m stapo.cli eval ...``) every rank builds its own
+    engine and samples every ``world_size``-th chunk of ``batch_rows`` rows; the ranks then exchange
+    their chunks, so every rank returns the same report, equal to a one-process run with the same
+    ``batch_rows`` (chunk seeds depend on the chunk's first problem only). Data parallelism and
+    tensor parallelism do not combine here.
     """
     if num_samples is not None and num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if max_new_tokens < 1 or batch_rows < 1 or not settings or any(k < 1 for k in pass_k):
         raise ValueError("max_new_tokens, batch_rows and every pass@k must be >= 1 and settings non-empty")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    ranks = _join_ranks(tensor_parallel_size)
     start = time.perf_counter()
     presets = [get_benchmark(b) if isinstance(b, str) else b for b in benchmarks]
     if not presets:
@@ -95,8 +109,8 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
         for p, ds in zip(presets, datasets, strict=True):
             logger.info("%s: %d problems from %s, N = %d", p.name, len(ds), p.hf_name, num_samples or p.num_samples)
         longest_prompt = max(len(e.prompt_ids) for ds in datasets for e in ds)
-        engine_name, engine = build_engine(engine, load_path, tokenizer,
-                                           max_model_len=longest_prompt + max_new_tokens, seed=seed)
+        engine_name, engine = build_engine(engine, load_path, tokenizer, max_model_len=longest_prompt + max_new_tokens,
+                                           seed=seed, tensor_parallel_size=tensor_parallel_size)
 
     from stapo.rewards import build_scorer
 
@@ -109,7 +123,8 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
                 results.append(sample_benchmark(engine, scorer, ds, name=preset.name, setting=setting,
                                                 num_samples=num_samples or preset.num_samples,
                                                 max_new_tokens=max_new_tokens, seed=seed, pass_k=tuple(pass_k),
-                                                batch_rows=batch_rows, keep_responses=keep_responses))
+                                                batch_rows=batch_rows, keep_responses=keep_responses,
+                                                ranks=ranks))
     finally:
         scorer.close()
     return EvalReport(model_path=str(model_path), engine=engine_name, benchmarks=presets, settings=tuple(settings),
@@ -117,51 +132,106 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
                       seconds=time.perf_counter() - start)
 
 
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """This process among the evaluation's data-parallel ranks (one engine each)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """One `generate` call's judged rows: (problems, N) arrays and the response texts per problem."""
+
+    first: int
+    correct: np.ndarray
+    lengths: np.ndarray
+    truncated: np.ndarray
+    texts: list
+
+
 def sample_benchmark(engine, scorer, dataset: PromptDataset, *, name: str, setting: DecodingSetting,
                      num_samples: int, max_new_tokens: int, seed: int, pass_k: tuple[int, ...] = DEFAULT_PASS_K,
-                     batch_rows: int = 1024, keep_responses: bool = True) -> BenchmarkResult:
+                     batch_rows: int = 1024, keep_responses: bool = True, ranks: Ranks = Ranks()) -> BenchmarkResult:
     """N samples per problem of `dataset` under `setting`, judged by `scorer` (`.score(responses,
-    answers, row_fields)`, e.g. a `MathVerifier`): a response is correct when its reward is > 0."""
-    from stapo.rollout.sampling import SamplingParams, derived_seed
+    answers, row_fields)`, e.g. a `MathVerifier`): a response is correct when its reward is > 0.
 
+    The problems go in chunks of ``batch_rows // N``, chunk ``c`` to rank ``c % world_size``, seeded
+    by its first problem's index: the result does not depend on the number of ranks."""
     n, examples = num_samples, list(dataset)
     per_call = max(1, batch_rows // n)
-    correct, lengths, truncated, texts = [], [], [], []
-    start = time.perf_counter()
-    for first in range(0, len(examples), per_call):
-        chunk = examples[first: first + per_call]
-        sampling = SamplingParams(temperature=setting.temperature, top_p=setting.top_p,
-                                  max_new_tokens=max_new_tokens, seed=derived_seed(seed, first))
-        rollout = engine.generate([e.prompt_ids for e in chunk], n, sampling)  # rows: prompt i // n
-        answers = [e.ground_truth for e in chunk for _ in range(n)]
-        fields = [e.fields for e in chunk for _ in range(n)]
-        verdicts = [r > 0 for r in scorer.score(rollout.response_text, answers, fields)]
-        correct.append(np.asarray(verdicts, dtype=bool).reshape(len(chunk), n))  # (p, N)
-        lengths.append(rollout.response_lengths.numpy().reshape(len(chunk), n))  # (p, N)
-        truncated.append(np.asarray([r == "length" for r in rollout.finish_reason]).reshape(len(chunk), n))
-        if keep_responses:
-            texts += [rollout.response_text[i * n: (i + 1) * n] for i in range(len(chunk))]
-        done = first + len(chunk)
-        logger.info("%s [%s] %d/%d problems, %.1f%% correct so far, %.0f s", name, setting.label, done,
-                    len(examples), 100 * np.concatenate(correct).mean(), time.perf_counter() - start)
-    return BenchmarkResult(benchmark=name, setting=setting, correct=np.concatenate(correct),
-                           response_lengths=np.concatenate(lengths), truncated=np.concatenate(truncated),
+    firsts = list(range(0, len(examples), per_call))[ranks.rank::ranks.world_size]
+    chunks, start = [], time.perf_counter()
+    for first in firsts:
+        chunks.append(_sample_chunk(engine, scorer, examples[first: first + per_call], first, n, setting,
+                                    max_new_tokens, seed, keep_responses))
+        done = sum(len(c.correct) for c in chunks)
+        share = f" (rank {ranks.rank}: {done}/{sum(min(per_call, len(examples) - f) for f in firsts)})" \
+            if ranks.world_size > 1 else f" {done}/{len(examples)} problems"
+        logger.info("%s [%s]%s, %.1f%% correct so far, %.0f s", name, setting.label, share,
+                    100 * np.concatenate([c.correct for c in chunks]).mean(), time.perf_counter() - start)
+    if ranks.world_size > 1:
+        from stapo.distributed.process_group import all_gather_object
+
+        chunks = [c for rank_chunks in all_gather_object(chunks) for c in rank_chunks]
+    chunks.sort(key=lambda c: c.first)
+    return BenchmarkResult(benchmark=name, setting=setting, correct=np.concatenate([c.correct for c in chunks]),
+                           response_lengths=np.concatenate([c.lengths for c in chunks]),
+                           truncated=np.concatenate([c.truncated for c in chunks]),
                            problem_index=[e.index for e in examples], ground_truth=[e.ground_truth for e in examples],
-                           responses=texts, pass_k=pass_k)
+                           responses=[t for c in chunks for t in c.texts], pass_k=pass_k)
 
 
-def build_engine(engine, model_path: str | Path, tokenizer, *, max_model_len: int, seed: int = 0):
+def _sample_chunk(engine, scorer, chunk: list, first: int, n: int, setting: DecodingSetting, max_new_tokens: int,
+                  seed: int, keep_responses: bool) -> _Chunk:
+    """Sample and judge one chunk (problems ``first``, ``first + 1``, ...; rows: problem ``i // n``)."""
+    from stapo.rollout.sampling import SamplingParams, derived_seed
+
+    sampling = SamplingParams(temperature=setting.temperature, top_p=setting.top_p,
+                              max_new_tokens=max_new_tokens, seed=derived_seed(seed, first))
+    rollout = engine.generate([e.prompt_ids for e in chunk], n, sampling)
+    answers = [e.ground_truth for e in chunk for _ in range(n)]
+    fields = [e.fields for e in chunk for _ in range(n)]
+    verdicts = [r > 0 for r in scorer.score(rollout.response_text, answers, fields)]
+    return _Chunk(first=first, correct=np.asarray(verdicts, dtype=bool).reshape(len(chunk), n),
+                  lengths=rollout.response_lengths.numpy().reshape(len(chunk), n),
+                  truncated=np.asarray([r == "length" for r in rollout.finish_reason]).reshape(len(chunk), n),
+                  texts=[rollout.response_text[i * n: (i + 1) * n] for i in range(len(chunk))] if keep_responses
+                  else [])
+
+
+def _join_ranks(tensor_parallel_size: int) -> Ranks:
+    """The launcher's ranks (torchrun & co.) as data-parallel evaluators; one process without one."""
+    from stapo.distributed.process_group import init_distributed, launcher_world_size
+
+    if launcher_world_size() == 1:
+        return Ranks()
+    if tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} under a launcher with "
+                         f"{launcher_world_size()} ranks: stapo eval runs either one engine over several GPUs "
+                         "(one process, --tensor-parallel-size) or one engine per rank (torchrun), not both")
+    info = init_distributed(timeout=EVAL_COLLECTIVE_TIMEOUT)  # a rank waits for the slowest one's last chunk
+    return Ranks(info.rank, info.world_size)
+
+
+def build_engine(engine, model_path: str | Path, tokenizer, *, max_model_len: int, seed: int = 0,
+                 tensor_parallel_size: int = 1):
     """`(name, engine)`: a ready engine is used as given; a name goes through the rollout-engine
     registry ("auto" picks vLLM on a GPU when installed)."""
     if not isinstance(engine, str):
         return type(engine).__name__, engine
     import torch
 
-    from stapo.rollout.registry import EngineOptions, build_engine as build_registered
+    from stapo.rollout.registry import EngineOptions, build_engine as build_registered, resolve_engine
 
     cuda = torch.cuda.is_available()
     opts = EngineOptions(dtype=torch.bfloat16 if cuda else torch.float32, max_model_len=max_model_len, seed=seed,
-                         max_batch_size=64, gpu_memory_utilization=0.9, enable_sleep_mode=False)
+                         max_batch_size=64, gpu_memory_utilization=0.9, enable_sleep_mode=False,
+                         tensor_parallel_size=tensor_parallel_size)
+    if tensor_parallel_size > 1 and resolve_engine(engine) != "vllm":
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs the vllm engine, got "
+                         f"{resolve_engine(engine)}")
     return build_registered(engine, model_path, tokenizer, opts)
 
 
