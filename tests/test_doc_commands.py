@@ -189,12 +189,13 @@ def test_doc_command_runs(command, request, monkeypatch, capsys):
     if argv[0] == "python" and argv[1].startswith("bench/"):
         _bench_check(argv)
         return
-    if argv[:2] in (["stapo", "inspect"], ["stapo", "eval"]):
+    stapo = _stapo_argv(argv)
+    if stapo[:1] in (["inspect"], ["eval"]):  # also under a launcher (`torchrun ... -m stapo.cli eval MODEL`)
         table = _placeholders(request.getfixturevalue("tiny_run"))
     else:
         table = {"CONFIG": TINY, "CONFIG.yaml": TINY}
     synopsis = ("key=value", "...")  # `stapo train CONFIG key=value ...`
-    stapo = [table.get(a, a) for a in _stapo_argv(argv) if a not in synopsis]
+    stapo = [table.get(a, a) for a in stapo if a not in synopsis]
     if tuple(stapo) in _PASSED:  # several pages show the same line: run it once
         return
     try:
