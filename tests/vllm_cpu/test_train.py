@@ -100,19 +100,44 @@ def test_two_ranks_share_one_tensor_parallel_engine(warm_model_dir, tmp_path):
     assert all(r["time_rollout_max"] >= r["time_rollout_min"] > 0 for r in steps)  # both ranks generated
 
 
-def test_stapo_eval_with_vllm(four_steps, tmp_path):
-    out, _ = four_steps
+def eval_final(out: Path, data: Path, dest: Path, tensor_parallel_size: int = 1) -> list[str]:
+    """`stapo eval` of the run's final/ on ``data`` (2 samples, 32 tokens); its samples.jsonl lines."""
+    run([sys.executable, "-m", "stapo.cli", "eval", str(out / "final"), "--data", str(data), "--engine", "vllm",
+         "--samples", "2", "--max-new-tokens", "32", "--settings", "train", "--out", str(dest),
+         "--tensor-parallel-size", str(tensor_parallel_size)],
+        **({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tensor_parallel_size == 2 and not torch.cuda.is_available()
+           else {}))  # vLLM's CPU workers need a core each, named, on one NUMA node
+    return (dest / "samples.jsonl").read_text().splitlines()
+
+
+@pytest.fixture(scope="module")
+def eval_data(tmp_path_factory) -> Path:
     from stapo.tiny import arithmetic_problems
 
-    data = tmp_path / "arith.jsonl"
+    data = tmp_path_factory.mktemp("eval_data") / "arith.jsonl"
     data.write_text("".join(json.dumps({"problem": p.question, "answer": p.answer}) + "\n"
                             for p in arithmetic_problems(8, seed=3)))
-    run([sys.executable, "-m", "stapo.cli", "eval", str(out / "final"), "--data", str(data), "--engine", "vllm",
-         "--samples", "2", "--max-new-tokens", "32", "--settings", "train", "--out", str(tmp_path / "eval")])
-    result = json.loads((tmp_path / "eval" / "results.json").read_text())
-    assert result["engine"] == "vllm"
-    rows = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").open()]
+    return data
+
+
+@pytest.fixture(scope="module")
+def one_worker_eval(four_steps, eval_data, tmp_path_factory):
+    dest = tmp_path_factory.mktemp("eval") / "tp1"
+    return dest, eval_final(four_steps[0], eval_data, dest)
+
+
+def test_stapo_eval_with_vllm(one_worker_eval):
+    dest, lines = one_worker_eval
+    assert json.loads((dest / "results.json").read_text())["engine"] == "vllm"
+    rows = [json.loads(line) for line in lines]
     assert len(rows) == 8 and all(len(r["responses"]) == 2 for r in rows)  # 8 problems x 2 samples
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="TP of 2 needs 2 GPUs")
+def test_stapo_eval_over_a_tensor_parallel_engine(four_steps, eval_data, one_worker_eval, tmp_path):
+    """--tensor-parallel-size 2: vLLM's own two workers (one process of ours); per-request seeds, so
+    the same samples as one worker (on CPU in fp32 they came out identical)."""
+    assert eval_final(four_steps[0], eval_data, tmp_path / "tp2", tensor_parallel_size=2) == one_worker_eval[1]
 
 
 def test_lora_run_syncs_the_merged_adapters(warm_model_dir, tmp_path):
