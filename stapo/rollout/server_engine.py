@@ -228,11 +228,15 @@ class ServerEngine:
             raise NoRolloutServers("no rollout server is left: none answers at the weight sync")
         for client in targets:
             self._workers[client.address] = len(self._versions_of(client))
-        self._session = BroadcastSession([(c, self._workers[c.address]) for c in targets], self.sync_timeout_s)
-        self._session.open()
+        session = BroadcastSession([(c, self._workers[c.address]) for c in targets], self.sync_timeout_s)
         try:
+            session.open()
+            self._session = session
             yield
-            self._session.close(version)
+            session.close(version)
+        except BaseException:
+            session.abort()  # a failed open or send: no thread pool or half-joined group left behind
+            raise
         finally:
             self._session = None
         self.policy_version = version

@@ -100,8 +100,12 @@ class BroadcastSession:
             for client, _ in self.servers:
                 client.post("/reset_prefix_cache", {}, self.timeout_s)
         finally:
-            self._group = self._store = None
-            self._pool.shutdown(wait=False)
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the session's group and threads (after a failure; `close` ends with it too)."""
+        self._group = self._store = None
+        self._pool.shutdown(wait=False)
 
     def _on_every_server(self, method: str, args: list[str]) -> list:
         return [self._pool.submit(client.rpc, method, arg, timeout_s=self.timeout_s)

@@ -159,3 +159,49 @@ def test_the_dry_run_notes_servers_that_do_not_answer(capsys, tmp_path):
     assert code == 0  # a note, not an error: servers may be started after the dry run
     assert f"rollout server 127.0.0.1:{port} does not answer now (start it with `stapo serve MODEL --port {port}`)" \
         in capsys.readouterr().out
+
+
+def test_a_weight_session_that_cannot_open_leaves_no_session_behind():
+    """A server that answers its health and version routes but never joins the session's group (its
+    worker refuses): the sync fails after ``sync_timeout_s``, and the next sync opens a new session
+    instead of finding the failed one still "open". The HTTP side is a few lines of http.server: this
+    tests the engine's bookkeeping; the real servers' sessions run in tests/vllm_cpu/test_server.py."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from stapo.rollout.server_engine import ServerEngine
+
+    class Refusing(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._reply(200, {})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if body["method"] == "stapo_policy_version":
+                self._reply(200, {"results": [None]})
+            else:
+                self._reply(500, {"error": f"{body['method']} refused"})
+
+        def _reply(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = ServerEngine([f"127.0.0.1:{server.server_address[1]}"], pad_token_id=0, sync_timeout_s=2)
+        for _ in range(2):  # before the fix the second attempt failed with "a weight update session is already open"
+            with pytest.raises(Exception) as failure:
+                with engine.weight_update():
+                    pass
+            assert "already open" not in str(failure.value)
+            assert engine._session is None
+    finally:
+        server.shutdown()
