@@ -58,23 +58,29 @@ def _make_batch(model_dir) -> dict:
                 entropy=ent)
 
 
+def rank_share(batch: dict):
+    """``(DistInfo, row slice, TrainBatch)``: this rank's contiguous share of the batch's rows (joins the group)."""
+    from stapo.distributed.process_group import init_distributed
+    from stapo.trainer.update import TrainBatch
+
+    info = init_distributed()
+    share = ROWS // info.world_size
+    rows = slice(info.rank * share, (info.rank + 1) * share)
+    fields = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages", "old_logprobs", "entropy")
+    return info, rows, TrainBatch(*(batch[f][rows] for f in fields))
+
+
 def _update_worker(out_dir, *, model_dir, batch, micro_batch_size, packing, max_tokens):
     """On each rank: its share of rows, one update per mask, full grads captured before the step."""
     from transformers import AutoModelForCausalLM
 
     from stapo.losses import TokenStats, build_mask
-    from stapo.distributed.process_group import init_distributed
     from _dist_utils import gather_full_grads
     from stapo.distributed.accumulation import GradientAccumulation
     from stapo.distributed.deepspeed_engine import build_engine
-    from stapo.trainer.update import TrainBatch, UpdateOptions, update_minibatch
+    from stapo.trainer.update import UpdateOptions, update_minibatch
 
-    info = init_distributed()
-    share = ROWS // info.world_size
-    rows = slice(info.rank * share, (info.rank + 1) * share)
-    mine = TrainBatch(batch["prompt_ids"][rows], batch["prompt_mask"][rows], batch["response_ids"][rows],
-                      batch["response_mask"][rows], batch["advantages"][rows], batch["old_logprobs"][rows],
-                      batch["entropy"][rows])
+    info, rows, mine = rank_share(batch)
     stats = TokenStats(mine.old_logprobs, mine.old_entropy, mine.advantages, mine.response_mask)
     opts = UpdateOptions(micro_batch_size=micro_batch_size, chunk_size=64, packing=packing,
                          max_tokens_per_micro_batch=max_tokens)
@@ -89,7 +95,7 @@ def _update_worker(out_dir, *, model_dir, batch, micro_batch_size, packing, max_
     results = {}
     for name, params in MASKS.items():
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        engine = build_engine(model, lr=1e-3, warmup_steps=0, grad_accum_steps=-(-share // micro_batch_size),
+        engine = build_engine(model, lr=1e-3, warmup_steps=0, grad_accum_steps=-(-len(mine) // micro_batch_size),
                               micro_batch_size=micro_batch_size, bf16=False)
         captured.clear()
         masked = build_mask(name, **params).apply(stats)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _dist_utils import run_ranks
-from test_exactness import ROWS, _make_batch
+from test_exactness import _make_batch, rank_share
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -34,17 +34,11 @@ def _weights_worker(out_dir, *, model_dir, batch, micro_batch_size, packing, max
 
     from stapo.distributed.accumulation import GradientAccumulation
     from stapo.distributed.deepspeed_engine import build_engine
-    from stapo.distributed.process_group import init_distributed
     from stapo.losses import TokenStats, build_mask
-    from stapo.trainer.update import TrainBatch, UpdateOptions, update_minibatch
+    from stapo.trainer.update import UpdateOptions, update_minibatch
     from _dist_utils import gather_full_grads
 
-    info = init_distributed()
-    share = ROWS // info.world_size
-    rows = slice(info.rank * share, (info.rank + 1) * share)
-    mine = TrainBatch(batch["prompt_ids"][rows], batch["prompt_mask"][rows], batch["response_ids"][rows],
-                      batch["response_mask"][rows], batch["advantages"][rows], batch["old_logprobs"][rows],
-                      batch["entropy"][rows])
+    info, rows, mine = rank_share(batch)
     stats = TokenStats(batch["logprobs"][rows], mine.old_entropy, mine.advantages, mine.response_mask,
                        old_logprobs=mine.old_logprobs, clip_range=(0.2, 0.28), batch_entropy=BATCH_ENTROPY,
                        seed=SEED)
@@ -61,7 +55,7 @@ def _weights_worker(out_dir, *, model_dir, batch, micro_batch_size, packing, max
     results = {}
     for name, params in MASKS.items():
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        engine = build_engine(model, lr=1e-3, warmup_steps=0, grad_accum_steps=-(-share // micro_batch_size),
+        engine = build_engine(model, lr=1e-3, warmup_steps=0, grad_accum_steps=-(-len(mine) // micro_batch_size),
                               micro_batch_size=micro_batch_size, bf16=False)
         captured.clear()
         masked = build_mask(name, **params).apply(stats)
