@@ -55,5 +55,8 @@ class TensorParallelRollout:
         start = sum(len(share[0]) for share in shares[:self.group_rank])
         return rollout.select(torch.arange(start * n, (start + len(prompt_ids)) * n))
 
+    #: not forwarded to the engine: a rank's calls must go through `generate`'s gather of the group's prompts
+    generate_many = None
+
     def __getattr__(self, name):
         return getattr(self.engine, name)

@@ -49,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPUs of the one vLLM engine (one process; for models one GPU cannot hold). "
                              "For one engine per GPU instead, launch with torchrun --nproc_per_node N")
     parser.add_argument("--batch-rows", type=int, default=1024, metavar="ROWS",
-                        help="problems x samples per generate call (default 1024): each call waits for its "
-                             "longest response; chunks are dealt to torchrun ranks, so keep several per rank")
+                        help="problems x samples per chunk (default 1024; its seed derives from its first "
+                             "problem); chunks are dealt to torchrun ranks, so keep several per rank")
     parser.add_argument("--pass-k", type=int, nargs="+", default=list(DEFAULT_PASS_K), metavar="K",
                         help=f"k of pass@k to report (default: {' '.join(map(str, DEFAULT_PASS_K))}; k > N skipped)")
     parser.add_argument("--out", metavar="DIR", help="results directory (default: MODEL/eval)")

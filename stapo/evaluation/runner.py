@@ -158,14 +158,23 @@ def sample_benchmark(engine, scorer, dataset: PromptDataset, *, name: str, setti
     answers, row_fields)`, e.g. a `MathVerifier`): a response is correct when its reward is > 0.
 
     The problems go in chunks of ``batch_rows // N``, chunk ``c`` to rank ``c % world_size``, seeded
-    by its first problem's index: the result does not depend on the number of ranks."""
+    by its first problem's index: the result does not depend on the number of ranks. An engine with
+    ``generate_many`` (vLLM) gets all of the rank's chunks in one submission, so no chunk waits for
+    the longest response of the one before; others get one `generate` call per chunk."""
+    from stapo.rollout.sampling import SamplingParams, derived_seed
+
     n, examples = num_samples, list(dataset)
     per_call = max(1, batch_rows // n)
     firsts = list(range(0, len(examples), per_call))[ranks.rank::ranks.world_size]
+    calls = [([e.prompt_ids for e in examples[first: first + per_call]], n,
+              SamplingParams(temperature=setting.temperature, top_p=setting.top_p, max_new_tokens=max_new_tokens,
+                             seed=derived_seed(seed, first))) for first in firsts]
+    generate_many = getattr(engine, "generate_many", None)  # vLLM: every chunk in one submission, no tail per chunk
+    rollouts = generate_many(calls, progress=True) if generate_many is not None else None
     chunks, start = [], time.perf_counter()
-    for first in firsts:
-        chunks.append(_sample_chunk(engine, scorer, examples[first: first + per_call], first, n, setting,
-                                    max_new_tokens, seed, keep_responses))
+    for i, first in enumerate(firsts):
+        rollout = rollouts[i] if rollouts is not None else engine.generate(*calls[i])
+        chunks.append(_judge_chunk(scorer, examples[first: first + per_call], first, rollout, n, keep_responses))
         done = sum(len(c.correct) for c in chunks)
         share = f" (rank {ranks.rank}: {done}/{sum(min(per_call, len(examples) - f) for f in firsts)})" \
             if ranks.world_size > 1 else f" {done}/{len(examples)} problems"
@@ -183,14 +192,8 @@ def sample_benchmark(engine, scorer, dataset: PromptDataset, *, name: str, setti
                            responses=[t for c in chunks for t in c.texts], pass_k=pass_k)
 
 
-def _sample_chunk(engine, scorer, chunk: list, first: int, n: int, setting: DecodingSetting, max_new_tokens: int,
-                  seed: int, keep_responses: bool) -> _Chunk:
-    """Sample and judge one chunk (problems ``first``, ``first + 1``, ...; rows: problem ``i // n``)."""
-    from stapo.rollout.sampling import SamplingParams, derived_seed
-
-    sampling = SamplingParams(temperature=setting.temperature, top_p=setting.top_p,
-                              max_new_tokens=max_new_tokens, seed=derived_seed(seed, first))
-    rollout = engine.generate([e.prompt_ids for e in chunk], n, sampling)
+def _judge_chunk(scorer, chunk: list, first: int, rollout, n: int, keep_responses: bool) -> _Chunk:
+    """Judge one chunk's rollout (problems ``first``, ``first + 1``, ...; rows: problem ``i // n``)."""
     answers = [e.ground_truth for e in chunk for _ in range(n)]
     fields = [e.fields for e in chunk for _ in range(n)]
     verdicts = [r > 0 for r in scorer.score(rollout.response_text, answers, fields)]

@@ -265,22 +265,35 @@ class VLLMEngine:
     # ---------------------------------------------------------------- generate
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> Rollout:
         """Sample `n` responses per prompt with vLLM; rows grouped per prompt (see `Rollout`)."""
-        prompts = check_prompts(prompt_ids, n)
+        return self.generate_many([(prompt_ids, n, sampling)])[0]
+
+    def generate_many(self, calls: Sequence[tuple[Sequence[Sequence[int]], int, SamplingParams]], *,
+                      progress: bool = False) -> list[Rollout]:
+        """Several `generate` calls ``(prompt_ids, n, sampling)`` as ONE vLLM submission: each call's
+        rows are those it would get alone (every request carries its own seed), but vLLM schedules all
+        requests together, so no call waits for the longest response of the one before (`stapo eval`'s
+        chunks). ``progress``: vLLM's progress bar."""
         if self._updating:
             raise RuntimeError("generate() inside a weight update session: finish the update first")
         if self.needs_weights:
             raise RuntimeError("generate() after a level-2 sleep discarded the weights: push them first "
                                "(stapo.sync.buckets.sync_weights, one weight_update session)")
+        checked = [(check_prompts(prompt_ids, n), n, sampling) for prompt_ids, n, sampling in calls]
+        requests, params = [], []
+        for prompts, n, sampling in checked:
+            base, seeds = vllm_sampling_kwargs(sampling, n, len(prompts))
+            requests += [{"prompt_token_ids": p} for p in prompts]
+            params += [self._vllm.SamplingParams(**base, **({} if seeds is None else {"seed": seeds[i]}))
+                       for i in range(len(prompts))]
         self.wake()
-        base, seeds = vllm_sampling_kwargs(sampling, n, len(prompts))
-        if seeds is None:
-            params = self._vllm.SamplingParams(**base)
-        else:
-            params = [self._vllm.SamplingParams(**base, seed=s) for s in seeds]
-        requests = [{"prompt_token_ids": p} for p in prompts]
         with _preserved_rngs():  # in-process, vLLM's scheduler and sampler must not move the trainer's RNGs
-            outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
-        return rollout_from_vllm_outputs(outputs, prompts, n, self.pad_token_id)
+            outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=progress)
+        rollouts, start = [], 0
+        for prompts, n, _ in checked:
+            rollouts.append(rollout_from_vllm_outputs(outputs[start: start + len(prompts)], prompts, n,
+                                                      self.pad_token_id))
+            start += len(prompts)
+        return rollouts
 
     # ------------------------------------------------------------ weight sync
     @contextlib.contextmanager

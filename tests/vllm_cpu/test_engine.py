@@ -63,6 +63,18 @@ def test_requests_carry_their_own_seeds(engine, prompts):
     assert torch.equal(alone[:, :first.shape[1]], first[:4, :alone.shape[1]])
 
 
+def test_several_calls_in_one_submission_sample_what_they_sample_alone(engine, prompts):
+    """generate_many (stapo eval's chunks in one vLLM submission): the same rows as call by call."""
+    calls = [(prompts[:2], 3, SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)),
+             (prompts[2:], 2, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12, seed=6))]
+    together = engine.generate_many(calls)
+    for call, merged in zip(calls, together, strict=True):
+        alone = engine.generate(*call)
+        assert torch.equal(merged.response_ids, alone.response_ids) and merged.finish_reason == alone.finish_reason
+        assert torch.equal(merged.sampling_logprobs, alone.sampling_logprobs)
+    assert [len(r) for r in together] == [6, 2]
+
+
 def test_sync_in_split_buckets_puts_vllm_exactly_on_the_new_weights(engine, hf_model, prompts):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
     before = engine.generate(prompts, 1, greedy).response_ids
