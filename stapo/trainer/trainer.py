@@ -156,15 +156,23 @@ class STAPOTrainer:
                                                weights=masked.weights)
             sums.add({**update_sums, **mask_sums(stats, masked, probe)})
         self.step_count += 1
-        with timer("sync"):
-            synced = self.rollouts.sync(self.step_count)  # line 3, for the next iteration
-        sums.add_value("sync_mb", synced.num_bytes / 2**20)
         self._track_skips(skipped_updates(sums))
-        return step_metrics(step=self.step_count, epoch=scored.epoch, lr=current_lr(self.engine),
-                            skipped_steps=self.skipped_steps, group_size=cfg.rollout.group_size,
-                            world_size=self.dist.world_size, scored=scored, sums=sums, timer=timer,
-                            entropy_coef=cfg.loss.entropy_coef, model_config=self.model.config,
-                            peak_flops=self.peak_flops)
+
+        def metrics() -> dict[str, float]:  # after the sync, or without it when the sync fails
+            return step_metrics(step=self.step_count, epoch=scored.epoch, lr=current_lr(self.engine),
+                                skipped_steps=self.skipped_steps, group_size=cfg.rollout.group_size,
+                                world_size=self.dist.world_size, scored=scored, sums=sums, timer=timer,
+                                entropy_coef=cfg.loss.entropy_coef, model_config=self.model.config,
+                                peak_flops=self.peak_flops)
+        try:
+            with timer("sync"):
+                synced = self.rollouts.sync(self.step_count)  # line 3, for the next iteration
+        except NoRolloutServers as err:  # the update happened and the stop checkpoint keeps it: so does the log
+            sums.add_value("sync_mb", 0.0)
+            err.step_metrics = metrics()
+            raise
+        sums.add_value("sync_mb", synced.num_bytes / 2**20)
+        return metrics()
 
     def _train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:
         """The iteration's rows, complete: theta_old's stats from the no-grad pass (and the reference
@@ -233,6 +241,8 @@ class STAPOTrainer:
                         self.save_checkpoint()
                 self._stop_if_asked(stop)
         except NoRolloutServers as err:
+            if getattr(err, "step_metrics", None):  # the servers went between this step's update and its sync
+                self.logger.log(self.step_count, err.step_metrics)
             log.error("%s; saving a checkpoint at step %d before stopping (restart a server and rerun: the run "
                       "resumes)", err, self.step_count)
             self.save_checkpoint()

@@ -190,3 +190,28 @@ def test_a_fresh_start_moves_an_earlier_run_aside(resume, tmp_path, tiny_model_d
     (archive,) = (run / PREVIOUS_RUNS_DIR).iterdir()
     assert (archive / "metrics.jsonl").read_text() == first_rows
     assert (archive / "config.yaml").is_file()
+
+
+def test_servers_gone_after_an_update_keep_its_metrics_row_with_its_checkpoint(
+        tmp_path, tiny_model_dir, arithmetic_jsonl, isolated_process_group, monkeypatch):
+    """The sync after step 2's update finds no rollout server (injected here; the lane kills a real
+    one): the stop checkpoint holds step 2, and so does metrics.jsonl."""
+    from stapo import STAPOTrainer
+    from stapo.rollout.server_engine import NoRolloutServers
+    from stapo.run_dir import latest_checkpoint, step_of
+    from stapo.trainer.rollouts import Rollouts
+
+    real_sync = Rollouts.sync
+
+    def sync_until_step_2(self, version):
+        if version == 2:
+            raise NoRolloutServers("no rollout server is left: none answers at the weight sync")
+        return real_sync(self, version)
+
+    monkeypatch.setattr(Rollouts, "sync", sync_until_step_2)
+    cfg = tiny_config(tmp_path, tiny_model_dir, arithmetic_jsonl, "trainer.total_steps=3")
+    with pytest.raises(NoRolloutServers):
+        STAPOTrainer(cfg, reward_fn=digit_one_reward).train()
+    run = tmp_path / "run"
+    assert step_of(latest_checkpoint(run)) == 2
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [1, 2]

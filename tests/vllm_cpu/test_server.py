@@ -156,8 +156,11 @@ def test_the_run_checkpoints_and_stops_when_no_server_is_left(servers, warm_mode
     assert proc.returncode != 0
     assert "no rollout server is left" in stderr and "Traceback" not in stderr, stderr[-3000:]
     # killed during step 2's generation (checkpoint step_1) or, on a fast machine, after it (step 2's update
-    # done, its sync finds no server: checkpoint step_2); either way the trained steps are kept
-    assert step_of(latest_checkpoint(out)) in (1, 2)
+    # done, its sync finds no server: checkpoint step_2); either way the trained steps are kept, and
+    # every step the checkpoint holds has its metrics row
+    kept = step_of(latest_checkpoint(out))
+    assert kept in (1, 2)
+    assert [r["step"] for r in read_metrics(out / METRICS_FILE) if "loss" in r] == list(range(1, kept + 1))
 
 
 def test_a_server_that_does_not_answer_at_start_is_named(servers):
