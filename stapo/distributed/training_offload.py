@@ -15,7 +15,8 @@ FusedAdam"). stapo steps with ``torch.optim.AdamW``, whose state per parameter i
 partitions and reduce buckets, and this module the fp32 partitions and the moments: each tensor's
 ``.data`` is pointed at a host buffer allocated (and pinned) once, so every reference the optimizer
 and DeepSpeed hold stays valid and nothing new enters the optimizer's ``state_dict`` (checkpoints are
-unchanged).
+unchanged). Under ZeRO-1/2 DeepSpeed pins fresh host buffers for the optimizer state at every move
+(``offload_optimizer_states``); its own buffers for the rest are kept.
 """
 
 from __future__ import annotations
@@ -100,7 +101,6 @@ class TrainingOffload:
         if host.shape != tensor.shape or host.dtype != tensor.dtype:
             host = self._host[index] = torch.empty_like(tensor, device="cpu", pin_memory=torch.cuda.is_available())
         return host
-
 
 
 def offloaded(offload: TrainingOffload | None) -> contextlib.AbstractContextManager:
