@@ -105,13 +105,16 @@ def test_summary_pairs_seeds_every_mask_has_finished():
             _row("stapo", 1, status="pending")]
     assert balanced_seeds(rows) == {2e-4: [0]}
     table = summary_table(rows).splitlines()
-    # seed 1 is left out until stapo has it: none 80 -> 60 (a 20-point drop: collapsed), stapo 90 -> 85
-    assert table[2] == ("| 0.0002 | `none` | 0 (of 2) | 80.0 | 60.0 | 20.0 | 1 / 1 | 3.00 | 0.0000 | 0.0020 "
-                        "| 1 / 4 (all: 0.500%) |")
-    assert table[3].startswith("| 0.0002 | `stapo` | 0 (of 2) | 90.0 | 85.0 | 5.0 | 0 / 1 | 2.00 |")
+    # seed 1 is left out until stapo has it: none 50 -> 80 -> 60 (a 20-point drop: collapsed; +10 over its
+    # start), stapo 50 -> 90 -> 85
+    assert table[2] == ("| 0.0002 | `none` | 0 (of 2) | 50.0 | 80.0 | 60.0 | 10.0 | 20.0 | 1 / 1 | 3.00 | 0.0000 "
+                        "| 0.0020 | 1 / 4 (all: 0.500%) |")
+    assert table[3].startswith("| 0.0002 | `stapo` | 0 (of 2) | 50.0 | 90.0 | 85.0 | 35.0 | 5.0 | 0 / 1 | 2.00 |")
     rows[3] = _row("stapo", 1, curve=[(0, 0.5), (10, 0.7), (20, 0.7)])
     table = summary_table(rows).splitlines()
-    # none: peak (80 + 70) / 2 = 75, s.e. = stdev(80, 70) / sqrt(2) = 7.07 / 1.414 = 5.0; final 65 ± 5; drop 10 ± 10
-    assert table[2].startswith("| 0.0002 | `none` | 0, 1 (of 2) | 75.0 ± 5.0 | 65.0 ± 5.0 | 10.0 ± 10.0 | 1 / 2 |")
+    # none: peak (80 + 70) / 2 = 75, s.e. = stdev(80, 70) / sqrt(2) = 7.07 / 1.414 = 5.0; final 65 ± 5
+    # (+15 ± 5 over the start of 50); drop 10 ± 10
+    assert table[2].startswith("| 0.0002 | `none` | 0, 1 (of 2) | 50.0 ± 0.0 | 75.0 ± 5.0 | 65.0 ± 5.0 | 15.0 ± 5.0 "
+                               "| 10.0 ± 10.0 | 1 / 2 |")
     block = render(rows, "r.jsonl", "f.png", 10.0)
     assert "4 of 4 runs finished" in block and block.count("\n| 0.0002 | `") == 6  # 2 summary + 4 run rows
