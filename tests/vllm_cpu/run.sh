@@ -11,5 +11,6 @@ VENV=${STAPO_VLLM_CPU_VENV:-.vllm-cpu-venv}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # DeepSpeed JIT-builds its CPU comm op into TORCH_EXTENSIONS_DIR; the main venv's DeepSpeed and this
 # one's would otherwise rebuild it over each other in ~/.cache (1-3 min each time).
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/$VENV/torch_extensions}
+export TORCH_EXTENSIONS_DIR=$PWD/$VENV/torch_extensions
+"$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"  # once, before any test
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vllm_cpu "$@"
