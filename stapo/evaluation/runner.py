@@ -158,7 +158,7 @@ def sample_benchmark(engine, scorer, dataset: PromptDataset, *, name: str, setti
     answers, row_fields)`, e.g. a `MathVerifier`): a response is correct when its reward is > 0.
 
     The problems go in chunks of ``batch_rows // N``, chunk ``c`` to rank ``c % world_size``, seeded
-    by its first problem's index: the result does not depend on the number of ranks. An engine with
+    by its first problem's index: every rank count samples the same chunks with the same seeds. An engine with
     ``generate_many`` (vLLM) gets all of the rank's chunks in one submission, so no chunk waits for
     the longest response of the one before; others get one `generate` call per chunk."""
     from stapo.rollout.sampling import SamplingParams, derived_seed
