@@ -40,9 +40,13 @@ def test_two_ranks_report_what_one_process_reports(tiny_model_dir, write_jsonl, 
     assert one["results"] == two["results"] and one["average"] == two["average"]
 
 
-def test_tensor_parallel_needs_vllm_and_one_process(tiny_model_dir, arithmetic_file, tmp_path):
+def test_tensor_parallel_needs_vllm_and_one_process(tiny_model_dir, arithmetic_file, tmp_path, monkeypatch):
     from stapo.evaluation import evaluate_model, local_benchmark
+    from stapo.evaluation.runner import _join_ranks
 
     with pytest.raises(ValueError, match="tensor_parallel_size 2 needs the vllm engine, got hf"):
         evaluate_model(tiny_model_dir, [local_benchmark(arithmetic_file)], engine="hf", tensor_parallel_size=2,
                        num_samples=1, max_new_tokens=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: refused before any process group is joined
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 under a launcher with 2 ranks.*not both"):
+        _join_ranks(2)
