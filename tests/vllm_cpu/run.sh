@@ -7,10 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash tests/vllm_cpu/setup_env.sh
 VENV=${STAPO_VLLM_CPU_VENV:-.vllm-cpu-venv}
+case $VENV in /*) ;; *) VENV=$PWD/$VENV ;; esac  # absolute: a worktree may share one venv
 # Keep vLLM's CPU KV cache small (2-core, shared CI boxes).
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # DeepSpeed JIT-builds its CPU comm op into TORCH_EXTENSIONS_DIR; the main venv's DeepSpeed and this
 # one's would otherwise rebuild it over each other in ~/.cache (1-3 min each time).
-export TORCH_EXTENSIONS_DIR=$PWD/$VENV/torch_extensions
+export TORCH_EXTENSIONS_DIR=$VENV/torch_extensions
 "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"  # once, before any test
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vllm_cpu "$@"
