@@ -51,9 +51,12 @@ tokens, subtracted from the loss; only when ``loss.entropy_coef != 0``); with ``
 groups dropped), ``groups_surplus`` (informative groups generated beyond the batch),
 ``sampling_capped`` (1 when ``rollout.max_sampling_rounds`` ended the search short); with
 ``rollout.mode: server``: ``policy_staleness`` (optimizer iterations between the policy that sampled the
-step's oldest row and the one it trains: 0 in lock-step, at most ``rollout.max_staleness``),
+step's oldest token and the one it trains: 0 in lock-step, at most ``rollout.max_staleness``),
+``policy_staleness_mean`` (the same lag averaged over the step's response tokens: with
+``rollout.partial`` a response continued after a sync has younger tokens than its first ones),
 ``generation_s`` (wall seconds the step's batch took to generate; asynchronous, it ran during earlier
-updates and ``time_rollout`` is only the trainer's wait for it).
+updates and ``time_rollout`` is only the trainer's wait for it); with ``rollout.partial``:
+``partial_interrupted`` (response segments a weight sync cut, all ranks; they went on with the new weights).
 
 Non-finite values (a skipped step's loss) are stored as the strings ``"NaN"``, ``"Infinity"``,
 ``"-Infinity"`` so every line stays valid JSON; :func:`stapo.run_dir.read_metrics` turns them back
@@ -91,7 +94,8 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
 OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "eval_response_length_mean", "kl",
                                          "mask_gate", "entropy_bonus", "mfu_stats", "mfu_update",
                                          "sampling_rounds", "groups_kept", "groups_dropped", "groups_surplus",
-                                         "sampling_capped", "policy_staleness", "generation_s")
+                                         "sampling_capped", "policy_staleness", "policy_staleness_mean",
+                                         "generation_s", "partial_interrupted")
 #: Metrics measured from wall time: they differ between two runs of the same training.
 TIMING_METRIC_KEYS: tuple[str, ...] = (
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",
