@@ -26,8 +26,8 @@ import socket
 
 import torch
 
-__all__ = ["GroupSpec", "NONCE_BYTES", "accept_nonce", "listening_store", "new_nonce", "route_address",
-           "send_nonce"]
+__all__ = ["GroupSpec", "NONCE_BYTES", "accept_nonce", "call_off", "checked_in", "let_form", "listening_store",
+           "new_nonce", "route_address", "send_nonce"]
 
 NONCE_BYTES = 16
 
@@ -82,6 +82,7 @@ class GroupSpec:
     backend: str = "gloo"  # gloo (CPU tensors) or nccl (GPU tensors)
     timeout_s: float = 300.0
     nonce: str = ""
+    join_timeout_s: float = 30.0  # how long a worker that checked in waits for the trainer's go
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -98,6 +99,26 @@ class GroupSpec:
             raise ValueError(f"not a weight-group spec: {text[:200]!r}")
         return cls(**data)
 
+    def store(self):
+        """A client of the session's store (a worker's side)."""
+        import torch.distributed as dist
+
+        return dist.TCPStore(self.host, self.port, None, False, timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def join(self, rank: int):
+        """A worker's side of the session's two-step join: check in on the store, wait for the trainer's
+        go (PermissionError if it called the session off, or gave none within ``join_timeout_s``), then
+        form the group."""
+        store = self.store()
+        store.set(f"{_READY}{rank}", "1")
+        try:
+            store.wait([_GO], datetime.timedelta(seconds=self.join_timeout_s))
+        except RuntimeError:  # (a timeout, or the trainer's store gone)
+            raise PermissionError("the trainer gave no go for the weight group: session called off") from None
+        if store.get(_GO) != b"form":
+            raise PermissionError("the trainer called the weight sync off before the group formed")
+        return self.connect(rank, store=store)
+
     def connect(self, rank: int, store=None, bind_host: str | None = None):
         """This process's member of the group (a torch ``ProcessGroupGloo`` / ``ProcessGroupNCCL``);
         rank 0 passes the store it hosts, the others connect to it. gloo's sockets bind ``bind_host``
@@ -106,13 +127,31 @@ class GroupSpec:
 
         timeout = datetime.timedelta(seconds=self.timeout_s)
         if store is None:
-            store = dist.TCPStore(self.host, self.port, None, False, timeout=timeout)
+            store = self.store()
         if self.backend == "nccl":
             return dist.ProcessGroupNCCL(store, rank, self.world_size)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or route_address(self.host))]
         return dist.ProcessGroupGloo(store, rank, self.world_size, options)
+
+
+_READY, _GO = "stapo/ready/", "stapo/go"
+
+
+def checked_in(store, first_rank: int, count: int) -> bool:
+    """The trainer's side: have ranks ``first_rank`` .. ``first_rank + count - 1`` checked in?"""
+    return store.check([f"{_READY}{r}" for r in range(first_rank, first_rank + count)])
+
+
+def let_form(store) -> None:
+    """Every worker checked in: let them form the group."""
+    store.set(_GO, "form")
+
+
+def call_off(store) -> None:
+    """Not every worker checked in: the ones waiting return at once, no group forms."""
+    store.set(_GO, "off")
 
 
 def _nonce_tensor(nonce: str, device) -> torch.Tensor:
