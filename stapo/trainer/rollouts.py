@@ -131,6 +131,8 @@ class Rollouts:
             self._partial = (index, examples, batch, self.sampler.epoch, time.perf_counter())
         _, examples, batch, epoch, start = self._partial
         if not self.engine.generate_partial(batch, version):
+            log.info("batch %d: a weight sync cut %d response(s) under way (%d finished); they go on with the new "
+                     "weights", index, len(batch.unfinished()), len(batch.samples) - len(batch.unfinished()))
             return None
         self._partial = None
         rollout = batch.to_rollout(self.engine.pad_token_id).with_ground_truth(

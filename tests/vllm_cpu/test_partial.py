@@ -1,18 +1,18 @@
 """Partial rollouts against a REAL vLLM CPU server (rollout.partial; docs/rollout.md, "Partial rollouts"):
 a response cut by a weight sync goes on, token for token, as a fresh request from the same prefix with
-the new weights and its segment's seed; every token keeps the version that sampled it; a training run
-with partial rollouts cuts batches at its syncs and stays within max_staleness."""
+the new weights and its segment's seed; the trainer's producer cuts its batches at the syncs and every token
+keeps the version that sampled it."""
 
 from __future__ import annotations
 
+import json
+import sys
 import threading
 import time
 
 import pytest
 import torch
-from _servers import servers_override
-from conftest import FP32_LOGPROB_BOUND, LANE_TOKEN
-from test_train import train
+from conftest import FP32_LOGPROB_BOUND, HERE, LANE_TOKEN, run
 
 from stapo.rollout import SamplingParams
 from stapo.rollout.partial import PartialBatch, segment_seed
@@ -67,16 +67,20 @@ def test_a_response_cut_by_a_sync_continues_as_a_fresh_request_from_its_prefix(s
     engine.close()
 
 
-def test_a_partial_run_cuts_its_batches_at_the_syncs_and_stays_within_max_staleness(servers, tiny_model_dir,
-                                                                                    tmp_path):
-    for s in servers:
-        s.ensure_running()
-    steps = train(tmp_path / "partial", tiny_model_dir, "rollout.mode=server", servers_override(*servers),
-                  "rollout.max_staleness=1", "rollout.partial=true", "trainer.total_steps=4",
-                  "rollout.max_response_length=200", "trainer.save_every=0")
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    assert all(r["policy_staleness"] <= 1 for r in steps) and steps[0]["policy_staleness"] == 0
-    cut = [r for r in steps if r["partial_interrupted"] > 0]
-    assert cut, "no sync cut a batch under way: generation did not outlast the update"
-    for r in cut:  # a cut batch has tokens of two versions: its mean lag lies strictly between them
-        assert 0 < r["policy_staleness_mean"] < 1, r
+def test_the_producer_cuts_batches_at_the_syncs_and_labels_every_token(servers, tiny_model_dir):
+    """Four iterations of the trainer's producer (stand-in updates of 1 s): each sync cuts the batch under
+    way, and every token's version is the one the server held when it was sampled — before the cut the
+    version of the last sync, after it the new one — never more than max_staleness + 1 per response."""
+    servers[0].ensure_running()
+    proc = run([sys.executable, str(HERE / "_partial_producer.py"), servers[0].address, str(tiny_model_dir)])
+    batches = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1][7:])
+    assert batches[0]["interrupted"] == 0 and all(v == 0 for row in batches[0]["versions"] for v in row)
+    assert sum(b["interrupted"] for b in batches[1:]) >= 2, [b["interrupted"] for b in batches]
+    for step, batch in enumerate(batches[1:], start=1):
+        # batch `step` started with version step - 1 (k = 1) and was cut by the sync that made version `step`
+        for row in batch["versions"]:
+            assert row == sorted(row) and set(row) <= {step - 1, step}, (step, row)
+        assert batch["policy_version"] == min(v for row in batch["versions"] for v in row)
+        if batch["interrupted"]:
+            assert any(len(set(row)) == 2 for row in batch["versions"])  # a response spanning the sync
+            assert all(f == "length" or f == "stop" for f in batch["finish"])
