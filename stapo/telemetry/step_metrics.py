@@ -70,6 +70,7 @@ def _rollout_sums(rollout, rewards: torch.Tensor, scores: torch.Tensor, group_si
         "groups": float(groups.shape[0]),
         "zero_std_groups": float(zero_std.sum()),
         "prompt_tokens": float(rollout.prompt_mask.sum()),
+        "context_tokens": float(rollout.context_mask.sum()),  # episodes' tool/template tokens: read, not trained
     }
 
 
@@ -200,7 +201,7 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "time_rollout_max": slowest,
         "time_rollout_min": fastest,
         "sync_mb": s["sync_mb"] / world_size,
-        "tokens_per_s": (s["length_sum"] + s["prompt_tokens"]) / step_time,
+        "tokens_per_s": (s["length_sum"] + s["prompt_tokens"] + s["context_tokens"]) / step_time,
         **_throughput(s, timer, model_config, peak_flops, world_size),
         **optional,
     }

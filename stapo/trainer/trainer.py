@@ -187,7 +187,7 @@ class STAPOTrainer:
             loss_mask = truncated_keep(rollout.response_mask, truncated_rows(rollout.finish_reason))
         return TrainBatch(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask,
                           advantages, old_logprobs, old_entropy, sampling_logprobs=rollout.sampling_logprobs,
-                          ref_logprobs=ref_logprobs, loss_mask=loss_mask)
+                          ref_logprobs=ref_logprobs, loss_mask=loss_mask, context_mask=rollout.context_mask)
 
     def _mask_stats(self, mini: TrainBatch, first: bool, batch_entropy: float, seed: int) -> TokenStats:
         """Exact stats for the first mini-batch (theta = theta_old); later ones need a fresh pass
