@@ -20,6 +20,7 @@ import torch
 from stapo.config import STAPOConfig
 from stapo.distributed.process_group import DistInfo, barrier, broadcast_object
 from stapo.distributed.deepspeed_engine import ZeroTuning
+from stapo.trainer import tool_setup
 from stapo.trainer.model_source import BUILTIN_MODEL, require_model
 from stapo.trainer.update import UpdateOptions
 
@@ -45,6 +46,8 @@ def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
     from stapo.tiny.warmstart import DEFAULT_TRAIN_SEED
 
     def build() -> str:
+        if cfg.tiny.task == "tir":  # tools demo: its own tokenizer, model and warm start (docs/tir.md)
+            return tool_setup.build_tiny_tir_model(cfg, progress=dist.is_main)
         path = build_tiny_model(seed=cfg.tiny.seed)
         if cfg.tiny.warm_start_steps > 0:
             problems = arithmetic_problems(4000, seed=DEFAULT_TRAIN_SEED, terms=cfg.tiny.terms)
@@ -194,8 +197,9 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         log.info("rollout engine: vLLM servers %s", ", ".join(r.servers))
-        return ServerEngine(r.servers, pad, sends_weights=dist_rank == 0, timeout_s=r.request_timeout_s,
-                            retries=r.request_retries)
+        return tool_setup.episode_engine(cfg, ServerEngine(r.servers, pad, sends_weights=dist_rank == 0,
+                                                           timeout_s=r.request_timeout_s, retries=r.request_retries),
+                                         tokenizer)
     opts = EngineOptions(dtype=policy_dtype(cfg), max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                          seed=cfg.trainer.seed + dist_rank, max_batch_size=r.max_batch_size,
                          gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
@@ -206,7 +210,7 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
         from stapo.distributed.tensor_parallel import TensorParallelRollout, tensor_parallel_group
 
         engine = TensorParallelRollout(engine, tensor_parallel_group(r.tensor_parallel_size))
-    return engine
+    return tool_setup.episode_engine(cfg, engine, tokenizer)  # rollout.tools: rows become multi-turn episodes
 
 
 # Attention kernels whose cost follows the real packed sequences (no dense block-diagonal mask):
@@ -264,8 +268,8 @@ def builtin_rows(n: int, seed: int, terms: int) -> list[dict]:
     return [{"prompt": p.question, "answer": p.answer} for p in arithmetic_problems(n, seed=seed, terms=terms)]
 
 
-def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset=None):
-    """``(train, eval or None)`` as :class:`stapo.data.PromptDataset`s."""
+def _dataset_loader(cfg: STAPOConfig, tokenizer, tools: list[dict] | None):
+    """``load(source, override, n_builtin, seed, split) -> PromptDataset | None``, prompts listing ``tools``."""
     from stapo.data import PromptDataset
 
     d = cfg.data
@@ -274,11 +278,13 @@ def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset
         if isinstance(override, PromptDataset):
             return override
         if override is not None:
-            return prompt_dataset_from_rows(override, cfg, tokenizer)
+            return prompt_dataset_from_rows(override, cfg, tokenizer, tools)
         if source is None:
             return None
         if source == BUILTIN_DATA:
-            return prompt_dataset_from_rows(builtin_rows(n_builtin, seed, cfg.tiny.terms), cfg, tokenizer)
+            rows = (tool_setup.tiny_tir_rows(n_builtin, seed) if cfg.tiny.task == "tir"
+                    else builtin_rows(n_builtin, seed, cfg.tiny.terms))
+            return prompt_dataset_from_rows(rows, cfg, tokenizer, tools)
         from stapo.data import load_prompt_dataset
 
         try:
@@ -286,21 +292,43 @@ def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset
                 source, split=split, prompt_field=d.prompt_field, answer_field=d.answer_field, preset=d.preset,
                 tokenizer=tokenizer, instruction=d.instruction, max_prompt_length=d.max_prompt_length,
                 cache_dir=Path(cfg.trainer.output_dir) / "cache" / "datasets",  # nothing written elsewhere
-            )
+                tools=tools)
         except KeyError as exc:  # a column a hub dataset lacks (local files are checked by plan_run)
             raise ValueError(f"{source}: {exc.args[0]} (data.prompt_field={d.prompt_field}, "
                              f"data.answer_field={d.answer_field})") from None
 
+    return load
+
+
+def _eval_source(cfg: STAPOConfig) -> str | None:
+    d = cfg.data
+    return d.eval_source if d.eval_source is not None else (BUILTIN_DATA if d.source == BUILTIN_DATA else None)
+
+
+def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset=None):
+    """``(train, eval or None)`` as :class:`stapo.data.PromptDataset`s (prompts list ``rollout.tools``)."""
+    d = cfg.data
+    load = _dataset_loader(cfg, tokenizer, tool_setup.tool_schemas(cfg))
     train = load(d.source, train_dataset, d.num_builtin_problems, TRAIN_DATA_SEED, d.split)
-    eval_source = d.eval_source if d.eval_source is not None else (BUILTIN_DATA if d.source == BUILTIN_DATA else None)
-    evaluation = load(eval_source, eval_dataset, d.eval_size, EVAL_DATA_SEED, "test")
+    evaluation = load(_eval_source(cfg), eval_dataset, d.eval_size, EVAL_DATA_SEED, "test")
     if len(train) < cfg.trainer.train_batch_size:
         raise ValueError(f"the training set has {len(train)} prompts, fewer than trainer.train_batch_size "
                          f"({cfg.trainer.train_batch_size})")
     return train, evaluation
 
 
-def prompt_dataset_from_rows(rows, cfg: STAPOConfig, tokenizer):
+def build_eval_without_tools(cfg: STAPOConfig, tokenizer, eval_dataset=None):
+    """The held-out prompts offering no tools (``rollout.tools.eval_without_tools``), or None."""
+    if not (cfg.rollout.tools.enabled and cfg.rollout.tools.eval_without_tools):
+        return None
+    if eval_dataset is not None and not isinstance(eval_dataset, list) and hasattr(eval_dataset, "examples"):
+        raise ValueError("rollout.tools.eval_without_tools needs eval_dataset as rows (a list of dicts or an HF "
+                         "dataset), not prompts already rendered with the tools")
+    return _dataset_loader(cfg, tokenizer, None)(_eval_source(cfg), eval_dataset, cfg.data.eval_size,
+                                                 EVAL_DATA_SEED, "test")
+
+
+def prompt_dataset_from_rows(rows, cfg: STAPOConfig, tokenizer, tools: list[dict] | None = None):
     """A list of dicts (or an HF ``datasets.Dataset``) with the configured fields → PromptDataset."""
     from stapo.data import prompt_dataset_from_records
 
@@ -309,5 +337,5 @@ def prompt_dataset_from_rows(rows, cfg: STAPOConfig, tokenizer):
     return prompt_dataset_from_records(
         rows, prompt_field="prompt" if builtin else d.prompt_field,
         answer_field="answer" if builtin else d.answer_field, preset=None if builtin else d.preset,
-        tokenizer=tokenizer, instruction=d.instruction, max_prompt_length=d.max_prompt_length,
+        tokenizer=tokenizer, instruction=d.instruction, max_prompt_length=d.max_prompt_length, tools=tools,
     )

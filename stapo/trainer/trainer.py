@@ -95,10 +95,13 @@ class STAPOTrainer:
             self.rollout_engine = build.build_rollout_engine(cfg, self.model_path, self.tokenizer, self.dist.rank)
         self.mask = mask if mask is not None else build_mask(cfg.mask.name, **cfg.mask.params)
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
+        tools = cfg.rollout.tools
         self.shaping = RewardShaping(cfg.rollout.max_response_length, cfg.reward.overlong_buffer,
-                                     cfg.reward.overlong_penalty)
+                                     cfg.reward.overlong_penalty, tools.error_penalty, tools.call_budget,
+                                     tools.call_penalty)
         self.train_data, self.eval_data = build.main_rank_first(  # rank 0 fills the datasets cache first
             self.dist, lambda: build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset))
+        self.eval_data_without_tools = build.build_eval_without_tools(cfg, self.tokenizer, eval_dataset)
         from stapo.data import PromptSampler
 
         self.sampler = PromptSampler(len(self.train_data), cfg.trainer.train_batch_size, seed=cfg.trainer.seed)
@@ -215,10 +218,18 @@ class STAPOTrainer:
         """Greedy accuracy on the held-out set (each rank scores its share)."""
         if self.eval_data is None:
             return {}
-        examples = [self.eval_data[i] for i in range(self.dist.rank, len(self.eval_data), self.dist.world_size)]
-        rollout = self.rollouts.generate(examples, self.step_count, greedy=True)
-        rewards = self.score(rollout.response_text, rollout.ground_truth, [dict(e.fields) for e in examples])
-        return evaluation_metrics(rewards, rollout.response_mask.sum(dim=1).tolist())
+        metrics = self._evaluate_on(self.eval_data, "eval_")
+        if self.eval_data_without_tools is not None:  # rollout.tools.eval_without_tools: one turn, no tools
+            metrics.update(self._evaluate_on(self.eval_data_without_tools, "eval_no_tools_", plain=True))
+        return metrics
+
+    def _evaluate_on(self, data, prefix: str, plain: bool = False) -> dict[str, float]:
+        examples = [data[i] for i in range(self.dist.rank, len(data), self.dist.world_size)]
+        rollout = self.rollouts.generate(examples, self.step_count, greedy=True, plain=plain)
+        rewards = self.score(rollout.answer_text, rollout.ground_truth, [dict(e.fields) for e in examples])
+        calls = None if rollout.episodes is None else rollout.episodes.tool_calls.tolist()
+        return evaluation_metrics(rewards, rollout.response_mask.sum(dim=1).tolist(), tool_calls=calls,
+                                  prefix=prefix)
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
