@@ -168,11 +168,11 @@ def _check_tools(tools, tiny) -> None:
            f"rollout.tools.parser: unknown parser {tools.parser!r}; available: {', '.join(available_tool_parsers())}")
     _check(isinstance(tools.names, list) and len(tools.names) > 0,
            f"rollout.tools.names must list at least one tool, got {tools.names!r}")
-    for name in [*tools.names, *tools.params]:
-        _check(name in available_tools(), f"rollout.tools: unknown tool {name!r}; available: "
-                                          f"{', '.join(available_tools())} (stapo tools lists them)")
     _check(set(tools.params) <= set(tools.names),
            f"rollout.tools.params has tools that rollout.tools.names does not list: {sorted(set(tools.params) - set(tools.names))}")
+    for name in tools.names:
+        _check(name in available_tools(), f"rollout.tools: unknown tool {name!r}; available: "
+                                          f"{', '.join(available_tools())} (stapo tools lists them)")
 
 
 def _check_offload_training_state(cfg) -> None:

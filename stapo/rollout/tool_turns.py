@@ -10,7 +10,8 @@ Two ways, chosen by the call format:
   assistant's content: rendered once with a marker as that content and cut after the marker, so the
   template's own rules (role names, thinking blocks, separators) decide it, not a copy of them here.
 * **inline** (``python_block``, the ToRA format): the policy stopped at `````output``; the result and
-  the closing fence follow inside the same assistant turn.
+  the closing fence follow inside the same assistant turn. A parser of another inline format says how
+  with a method ``render_results(texts) -> str``.
 """
 
 from __future__ import annotations
@@ -36,16 +37,18 @@ class ToolTurnRenderer:
 
     def __init__(self, tokenizer, parser: ToolCallParser, template_kwargs: dict | None = None) -> None:
         self.tokenizer = tokenizer
-        self.inline = isinstance(parser, PythonBlockParser)
+        self.inline = getattr(parser, "render_results", None)
+        if self.inline is None and isinstance(parser, PythonBlockParser):
+            self.inline = lambda texts: "".join(f"\n{t}\n```\n" for t in texts)
         self.template_kwargs = dict(template_kwargs or {})
-        if not self.inline:
+        if self.inline is None:
             self.text(["probe"])  # a template that cannot render tool messages fails here, once
 
     def text(self, results: Sequence[str], after_eos: str = "") -> str:
         """The context text for one turn's results (in call order). ``after_eos``: the text of the EOS
         token that ended the turn, if any; the template's own copy of it is then left out."""
-        if self.inline:
-            return "".join(f"\n{r}\n```\n" for r in results)
+        if self.inline is not None:
+            return self.inline(list(results))
         messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
         messages += [{"role": "tool", "content": r} for r in results]
         try:

@@ -245,10 +245,11 @@ def evaluation_metrics(rewards: list[float], response_lengths: list[int] | None 
 
 
 def sample_completions(rollout, rewards: torch.Tensor, silenced: torch.Tensor, tokenizer, count: int = 2) -> list[dict]:
-    """A few completions with their tokens and which were silenced, for ``MetricsLogger.log_samples``."""
+    """A few completions with their tokens and which were silenced, for ``MetricsLogger.log_samples`` (an
+    episode's tool turns included: context tokens, never silenced)."""
     samples = []
     for row in range(min(count, len(rollout))):
-        valid = rollout.response_mask[row]
+        valid = rollout.real_mask[row]
         ids = rollout.response_ids[row][valid].tolist()
         samples.append({
             "prompt": rollout.prompt_text[row] if rollout.prompt_text else "",

@@ -1,0 +1,108 @@
+"""Tool-integrated episodes on the REAL vLLM engines (docs/tir.md): colocated, twice from one seed, and
+on the lane's rollout servers (``rollout.mode: server``).
+
+The lane's warm arithmetic model writes worked steps (``7+5=12. 12-3=9. ...``). An inline calculator
+format turns each step into a tool call: the turn stops at ``=`` (vLLM's ``stop``), the real calculator
+evaluates the expression before it, and its result is appended as context tokens, from which the policy
+writes the next step. Every episode of the warm model is thus several turns with tool calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FP32_LOGPROB_BOUND
+
+from stapo.rollout import SamplingParams, VLLMEngine
+from stapo.rollout.episodes import EpisodeEngine
+from stapo.tools import ParsedTurn, ToolCall, ToolCallParser, build_tool, register_tool_parser
+from stapo.tools.calculator import evaluate, format_number
+
+pytestmark = pytest.mark.timeout(1200)
+
+
+@register_tool_parser("lane_equals")
+class EqualsParser(ToolCallParser):
+    """``12-3=``: a call of the calculator on the expression before ``=``, its result written inline."""
+
+    stop = ("=",)
+
+    def parse(self, text: str) -> ParsedTurn:
+        if not text.endswith("="):
+            return ParsedTurn([])
+        expression = text[:-1].split()[-1] if text[:-1].split() else ""
+        return ParsedTurn([ToolCall("calculator", {"expression": expression}, text)])
+
+    def render_results(self, texts: list[str]) -> str:
+        return texts[0]
+
+
+def _episodes(inner, tokenizer) -> EpisodeEngine:
+    return EpisodeEngine(inner, tokenizer, EqualsParser(), {"calculator": build_tool("calculator")},
+                         max_turns=4, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def colocated(warm_model_dir):
+    from transformers import AutoTokenizer
+
+    inner = VLLMEngine(warm_model_dir, dtype="float32", max_model_len=512, enforce_eager=True)
+    return _episodes(inner, AutoTokenizer.from_pretrained(str(warm_model_dir)))
+
+
+SAMPLING = SamplingParams(temperature=1.0, seed=11)
+
+
+def test_the_same_seed_gives_the_same_episodes_on_the_colocated_engine(colocated, prompts, warm_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from stapo.distributed.policy import response_token_stats, teacher_forced_inputs
+
+    a = colocated.generate(prompts, 2, SAMPLING)
+    b = colocated.generate(prompts, 2, SAMPLING)
+    assert bool((a.episodes.turns >= 3).all()), a.response_text  # several calls per episode
+    assert a.context_mask.any() and int(a.episodes.tool_errors.sum()) == 0
+    for name in ("response_ids", "response_mask", "context_mask"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert (a.sampling_logprobs - b.sampling_logprobs).abs().max() == 0
+    assert a.response_text == b.response_text
+    # each context segment is the calculator's value of the expression the policy wrote before it
+    tok = colocated.tokenizer
+    checked = 0
+    for ids, policy, context in zip(a.response_ids.tolist(), a.response_mask.tolist(), a.context_mask.tolist()):
+        for t in range(1, len(ids)):
+            if context[t] and not context[t - 1]:
+                end = next((u for u in range(t, len(ids)) if not context[u]), len(ids))
+                written = tok.decode([i for i, p in zip(ids[:t], policy[:t]) if p])
+                expression = written[:-1].split()[-1]
+                assert tok.decode(ids[t:end]) == format_number(evaluate(expression)), (written, ids[t:end])
+                checked += 1
+    assert checked >= len(a)
+    # vLLM's log-probs of the policy's tokens are the trainer's teacher-forced ones over the whole episode
+    hf = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32).eval()
+    inputs = teacher_forced_inputs(a.prompt_ids, a.prompt_mask, a.response_ids, a.response_mask, packed=True,
+                                   context_mask=a.context_mask)
+    with torch.no_grad():
+        logprobs, _ = response_token_stats(hf, inputs, temperature=1.0, chunk_size=64)
+    t = logprobs.shape[1]
+    mask = a.response_mask[:, :t]
+    assert (logprobs[mask] - a.sampling_logprobs[:, :t][mask]).abs().max() <= FP32_LOGPROB_BOUND
+
+
+def test_server_mode_runs_the_same_episodes(servers, colocated, prompts, warm_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from stapo.rollout.server_engine import ServerEngine
+    from stapo.sync.buckets import sync_weights
+
+    remote = ServerEngine([s.address for s in servers], pad_token_id=colocated.pad_token_id)
+    warm = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32)
+    sync_weights(warm, remote, bucket_bytes=2**20, version=0)  # other tests of the session may have trained them
+    episodes = _episodes(remote, colocated.tokenizer)
+    got = episodes.generate(prompts, 2, SAMPLING)
+    again = episodes.generate(prompts, 2, SAMPLING)
+    local = colocated.generate(prompts, 2, SAMPLING)
+    assert got.context_mask.any() and bool((got.episodes.turns >= 3).all())
+    assert got.response_text == again.response_text == local.response_text
+    assert torch.equal(got.response_ids, local.response_ids) and torch.equal(got.context_mask, local.context_mask)
+    assert (got.sampling_logprobs - local.sampling_logprobs).abs().max() <= FP32_LOGPROB_BOUND
