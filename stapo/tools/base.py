@@ -47,7 +47,12 @@ class ToolResult:
 
 
 class ToolError(Exception):
-    """Raised by ``Tool.run``: the message is returned to the policy as an error result."""
+    """Raised by ``Tool.run``: the message is returned to the policy as an error result.
+    ``total_chars``: the length of the whole output when the message holds only its start."""
+
+    def __init__(self, message: str, total_chars: Optional[int] = None):
+        super().__init__(message)
+        self.total_chars = total_chars
 
 
 class ToolSession(Protocol):
@@ -98,22 +103,24 @@ class Tool:
         problem = check_arguments(self.name or type(self).__name__, self.parameters, arguments)
         if problem is not None:
             return ToolResult(problem, True, time.monotonic() - start)
-        error = False
+        error, total = False, None
         try:
             text = self.run(arguments, session)
         except ToolError as exc:
-            text, error = str(exc), True
+            text, error, total = str(exc), True, exc.total_chars
         except Exception as exc:  # noqa: BLE001 - a tool's bug or a hostile input: an error result, never a crash
             text, error = f"{self.name} failed: {type(exc).__name__}: {exc}", True
-        text, cut = cap_text(str(text), self.max_output_chars)
+        text, cut = cap_text(str(text), self.max_output_chars, total)
         return ToolResult(text, error or cut, time.monotonic() - start)
 
 
-def cap_text(text: str, limit: int) -> tuple[str, bool]:
-    """``(text, False)``, or its first ``limit`` characters with a note and True when longer."""
-    if len(text) <= limit:
+def cap_text(text: str, limit: int, total: Optional[int] = None) -> tuple[str, bool]:
+    """``(text, False)``, or its first ``limit`` characters with a note and True when it is longer
+    (or when ``total``, the length of an output of which ``text`` is the start, is)."""
+    total = max(len(text), total or 0)
+    if total <= limit:
         return text, False
-    return f"{text[:limit]}\n[output cut: {len(text)} characters, the limit is {limit}]", True
+    return f"{text[:limit]}\n[output cut: {total} characters, the limit is {limit}]", True
 
 
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict,
