@@ -6,8 +6,9 @@ Two processes (docs/tools.md, "Threat model"):
 
 * the launcher enters new mount, PID and network namespaces (``unshare``; as root, or through a
   user namespace where the kernel allows one), forks the worker and waits for it, watching its
-  own parent: when the trainer disappears it kills the worker, whose death (PID 1 of its
-  namespace) takes every process it started with it.
+  own parent. On SIGTERM (``Sandbox.close``), or when the trainer disappears, it kills the worker
+  — PID 1 of its namespace, whose death takes every process it started with it — reaps it and
+  exits, so no zombie is left to count against the sandbox uid's process limit.
 * the worker makes every mount read-only, mounts an empty size-capped tmpfs on the working
   directory and a fresh /proc, gives up root (a uid of its own, or no capabilities), sets its
   resource limits (address space, processes, file size, CPU time, open files) and then runs code
@@ -16,8 +17,9 @@ Two processes (docs/tools.md, "Threat model"):
   process in the namespace is killed, and a reply goes to the reply pipe.
 
 Protocol (JSON lines): the worker first writes ``{"ready": true, "isolation": {...}}``; each request ``{"code": str, "max_output_chars": n}`` is
-answered by ``{"error": bool, "cut": dropped_chars}`` once the cell has finished; its output went
-to fd 1 / 2 (one pipe the parent reads).
+answered by ``{"error": bool, "cut": n, "tail": str}`` once the cell has finished: its output's first
+``max_output_chars`` characters went to fd 1 / 2 (one pipe the parent reads), ``n`` more were
+dropped, the last ``max_output_chars`` of them are ``tail``.
 """
 
 import ast
@@ -98,6 +100,7 @@ def _wait_worker(worker: int, parent: int) -> int:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the worker exists (then: kill it, reap it, exit)
     root = os.geteuid() == 0
     isolation = _unshare(root) if cfg["isolate"] else {}
     parent = os.getppid()
@@ -107,6 +110,7 @@ def main() -> None:
             _worker(cfg, isolation, root)
         finally:
             os._exit(70)
+    signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(pid, signal.SIGKILL))
     os.close(cfg["req_fd"])
     os.close(cfg["rep_fd"])
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -259,19 +263,29 @@ def _worker(cfg: dict, isolation: dict, root: bool) -> None:
 
 # ---- the worker: code cells ---------------------------------------------------------------------
 
+class _Budget:
+    """One cell's output: the first ``size`` characters go to the fd, the rest is counted and its
+    last ``size`` characters kept (the end of a traceback matters most)."""
+
+    def __init__(self, size: int = 0):
+        self.left, self.size, self.dropped, self.tail = size, size, 0, ""
+
+
 class _Capped(io.TextIOBase):
-    """sys.stdout / sys.stderr: writes straight to the fd until the cell's shared budget of
-    characters is spent, then counts what it drops."""
+    """sys.stdout / sys.stderr, sharing one ``_Budget``: writes straight to the fd until it is spent."""
 
     def __init__(self, fd: int, budget: list):
-        self.fd, self.budget = fd, budget  # budget: [characters left, characters dropped]
+        self.fd, self.budget = fd, budget  # budget[0]: this cell's _Budget
 
     def write(self, s: str) -> int:
         if not isinstance(s, str):
             raise TypeError(f"write() argument must be str, not {type(s).__name__}")
-        keep = s[:max(self.budget[0], 0)]
-        self.budget[0] -= len(keep)
-        self.budget[1] += len(s) - len(keep)
+        budget = self.budget[0]
+        keep = s[:max(budget.left, 0)]
+        budget.left -= len(keep)
+        if len(s) > len(keep):
+            budget.dropped += len(s) - len(keep)
+            budget.tail = (budget.tail + s[len(keep):])[-budget.size:]
         data = keep.encode("utf-8", "backslashreplace")
         while data:
             data = data[os.write(self.fd, data):]
@@ -339,17 +353,17 @@ def _renew_cpu(seconds: float) -> None:
 
 
 def _serve(requests, reply, cpu_time_s: float, namespaced: bool) -> None:
-    me, budget = os.getpid(), [0, 0]
+    me, budget = os.getpid(), [_Budget()]
     sys.stdout, sys.stderr = _Capped(1, budget), _Capped(2, budget)
     scope = {"__name__": "__main__", "__builtins__": builtins}
     for number, line in enumerate(requests):
         request = json.loads(line)
-        budget[:] = [request["max_output_chars"] + 1, 0]  # one over: the parent then knows it was cut
+        budget[0] = _Budget(request["max_output_chars"])
         _renew_cpu(cpu_time_s)
         failed = _run_cell(request["code"], scope, f"<cell {number}>", me)
         if namespaced and me == 1:
             _reap_others()
-        reply.write(json.dumps({"error": failed, "cut": budget[1]}) + "\n")
+        reply.write(json.dumps({"error": failed, "cut": budget[0].dropped, "tail": budget[0].tail}) + "\n")
         reply.flush()
 
 

@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["SandboxLimits", "CellResult", "Sandbox", "SandboxStartError"]
+__all__ = ["SandboxLimits", "CellResult", "Sandbox", "SandboxStartError", "isolation_summary"]
 
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 _UID_BASE, _UID_SLOTS = 1 << 20, 256  # as root, each live sandbox runs as a uid of its own
@@ -60,7 +60,8 @@ class SandboxLimits:
 class CellResult:
     """One cell's outcome."""
 
-    text: str  # what it printed (stdout and stderr interleaved; a traceback on error)
+    text: str  # what it printed (stdout and stderr interleaved; a traceback on error); when more than
+    #            max_output_chars, its first and last max_output_chars characters
     error: bool  # it raised, exited non-zero or hit a limit
     total_chars: int  # characters it printed, including those dropped past the cap
     ended: Optional[str] = None  # why the interpreter is gone (timeout, a limit's signal), else None
@@ -68,6 +69,20 @@ class CellResult:
 
 class SandboxStartError(RuntimeError):
     """The sandboxed interpreter could not start (its output says why)."""
+
+
+_ISOLATION = {"network": ("no network", "network"), "pid": ("own PID namespace", "other processes"),
+              "read_only": ("read-only file system", "file system")}
+
+
+def isolation_summary(isolation: dict) -> str:
+    """One line: what a started sandbox's ``isolation`` holds, and what it does not."""
+    have = [yes for key, (yes, _) in _ISOLATION.items() if isolation.get(key)]
+    have.append(f"uid {isolation.get('uid')}")
+    if isolation.get("hidden"):
+        have.append(f"hidden: {', '.join(isolation['hidden'])}")
+    lacking = [no for key, (_, no) in _ISOLATION.items() if not isolation.get(key)]
+    return ", ".join(have) + (f"; NOT isolated: {', '.join(lacking)} (resource limits only)" if lacking else "")
 
 
 def _clean_env(workdir: str) -> dict:
@@ -92,18 +107,22 @@ def _release_uid(uid: int) -> None:
 
 
 def _kill_group(proc: subprocess.Popen, owner: int) -> None:
-    """SIGKILL the launcher's process group; the worker follows (PDEATHSIG), its namespace with it."""
+    """End a sandbox: SIGTERM asks the launcher to kill and reap the worker (and with it its PID
+    namespace); if the launcher does not exit within a second, SIGKILL its process group (the
+    worker follows by PDEATHSIG)."""
     if os.getpid() != owner:  # a forked copy of the trainer must not kill its parent's sandboxes
         return
-    if proc.poll() is None:
+    for signo, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            return
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signo) if signo == signal.SIGKILL else proc.send_signal(signo)
         except (ProcessLookupError, PermissionError):
             proc.kill()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # pragma: no cover - the kernel would have to refuse SIGKILL
-        pass
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _finalize(proc: subprocess.Popen, owner: int, fds: list, workdir: str) -> None:
@@ -191,7 +210,11 @@ class Sandbox:
         if reply is None:
             self.close()
             return CellResult(text, True, len(text), ended)
-        return CellResult(text, bool(reply.get("error")), len(text) + int(reply.get("cut", 0)))
+        dropped = int(reply.get("cut", 0))
+        total = len(text) + dropped
+        if dropped:  # the head came through the pipe; the end of what was dropped comes in the reply
+            text += str(reply.get("tail", ""))[-dropped:]
+        return CellResult(text, bool(reply.get("error")), total)
 
     def _wait(self, deadline: float, what: str) -> tuple[Optional[dict], bytes, Optional[str]]:
         """Read output and the next reply until the reply, the deadline or the process's end:
