@@ -164,11 +164,30 @@ def _hide_homes(isolation: dict) -> None:
     isolation["hidden"] = sorted(tops)
 
 
+def _minimal_dev() -> None:
+    """A /dev with null, zero, full, random and urandom only: no GPUs, disks or terminals."""
+    keep = {n: os.open(f"/dev/{n}", os.O_PATH) for n in ("null", "zero", "full", "random", "urandom")
+            if os.path.exists(f"/dev/{n}")}
+    _call("mount", b"tmpfs", b"/dev", b"tmpfs", MS_NOSUID | MS_NOEXEC, b"size=64k,mode=0755")
+    for name, fd in keep.items():
+        open(f"/dev/{name}", "w").close()
+        _call("mount", f"/proc/self/fd/{fd}".encode(), f"/dev/{name}".encode(), None, MS_BIND, None)
+        os.close(fd)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"/dev/{name}")
+
+
 def _isolate_files(cfg: dict, isolation: dict, uid: int) -> None:
-    """Home directories hidden; everything read-only; an empty tmpfs of file_size_mb on the working
-    directory; a fresh /proc that shows the namespace's processes only."""
+    """Home directories hidden; a minimal /dev; everything read-only; an empty tmpfs of
+    file_size_mb on the working directory; a fresh /proc that shows the namespace's processes only."""
     _call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
     _hide_homes(isolation)
+    try:
+        _minimal_dev()
+        isolation["devices"] = True
+    except OSError:
+        isolation["devices"] = False
     failed = []
     for point, options in _mounts():
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
@@ -180,6 +199,7 @@ def _isolate_files(cfg: dict, isolation: dict, uid: int) -> None:
     workdir = cfg["workdir"].encode()
     data = f"size={cfg['file_size_mb']}m,mode=0700,uid={uid},gid={uid}".encode()
     _call("mount", b"tmpfs", workdir, b"tmpfs", MS_NOSUID | MS_NODEV, data)
+    isolation["workdir_tmpfs"] = True
     try:
         _call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
         isolation["proc"] = True
@@ -245,13 +265,17 @@ class CPUTimeLimitExceeded(BaseException):
 def _worker(cfg: dict, isolation: dict, root: bool) -> None:
     uid = cfg["uid"] if root else 0
     if isolation.get("pid"):
-        _isolate_files(cfg, isolation, uid)
-    os.chdir(cfg["workdir"])
-    if not isolation.get("pid"):
         try:
-            os.chown(cfg["workdir"], uid, uid) if root and uid else None
-        except OSError:
-            pass
+            _isolate_files(cfg, isolation, uid)
+        except OSError as exc:  # e.g. a seccomp profile that forbids mount: network and PID isolation only
+            isolation["read_only"], isolation["mount_error"] = False, str(exc)
+    os.chdir(cfg["workdir"])
+    if root and uid:  # the output pipe (for /dev/stdout) and, without its tmpfs, the working directory
+        for target in [1] if isolation.get("workdir_tmpfs") else [1, cfg["workdir"]]:
+            try:
+                os.chown(target, uid, uid)
+            except OSError:
+                pass
     _drop_privileges(uid, root)
     isolation["uid"] = os.geteuid()
     _limit(cfg)

@@ -106,7 +106,7 @@ class PythonTool(Tool):
     def run(self, arguments: dict, session: Optional[ToolSession]) -> str:
         code = arguments["code"]
         if self.backend == "sandbox_fusion":
-            output, failed = run_code(self.url, code, self.timeout_s, self.memory_mb, 64 * self.max_output_chars)
+            output, failed = run_code(self.url, code, self.timeout_s, self.memory_mb, self.limits.max_output_bytes)
             if failed:
                 raise ToolError(output or "the code failed")
             return output
