@@ -201,13 +201,22 @@ def _isolate_files(cfg: dict, isolation: dict, uid: int) -> None:
     _call("mount", b"tmpfs", workdir, b"tmpfs", MS_NOSUID | MS_NODEV, data)
     isolation["workdir_tmpfs"] = True
     try:
-        _call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        _call("mount", b"proc", b"/proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
         isolation["proc"] = True
     except OSError:
         isolation["proc"] = False
-    isolation["read_only"] = "/" not in failed
-    if failed:
-        isolation["writable_mounts"] = failed
+    writable = [p for p in dict.fromkeys(failed) if _writable(p)]  # not shadowed by a mount made above
+    isolation["read_only"] = not _writable("/") and "/" not in writable
+    if writable:
+        isolation["writable_mounts"] = writable
+
+
+def _writable(path: str) -> bool:
+    """True when the mount ``path`` resolves to is writable (False for a path that is gone)."""
+    try:
+        return not os.statvfs(path).f_flag & os.ST_RDONLY
+    except OSError:
+        return False
 
 
 def _drop_privileges(uid: int, root: bool) -> None:
@@ -263,6 +272,7 @@ class CPUTimeLimitExceeded(BaseException):
 
 
 def _worker(cfg: dict, isolation: dict, root: bool) -> None:
+    os.setsid()  # a session of its own: the cell's kill(0, ...) or killpg cannot reach the launcher
     uid = cfg["uid"] if root else 0
     if isolation.get("pid"):
         try:

@@ -81,6 +81,8 @@ def isolation_summary(isolation: dict) -> str:
     have.append(f"uid {isolation.get('uid')}")
     if isolation.get("hidden"):
         have.append(f"hidden: {', '.join(isolation['hidden'])}")
+    if isolation.get("writable_mounts"):
+        have.append(f"still writable: {', '.join(isolation['writable_mounts'])}")
     lacking = [no for key, (_, no) in _ISOLATION.items() if not isolation.get(key)]
     return ", ".join(have) + (f"; NOT isolated: {', '.join(lacking)} (resource limits only)" if lacking else "")
 
@@ -109,7 +111,7 @@ def _release_uid(uid: int) -> None:
 def _kill_group(proc: subprocess.Popen, owner: int) -> None:
     """End a sandbox: SIGTERM asks the launcher to kill and reap the worker (and with it its PID
     namespace); if the launcher does not exit within a second, SIGKILL its process group (the
-    worker follows by PDEATHSIG)."""
+    worker, in a session of its own, follows by PDEATHSIG)."""
     if os.getpid() != owner:  # a forked copy of the trainer must not kill its parent's sandboxes
         return
     for signo, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 10.0)):

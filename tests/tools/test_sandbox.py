@@ -145,6 +145,8 @@ def test_cannot_see_or_signal_the_trainer(python, isolation, monkeypatch):
     assert python({"code": "import os\nos.killpg(0, 9)\nprint('still here')"}).text == "still here\n"
     assert python({"code": "import os\nsorted(int(p) for p in os.listdir('/proc') if p.isdigit())"}).text == "[1]\n"
     assert python({"code": "import os\nos.listdir('/home')"}).text == "[]\n"  # home directories hidden
+    caps = "next(line.split()[1] for line in open('/proc/self/status') if line.startswith('CapEff'))"
+    assert python({"code": caps}).text == "'0000000000000000'\n"  # no capabilities
     if isolation.get("devices"):  # no GPU, disk or terminal devices
         assert python({"code": "import os\nsorted(os.listdir('/dev'))"}).text == \
             "['fd', 'full', 'null', 'random', 'stderr', 'stdin', 'stdout', 'urandom', 'zero']\n"
