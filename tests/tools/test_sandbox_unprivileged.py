@@ -19,14 +19,14 @@ TOOLS = ROOT / "stapo" / "tools"
 NOBODY = 65534
 
 # as root, in a mount namespace of its own: hide /root and /home, bind the interpreter back (the
-# sandbox's own _hide_homes), become uid 65534, run the check
+# sandbox's own hide_homes), become uid 65534, run the check
 HARNESS = """
 import os, sys
 sys.path.insert(0, {tools!r})
-import _sandbox_child as child
-child._call("unshare", child.CLONE_NEWNS)
-child._call("mount", None, b"/", None, child.MS_REC | child.MS_PRIVATE, None)
-child._hide_homes({{}})
+import _sandbox_isolation as isolate
+isolate.call("unshare", isolate.CLONE_NEWNS)
+isolate.call("mount", None, b"/", None, isolate.MS_REC | isolate.MS_PRIVATE, None)
+isolate.hide_homes({{}})
 os.setgroups([]); os.setgid({uid}); os.setuid({uid})
 os.execve(sys.executable, [sys.executable, "-I", {check!r}], {{"PATH": "/usr/bin:/bin", "HOME": "/tmp"}})
 """
@@ -54,10 +54,10 @@ def _usable() -> str:
         return "needs root to start a process as another user"
     sys.path.insert(0, str(TOOLS))
     try:
-        from _sandbox_child import _closed_ancestor
+        from _sandbox_isolation import closed_ancestor
     finally:
         sys.path.remove(str(TOOLS))
-    if _closed_ancestor(str(ROOT)):
+    if closed_ancestor(str(ROOT)):
         return f"{ROOT} is not readable by other users"
     try:
         with open("/proc/sys/user/max_user_namespaces") as f:
