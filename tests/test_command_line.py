@@ -53,7 +53,7 @@ def test_user_mistakes_are_one_line_errors(argv, message, capsys):
 
 
 def test_help_works_for_every_command():
-    for command in ([], ["train"], ["masks"], ["eval"], ["inspect"]):
+    for command in ([], ["train"], ["masks"], ["tools"], ["eval"], ["inspect"]):
         proc = subprocess.run([sys.executable, "-m", "stapo.cli", *command, "--help"], capture_output=True, text=True)
         assert proc.returncode == 0 and "usage: stapo" in proc.stdout, proc.stderr
 

@@ -6,8 +6,8 @@ A tool is a small dataclass whose fields are its parameters and limits (like a t
 by zero). The base class turns that into a ``ToolResult``: it checks the arguments against the
 tool's JSON schema first, times the call, turns any other exception into an error result (a tool
 never raises for bad input: hostile or malformed calls are the policy's mistakes, not the
-trainer's), and caps the text at ``max_output_chars`` — output that had to be cut is an error
-(docs/tools.md, "Limits").
+trainer's), and caps the text at ``max_output_chars`` (its start and end are kept) — output that
+had to be cut is an error (docs/tools.md, "Limits").
 
 A stateful tool (the ``python`` tool with ``stateful=True``) returns a session from
 ``open_session()``: the episode loop opens one per episode, passes it to every call of that
@@ -47,7 +47,12 @@ class ToolResult:
 
 
 class ToolError(Exception):
-    """Raised by ``Tool.run``: the message is returned to the policy as an error result."""
+    """Raised by ``Tool.run``: the message is returned to the policy as an error result.
+    ``total_chars``: the length of the whole output when the message holds only its start and end."""
+
+    def __init__(self, message: str, total_chars: Optional[int] = None):
+        super().__init__(message)
+        self.total_chars = total_chars
 
 
 class ToolSession(Protocol):
@@ -98,22 +103,26 @@ class Tool:
         problem = check_arguments(self.name or type(self).__name__, self.parameters, arguments)
         if problem is not None:
             return ToolResult(problem, True, time.monotonic() - start)
-        error = False
+        error, total = False, None
         try:
             text = self.run(arguments, session)
         except ToolError as exc:
-            text, error = str(exc), True
+            text, error, total = str(exc), True, exc.total_chars
         except Exception as exc:  # noqa: BLE001 - a tool's bug or a hostile input: an error result, never a crash
             text, error = f"{self.name} failed: {type(exc).__name__}: {exc}", True
-        text, cut = cap_text(str(text), self.max_output_chars)
+        text, cut = cap_text(str(text), self.max_output_chars, total)
         return ToolResult(text, error or cut, time.monotonic() - start)
 
 
-def cap_text(text: str, limit: int) -> tuple[str, bool]:
-    """``(text, False)``, or its first ``limit`` characters with a note and True when longer."""
-    if len(text) <= limit:
+def cap_text(text: str, limit: int, total: Optional[int] = None) -> tuple[str, bool]:
+    """``(text, False)``, or, when it is longer than ``limit`` (or ``total``, the length of an output
+    of which ``text`` holds the start and the end, is), its first and last ``limit / 2``
+    characters around a note, and True. The end is kept: that is where a traceback says what went wrong."""
+    total = max(len(text), total or 0)
+    if total <= limit:
         return text, False
-    return f"{text[:limit]}\n[output cut: {len(text)} characters, the limit is {limit}]", True
+    head, tail = text[:limit // 2], text[len(text) - (limit - limit // 2):]
+    return f"{head}\n[output cut: {total} characters, the limit is {limit}; the middle is left out]\n{tail}", True
 
 
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict,

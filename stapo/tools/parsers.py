@@ -29,7 +29,7 @@ from stapo.registry import Registry
 from stapo.tools.base import ToolCall
 
 __all__ = ["ParsedTurn", "ToolCallParser", "Qwen3Parser", "PythonBlockParser", "register_tool_parser",
-           "build_tool_parser", "available_tool_parsers"]
+           "build_tool_parser", "available_tool_parsers", "describe_tool_parsers"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,15 @@ def register_tool_parser(name: str):
 def available_tool_parsers() -> list[str]:
     """Sorted names accepted by ``build_tool_parser``."""
     return sorted(_PARSERS)
+
+
+def describe_tool_parsers() -> list[tuple[str, str, tuple[str, ...]]]:
+    """``(name, one-line summary, stop strings)`` of every registered parser, by name."""
+    out = []
+    for name in available_tool_parsers():
+        cls = _PARSERS[name]
+        out.append((name, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "", tuple(cls.stop)))
+    return out
 
 
 def build_tool_parser(name: str, **params: Any) -> ToolCallParser:
