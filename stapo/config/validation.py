@@ -95,6 +95,9 @@ def validate(cfg) -> None:
     _check(r.max_sampling_rounds >= 1, f"rollout.max_sampling_rounds must be >= 1, got {r.max_sampling_rounds}")
     _check_rollout_servers(r)
     _check_tools(cfg.rollout.tools, cfg.tiny)
+    _check(not (r.tools.enabled and r.tensor_parallel_size > 1),
+           f"rollout.tools needs rollout.tensor_parallel_size 1 (got {r.tensor_parallel_size}): the ranks of a "
+           "tensor-parallel group generate together, but each rank's episodes end after their own number of turns")
     _check_offload_training_state(cfg)
     _check(0 <= rw.overlong_buffer <= r.max_response_length,
            f"reward.overlong_buffer must be in [0, rollout.max_response_length={r.max_response_length}], "

@@ -57,6 +57,7 @@ def test_tool_shaping_is_per_error_and_per_call_beyond_the_budget():
     (["rollout.tools.max_turns=0"], "rollout.tools.max_turns must be >= 1"),
     (["rollout.tools.call_penalty=-1"], "rollout.tools.call_penalty must be finite and >= 0"),
     (["tiny.task=chess"], "tiny.task must be one of"),
+    (["rollout.engine=vllm", "rollout.tensor_parallel_size=2"], "rollout.tools needs rollout.tensor_parallel_size 1"),
 ])
 def test_invalid_tool_settings_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
