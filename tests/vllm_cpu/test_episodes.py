@@ -16,7 +16,6 @@ from conftest import FP32_LOGPROB_BOUND
 from stapo.rollout import SamplingParams, VLLMEngine
 from stapo.rollout.episodes import EpisodeEngine
 from stapo.tools import ParsedTurn, ToolCall, ToolCallParser, build_tool, register_tool_parser
-from stapo.tools.calculator import evaluate, format_number
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -43,6 +42,20 @@ def _episodes(inner, tokenizer) -> EpisodeEngine:
 
 
 @pytest.fixture(scope="module")
+def chains(warm_model_dir) -> list[list[int]]:
+    """Four 5-term problems (the warm model's task): most of its answers are worked steps, i.e. calls."""
+    from transformers import AutoTokenizer
+
+    from stapo.tiny import CHAT_INSTRUCTION, arithmetic_problems
+
+    tok = AutoTokenizer.from_pretrained(str(warm_model_dir))
+    texts = [tok.apply_chat_template([{"role": "user", "content": f"{p.question} {CHAT_INSTRUCTION}"}],
+                                     tokenize=False, add_generation_prompt=True)
+             for p in arithmetic_problems(4, seed=21, terms=5)]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+@pytest.fixture(scope="module")
 def colocated(warm_model_dir):
     from transformers import AutoTokenizer
 
@@ -53,21 +66,21 @@ def colocated(warm_model_dir):
 SAMPLING = SamplingParams(temperature=1.0, seed=11)
 
 
-def test_the_same_seed_gives_the_same_episodes_on_the_colocated_engine(colocated, prompts, warm_model_dir):
+def test_the_same_seed_gives_the_same_episodes_on_the_colocated_engine(colocated, chains, warm_model_dir):
     from transformers import AutoModelForCausalLM
 
     from stapo.distributed.policy import response_token_stats, teacher_forced_inputs
 
-    a = colocated.generate(prompts, 2, SAMPLING)
-    b = colocated.generate(prompts, 2, SAMPLING)
-    assert bool((a.episodes.turns >= 3).all()), a.response_text  # several calls per episode
-    assert a.context_mask.any() and int(a.episodes.tool_errors.sum()) == 0
+    a = colocated.generate(chains, 4, SAMPLING)
+    b = colocated.generate(chains, 4, SAMPLING)
+    assert int((a.episodes.turns >= 3).sum()) >= 4, a.response_text  # episodes with several calls
+    assert a.context_mask.any()
     for name in ("response_ids", "response_mask", "context_mask"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert (a.sampling_logprobs - b.sampling_logprobs).abs().max() == 0
     assert a.response_text == b.response_text
-    # each context segment is the calculator's value of the expression the policy wrote before it
-    tok = colocated.tokenizer
+    # each context segment is the calculator's answer (its value, or its error) to the expression before it
+    tok, calculator = colocated.tokenizer, build_tool("calculator")
     checked = 0
     for ids, policy, context in zip(a.response_ids.tolist(), a.response_mask.tolist(), a.context_mask.tolist()):
         for t in range(1, len(ids)):
@@ -75,9 +88,9 @@ def test_the_same_seed_gives_the_same_episodes_on_the_colocated_engine(colocated
                 end = next((u for u in range(t, len(ids)) if not context[u]), len(ids))
                 written = tok.decode([i for i, p in zip(ids[:t], policy[:t]) if p])
                 expression = written[:-1].split()[-1]
-                assert tok.decode(ids[t:end]) == format_number(evaluate(expression)), (written, ids[t:end])
+                assert tok.decode(ids[t:end]) == calculator({"expression": expression}).text, written
                 checked += 1
-    assert checked >= len(a)
+    assert checked >= 8
     # vLLM's log-probs of the policy's tokens are the trainer's teacher-forced ones over the whole episode
     hf = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32).eval()
     inputs = teacher_forced_inputs(a.prompt_ids, a.prompt_mask, a.response_ids, a.response_mask, packed=True,
@@ -89,7 +102,7 @@ def test_the_same_seed_gives_the_same_episodes_on_the_colocated_engine(colocated
     assert (logprobs[mask] - a.sampling_logprobs[:, :t][mask]).abs().max() <= FP32_LOGPROB_BOUND
 
 
-def test_server_mode_runs_the_same_episodes(servers, colocated, prompts, warm_model_dir):
+def test_server_mode_runs_the_same_episodes(servers, colocated, chains, warm_model_dir):
     from transformers import AutoModelForCausalLM
 
     from stapo.rollout.server_engine import ServerEngine
@@ -99,10 +112,10 @@ def test_server_mode_runs_the_same_episodes(servers, colocated, prompts, warm_mo
     warm = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32)
     sync_weights(warm, remote, bucket_bytes=2**20, version=0)  # other tests of the session may have trained them
     episodes = _episodes(remote, colocated.tokenizer)
-    got = episodes.generate(prompts, 2, SAMPLING)
-    again = episodes.generate(prompts, 2, SAMPLING)
-    local = colocated.generate(prompts, 2, SAMPLING)
-    assert got.context_mask.any() and bool((got.episodes.turns >= 3).all())
+    got = episodes.generate(chains, 4, SAMPLING)
+    again = episodes.generate(chains, 4, SAMPLING)
+    local = colocated.generate(chains, 4, SAMPLING)
+    assert got.context_mask.any() and int((got.episodes.turns >= 3).sum()) >= 4
     assert got.response_text == again.response_text == local.response_text
     assert torch.equal(got.response_ids, local.response_ids) and torch.equal(got.context_mask, local.context_mask)
     assert (got.sampling_logprobs - local.sampling_logprobs).abs().max() <= FP32_LOGPROB_BOUND
