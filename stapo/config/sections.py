@@ -74,7 +74,7 @@ class TinyConfig:
     """The tiny demo's task: ``arithmetic`` (the default demo, docs/demo.md) or ``tir`` (products that the
     tiny model cannot work out in its head, with a calculator it can call: its own tokenizer, model and
     warm start; ``builtin:arithmetic`` data then draws these problems; docs/tir.md)."""
-    warm_start_tool_fraction: float = 0.5
+    warm_start_tool_fraction: float = 0.4
     """``task: tir``: fraction of the warm-start examples whose prompt offers the calculator that call it
     (half the examples offer it); the rest answer directly."""
 

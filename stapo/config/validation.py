@@ -171,11 +171,25 @@ def _check_tools(tools, tiny) -> None:
            f"rollout.tools.parser: unknown parser {tools.parser!r}; available: {', '.join(available_tool_parsers())}")
     _check(isinstance(tools.names, list) and len(tools.names) > 0,
            f"rollout.tools.names must list at least one tool, got {tools.names!r}")
-    _check(set(tools.params) <= set(tools.names),
-           f"rollout.tools.params has tools that rollout.tools.names does not list: {sorted(set(tools.params) - set(tools.names))}")
+    unlisted = sorted(set(tools.params) - set(tools.names))
+    _check(not unlisted, f"rollout.tools.params has tools that rollout.tools.names does not list: {unlisted}")
     for name in tools.names:
         _check(name in available_tools(), f"rollout.tools: unknown tool {name!r}; available: "
                                           f"{', '.join(available_tools())} (stapo tools lists them)")
+        _check_tool_params(tools, name)
+
+
+def _check_tool_params(tools, name: str) -> None:
+    """The tool builds with the per-call limits and its ``params`` (as stapo.trainer.tool_setup builds it)."""
+    from stapo.tools import build_tool, tool_params
+
+    params = {"timeout_s": tools.timeout_s, "max_output_chars": tools.max_output_chars}
+    if "stateful" in tool_params(name):
+        params["stateful"] = tools.stateful
+    try:
+        build_tool(name, **{**params, **tools.params.get(name, {})})
+    except (TypeError, ValueError) as exc:
+        _check(False, f"rollout.tools.params.{name}: {exc}")
 
 
 def _check_offload_training_state(cfg) -> None:

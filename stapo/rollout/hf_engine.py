@@ -80,8 +80,8 @@ class HFEngine:
         generator = self._generators(sampling, n, len(prompts))
         stop_ids = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
         per_chunk = max(1, self.max_batch_size // n)
-        parts = [self._generate_chunk(prompts[i: i + per_chunk], n, sampling, stop_ids,
-                                      generator[i * n: (i + per_chunk) * n] if isinstance(generator, list) else generator)
+        rows = lambda i: generator[i * n: (i + per_chunk) * n] if isinstance(generator, list) else generator  # noqa: E731
+        parts = [self._generate_chunk(prompts[i: i + per_chunk], n, sampling, stop_ids, rows(i))
                  for i in range(0, len(prompts), per_chunk)]
         return parts[0] if len(parts) == 1 else Rollout.concat(parts)
 

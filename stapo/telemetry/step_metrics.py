@@ -221,7 +221,8 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
 def _episode_metrics(s: dict, n: float, world_size: int) -> dict[str, float]:
     """Per-episode means of the tool-integrated episodes, from the step's global sums."""
     calls = s["tool_calls_sum"]
-    return {"turns_mean": s["turns_sum"] / n, "tool_calls_mean": calls / n, "tool_errors_mean": s["tool_errors_sum"] / n,
+    return {"turns_mean": s["turns_sum"] / n, "tool_calls_mean": calls / n,
+            "tool_errors_mean": s["tool_errors_sum"] / n,
             "tool_error_frac": s["tool_errors_sum"] / max(calls, 1.0),
             "context_token_frac": s["context_tokens"] / max(s["context_tokens"] + s["length_sum"], 1.0),
             "tool_penalty_mean": s.get("tool_penalty_sum", 0.0) / n, "time_tools": s["tool_wait_s"] / world_size}

@@ -10,10 +10,11 @@ calculator it can call (``tiny.task: tir``; docs/tir.md, "The tiny demo").
   (`TIR_CHAT_TEMPLATE`), which lists the tools in a system line when the prompt offers them.
 * **Tokenizer**: the tiny byte-level BPE trained on this task's text, with the four tool tags as whole,
   non-special tokens; its own cache entry (the default demo's tokenizer and model are untouched).
-* **Warm start** (`encode_tir_examples`): half the examples offer no tools and answer directly; the
-  other half offer the calculator, and a fraction (``tiny.warm_start_tool_fraction``) of those call it and
-  copy the result into ``\\boxed{}``; the rest answer directly. Tool-turn tokens are inputs, not targets,
-  as in RL. RL then finds out when a call pays.
+* **Warm start** (`encode_tir_examples`): half the examples offer no tools and answer in the head
+  (``347*58=20126. \\boxed{20126}``: the expression copied from the question, its value, the value copied
+  into the box); the other half offer the calculator, and a fraction (``tiny.warm_start_tool_fraction``)
+  of those call it and copy its result into ``\\boxed{}``; the rest answer in the head. Tool-turn tokens
+  are inputs, not targets, as in RL. RL then finds out when a call pays.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ TIR_CHOICE_SEED = 11
 
 def tir_problems(n: int, seed: int, *, easy_fraction: float = 0.25) -> list[ArithmeticProblem]:
     """``n`` problems, deterministic for ``seed``: about ``easy_fraction`` one-digit sums, the rest
-    products of a 3-digit and a 2-digit number. ``solution`` is the bare ``\\boxed{answer}``."""
+    products of a 3-digit and a 2-digit number. ``solution`` is the answer worked in the head,
+    ``347*58=20126. \\boxed{20126}`` (the expression copied, its value, the value copied again)."""
     if n < 0 or not 0.0 <= easy_fraction <= 1.0:
         raise ValueError(f"need n >= 0 and easy_fraction in [0, 1], got {n}, {easy_fraction}")
     rng = random.Random(seed)
@@ -63,7 +65,7 @@ def tir_problems(n: int, seed: int, *, easy_fraction: float = 0.25) -> list[Arit
         else:
             a, b, op = rng.randint(100, 999), rng.randint(10, 99), "*"
         answer = str(a + b if op == "+" else a * b)
-        out.append(ArithmeticProblem(f"Compute {a}{op}{b}.", answer, f"\\boxed{{{answer}}}"))
+        out.append(ArithmeticProblem(f"Compute {a}{op}{b}.", answer, f"{a}{op}{b}={answer}. \\boxed{{{answer}}}"))
     return out
 
 
@@ -91,33 +93,43 @@ def _corpus() -> list[str]:
         tools = f"{IM_START}system\nTools: calculator{EOS_TOKEN}\n" if i % 2 else ""
         turn = (f"{tool_call_text(expression_of(p))}{EOS_TOKEN}\n{IM_START}user\n{TOOL_TAGS[2]}\n{p.answer}\n"
                 f"{TOOL_TAGS[3]}{EOS_TOKEN}\n{IM_START}assistant\n") if i % 4 == 1 else ""
-        texts.append(tools + user + turn + p.solution + EOS_TOKEN)
+        texts.append(tools + user + turn + (boxed(p.answer) if turn else p.solution) + EOS_TOKEN)
     return texts
 
 
+def boxed(answer: str) -> str:
+    return f"\\boxed{{{answer}}}"
+
+
 def build_tir_tokenizer(out_dir: Path | None = None) -> Path:
-    """The TIR variant of the tiny tokenizer (cached apart from the default one); see the module docstring."""
+    """The TIR variant of the tiny tokenizer (cached apart from the default one, keyed by its training
+    text); see the module docstring."""
+    corpus = _corpus()
+
     def write(tmp: Path) -> None:
-        _write_tokenizer(tmp, _train_tokenizer(_corpus(), TIR_VOCAB_SIZE, TOOL_TAGS), TIR_CHAT_TEMPLATE)
+        _write_tokenizer(tmp, _train_tokenizer(corpus, TIR_VOCAB_SIZE, TOOL_TAGS), TIR_CHAT_TEMPLATE)
 
     if out_dir is None:
-        final = cache_root() / cache_key("tokenizer", {"vocab_size": TIR_VOCAB_SIZE, "variant": "tir"})
+        digest = hashlib.sha256("\x00".join([*corpus, TIR_CHAT_TEMPLATE, *TOOL_TAGS]).encode()).hexdigest()
+        final = cache_root() / cache_key("tokenizer", {"vocab_size": TIR_VOCAB_SIZE, "variant": "tir",
+                                                       "text": digest})
         return build_atomically(final, write, reuse=True)
     return build_atomically(Path(out_dir), write, reuse=False)
 
 
 def _tool_episode(tokenizer, problem: ArithmeticProblem, prompt_text: str) -> SFTExample:
-    """Call, tool turn (context), answer: the segments split where the chat template renders them."""
-    call = tool_call_text(expression_of(problem))
+    """Call, tool turn (context), the result copied into ``\\boxed{}``: the segments split where the chat
+    template renders them."""
+    call, answer = tool_call_text(expression_of(problem)), boxed(problem.answer)
     messages = [{"role": "user", "content": f"{problem.question} {CHAT_INSTRUCTION}"},
                 {"role": "assistant", "content": call}, {"role": "tool", "content": problem.answer},
-                {"role": "assistant", "content": problem.solution}]
+                {"role": "assistant", "content": answer}]
     full = tokenizer.apply_chat_template(messages, tools=tir_tool_schemas(), tokenize=False)
     if not full.startswith(prompt_text + call):
         raise ValueError("the TIR chat template does not render the prompt as a prefix of the episode")
-    context = full[len(prompt_text) + len(call): full.rindex(problem.solution)]
+    context = full[len(prompt_text) + len(call): full.rindex(answer)]
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    segments = [(encode(call), False), (encode(context), True), (encode(problem.solution) + [tokenizer.eos_token_id], False)]
+    segments = [(encode(call), False), (encode(context), True), (encode(answer) + [tokenizer.eos_token_id], False)]
     return SFTExample(tokenizer(prompt_text, add_special_tokens=False)["input_ids"],
                       [t for ids, _ in segments for t in ids],
                       tuple(flag for ids, flag in segments for _ in ids))

@@ -102,7 +102,8 @@ def test_a_call_then_an_answer_is_one_row_with_context_tokens(tokenizer):
     r = engine.generate([prompt], 2, SamplingParams(seed=5, max_new_tokens=9))
     call_ids = tokenizer(CALL % "6*7", add_special_tokens=False)["input_ids"]
     context = ToolTurnRenderer(tokenizer, engine.parser).text(["42"])
-    assert context == "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert context == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+                       "<|im_start|>assistant\n")
     context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
     answer_ids = tokenizer("\\boxed{42}<|im_end|>", add_special_tokens=False)["input_ids"]
     assert r.response_ids[0].tolist()[: len(call_ids) + len(context_ids) + len(answer_ids)] == \

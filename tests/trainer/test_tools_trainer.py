@@ -27,9 +27,9 @@ def _rollout(episodes: EpisodeInfo | None, b: int = 4) -> Rollout:
     response_mask[0, 3] = True
     context = torch.zeros(b, 4, dtype=torch.bool)
     context[0, 1:3] = True
-    return Rollout(torch.ones(b, 1, dtype=torch.long), torch.ones(b, 1, dtype=torch.bool), torch.ones(b, 4, dtype=torch.long),
-                   response_mask, torch.zeros(b, 4), ["stop"] * b, [""] * b, torch.arange(b) // 2, 2,
-                   context_mask=context, episodes=episodes)
+    ones = torch.ones(b, 1, dtype=torch.long)
+    return Rollout(ones, ones.bool(), torch.ones(b, 4, dtype=torch.long), response_mask, torch.zeros(b, 4),
+                   ["stop"] * b, [""] * b, torch.arange(b) // 2, 2, context_mask=context, episodes=episodes)
 
 
 def test_tool_shaping_is_per_error_and_per_call_beyond_the_budget():
@@ -41,7 +41,8 @@ def test_tool_shaping_is_per_error_and_per_call_beyond_the_budget():
     # row 0: 1 error (-0.5) and 2 calls beyond 1 (-0.5) = -1.0; row 2: -0.5; row 3: 1 call beyond = -0.25
     assert shaping.tool_penalty(rollout).tolist() == [-1.0, 0.0, -0.5, -0.25]
     total, sums = shaping.total(rollout)
-    assert total.tolist() == [-1.0, 0.0, -0.5, -0.25] and sums == {"overlong_penalty_sum": 0.0, "tool_penalty_sum": -1.75}
+    assert total.tolist() == [-1.0, 0.0, -0.5, -0.25]
+    assert sums == {"overlong_penalty_sum": 0.0, "tool_penalty_sum": -1.75}
     single = _rollout(None, b=2)
     assert shaping.tool_penalty(single).tolist() == [0.0, 0.0] and "tool_penalty_sum" not in shaping.total(single)[1]
     # DAPO's overlong penalty counts an episode's context tokens: the budget bounds policy + context.
@@ -57,6 +58,10 @@ def test_tool_shaping_is_per_error_and_per_call_beyond_the_budget():
     (["rollout.tools.max_turns=0"], "rollout.tools.max_turns must be >= 1"),
     (["rollout.tools.call_penalty=-1"], "rollout.tools.call_penalty must be finite and >= 0"),
     (["tiny.task=chess"], "tiny.task must be one of"),
+    (["rollout.tools.names=[calculator]", "rollout.tools.params={calculator: {digits: 3}}"],
+     r"rollout.tools.params.calculator: unknown parameter\(s\) \['digits'\]"),
+    (["rollout.tools.names=[python]", "rollout.tools.params={python: {backend: sandbox_fusion}}"],
+     "rollout.tools.params.python: python tool: backend='sandbox_fusion' needs url"),
     (["rollout.engine=vllm", "rollout.tensor_parallel_size=2"], "rollout.tools needs rollout.tensor_parallel_size 1"),
 ])
 def test_invalid_tool_settings_name_the_field(overrides, message):
