@@ -4,9 +4,10 @@
 workers of ``stapo/rewards/pool.py``: never a fork of the trainer), in a clean environment, its
 own process group and, where the OS allows, its own mount, PID and network namespaces — and
 ``run(code)`` executes one cell in it. The wall-clock limit is enforced here: a cell that has not
-answered within ``timeout_s`` gets its whole process group killed (the worker is PID 1 of its
-namespace, so everything it started dies with it), as does a cell that floods its output pipe.
-The interpreter's own limits (CPU time, memory, processes, file size) are set inside it.
+answered within ``timeout_s`` is killed with everything it started (the launcher kills the
+worker, PID 1 of its namespace; its process group is SIGKILLed if the launcher does not exit),
+as is a cell that floods its output pipe. The interpreter's own limits (CPU time, memory,
+processes, file size) are set inside it.
 
 A ``Sandbox`` lives as long as its owner keeps it: one call (the stateless ``python`` tool) or
 one episode (a stateful session). ``close()`` — or the finalizer at exit — kills it and removes
