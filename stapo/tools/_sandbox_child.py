@@ -10,12 +10,12 @@ Two processes (docs/tools.md, "Threat model"):
   — PID 1 of its namespace, whose death takes every process it started with it — reaps it and
   exits, so no zombie is left to count against the sandbox uid's process limit (orphaned, it also
   removes the working directory).
-* the worker enters a mount namespace of its own, makes every mount read-only, mounts an empty size-capped tmpfs on the working
-  directory and a fresh /proc, gives up root (a uid of its own, or no capabilities), sets its
-  resource limits (address space, processes, file size, CPU time, open files) and then runs code
-  cells: each request on the request pipe is one cell, run in one persistent namespace (a
-  stateful session's variables), its printed output capped; after each cell every other
-  process in the namespace is killed, and a reply goes to the reply pipe.
+* the worker enters a mount namespace of its own, makes every mount read-only, mounts an empty
+  size-capped tmpfs on the working directory and a fresh /proc, gives up root (a uid of its own,
+  or no capabilities), sets its resource limits (address space, processes, file size, CPU time,
+  open files) and then runs code cells: each request on the request pipe is one cell, run in one
+  persistent namespace (a stateful session's variables), its printed output capped; after each
+  cell every other process in the namespace is killed, and a reply goes to the reply pipe.
 
 The isolation itself is ``_sandbox_isolation.py``. Protocol (JSON lines): the worker first writes
 ``{"ready": true, "isolation": {...}}``; each request ``{"code": str, "max_output_chars": m}`` is
