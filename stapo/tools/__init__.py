@@ -37,7 +37,7 @@ from stapo.tools.parsers import (ParsedTurn, PythonBlockParser, Qwen3Parser, Too
                                  build_tool_parser, describe_tool_parsers, register_tool_parser)
 from stapo.tools.run import run_tool_calls
 
-__all__ = ["Calculator", "ParsedTurn", "PythonBlockParser", "PythonSession", "PythonTool", "Qwen3Parser", "Tool", "ToolCall", "ToolCallParser",
-           "ToolError", "ToolInfo", "ToolResult", "ToolSession", "available_tool_parsers", "available_tools",
-           "build_tool", "build_tool_parser", "describe_tool_parsers", "describe_tools", "register_tool", "register_tool_parser",
-           "run_tool_calls", "tool_params"]
+__all__ = ["Calculator", "ParsedTurn", "PythonBlockParser", "PythonSession", "PythonTool", "Qwen3Parser", "Tool",
+           "ToolCall", "ToolCallParser", "ToolError", "ToolInfo", "ToolResult", "ToolSession", "available_tool_parsers",
+           "available_tools", "build_tool", "build_tool_parser", "describe_tool_parsers", "describe_tools",
+           "register_tool", "register_tool_parser", "run_tool_calls", "tool_params"]

@@ -4,17 +4,18 @@ Run as a file with the standard library only (``-I``: no PYTHONPATH, no user sit
 directory on the path), by ``sandbox.py`` in a clean environment and its own process group.
 Two processes (docs/tools.md, "Threat model"):
 
-* the launcher enters new mount, PID and network namespaces (``unshare``; as root, or through a
-  user namespace where the kernel allows one), forks the worker and waits for it, watching its
-  own parent. On SIGTERM (``Sandbox.close``), or when the trainer disappears, it kills the worker
+* the launcher enters new PID and network namespaces (``unshare``; as root, or through a user
+  namespace where the kernel allows one), forks the worker and waits for it, watching its own
+  parent. On SIGTERM (``Sandbox.close``), or when the trainer disappears, it kills the worker
   — PID 1 of its namespace, whose death takes every process it started with it — reaps it and
-  exits, so no zombie is left to count against the sandbox uid's process limit.
-* the worker makes every mount read-only, mounts an empty size-capped tmpfs on the working
-  directory and a fresh /proc, gives up root (a uid of its own, or no capabilities), sets its
-  resource limits (address space, processes, file size, CPU time, open files) and then runs code
-  cells: each request on the request pipe is one cell, run in one persistent namespace (a
-  stateful session's variables), its printed output capped; after each cell every other
-  process in the namespace is killed, and a reply goes to the reply pipe.
+  exits, so no zombie is left to count against the sandbox uid's process limit (orphaned, it also
+  removes the working directory).
+* the worker enters a mount namespace of its own, makes every mount read-only, mounts an empty
+  size-capped tmpfs on the working directory and a fresh /proc, gives up root (a uid of its own,
+  or no capabilities), sets its resource limits (address space, processes, file size, CPU time,
+  open files) and then runs code cells: each request on the request pipe is one cell, run in one
+  persistent namespace (a stateful session's variables), its printed output capped; after each
+  cell every other process in the namespace is killed, and a reply goes to the reply pipe.
 
 The isolation itself is ``_sandbox_isolation.py``. Protocol (JSON lines): the worker first writes
 ``{"ready": true, "isolation": {...}}``; each request ``{"code": str, "max_output_chars": m}`` is
@@ -31,6 +32,7 @@ import linecache
 import os
 import resource
 import select
+import shutil
 import signal
 import sys
 import time
@@ -44,23 +46,37 @@ sys.path.pop(0)
 
 # ---- the launcher -------------------------------------------------------------------------------
 
-def _wait_worker(worker: int, parent: int) -> int:
+def _pidfd(pid: int):
+    """A pidfd of the worker (Linux >= 5.3): signals through it can never reach a reused pid."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _kill_worker(pid: int, pidfd) -> None:
+    try:
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, OSError):
+        pass
+
+
+def _wait_worker(pid: int, pidfd, parent: int) -> int:
     """The worker's wait status; kill it if the trainer disappears first. (No threads here: a
     process that has unshared its PID namespace cannot start any.)"""
-    try:
-        ended = os.pidfd_open(worker)
-    except (AttributeError, OSError):  # kernels before 5.3: poll
-        ended = None
     while True:
-        if ended is not None:
-            select.select([ended], [], [], 0.25)
+        if pidfd is not None:
+            select.select([pidfd], [], [], 0.25)
         else:
             time.sleep(0.05)
-        pid, status = os.waitpid(worker, os.WNOHANG)
-        if pid:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
             return status
         if os.getppid() != parent:  # the trainer is gone: so is the sandbox
-            os.kill(worker, signal.SIGKILL)
+            _kill_worker(pid, pidfd)
 
 
 def main() -> None:
@@ -76,13 +92,16 @@ def main() -> None:
             _worker(cfg, isolation, root)
         finally:
             os._exit(70)
-    signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(pid, signal.SIGKILL))
+    pidfd = _pidfd(pid)
+    signal.signal(signal.SIGTERM, lambda signum, frame: _kill_worker(pid, pidfd))
     os.close(cfg["req_fd"])
     os.close(cfg["rep_fd"])
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
-    status = _wait_worker(pid, parent)
+    status = _wait_worker(pid, pidfd, parent)
+    if os.getppid() != parent:  # orphaned: nobody else will remove the working directory
+        shutil.rmtree(cfg["workdir"], ignore_errors=True)
     os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 
 

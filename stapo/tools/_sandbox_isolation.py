@@ -1,10 +1,11 @@
 """Isolation of the python tool's sandbox (run inside ``_sandbox_child.py``; standard library only).
 
-``unshare`` puts the launcher in new mount, PID and network namespaces (through a user namespace
-when it is not root); ``isolate_files`` gives the worker a read-only view of every mount, home
-directories hidden, a /dev of five harmless devices, an empty size-capped tmpfs as its working
-directory and a /proc of its own; ``drop_privileges`` leaves it a uid of its own (or root of its
-user namespace) without capabilities. docs/tools.md, "Threat model", says what each one stops.
+``unshare`` puts the launcher in new PID and network namespaces (through a user namespace when it
+is not root); ``isolate_files`` gives the worker a mount namespace of its own with a read-only
+view of every mount, home directories hidden, a /dev of five harmless devices, an empty
+size-capped tmpfs as its working directory and a /proc of its own; ``drop_privileges`` leaves it
+a uid of its own (or root of its user namespace) without capabilities. docs/tools.md, "Threat
+model", says what each one stops.
 """
 
 import ctypes
@@ -36,8 +37,10 @@ def call(name, *args):
 
 
 def unshare(root: bool) -> dict:
-    """Enter new mount, PID and network namespaces; the namespaces entered ({} where not allowed)."""
-    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | (0 if root else CLONE_NEWUSER)
+    """Enter new PID (for the children) and network namespaces; the namespaces entered ({} where
+    not allowed). The mount namespace is the worker's alone (``isolate_files``): the launcher keeps
+    the trainer's view of the file system, to remove the working directory if it is orphaned."""
+    flags = CLONE_NEWPID | CLONE_NEWNET | (0 if root else CLONE_NEWUSER)
     uid, gid = os.getuid(), os.getgid()
     try:
         if not call("unshare", flags):
@@ -110,6 +113,7 @@ def minimal_dev() -> None:
 def isolate_files(cfg: dict, isolation: dict, uid: int) -> None:
     """Home directories hidden; a minimal /dev; everything read-only; an empty tmpfs of
     file_size_mb on the working directory; a fresh /proc that shows the namespace's processes only."""
+    call("unshare", CLONE_NEWNS)
     call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
     hide_homes(isolation)
     try:

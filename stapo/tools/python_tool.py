@@ -57,7 +57,7 @@ class PythonTool(Tool):
     parameters = {"type": "object", "properties": {"code": {"type": "string", "description": "Python source to run"}},
                   "required": ["code"], "additionalProperties": False}
 
-    timeout_s: float = 10.0  # wall clock per call; the whole process group is killed past it
+    timeout_s: float = 10.0  # wall clock per call; past it the code and everything it started are killed
     max_output_chars: int = 2000  # printed characters returned; more is cut and the call is an error
     cpu_time_s: float = 10.0  # CPU seconds per call (RLIMIT_CPU, whole seconds)
     memory_mb: int = 1024  # address space per process (RLIMIT_AS)

@@ -4,9 +4,10 @@
 workers of ``stapo/rewards/pool.py``: never a fork of the trainer), in a clean environment, its
 own process group and, where the OS allows, its own mount, PID and network namespaces — and
 ``run(code)`` executes one cell in it. The wall-clock limit is enforced here: a cell that has not
-answered within ``timeout_s`` gets its whole process group killed (the worker is PID 1 of its
-namespace, so everything it started dies with it), as does a cell that floods its output pipe.
-The interpreter's own limits (CPU time, memory, processes, file size) are set inside it.
+answered within ``timeout_s`` is killed with everything it started (the launcher kills the
+worker, PID 1 of its namespace; its process group is SIGKILLed if the launcher does not exit),
+as is a cell that floods its output pipe. The interpreter's own limits (CPU time, memory,
+processes, file size) are set inside it.
 
 A ``Sandbox`` lives as long as its owner keeps it: one call (the stateless ``python`` tool) or
 one episode (a stateful session). ``close()`` — or the finalizer at exit — kills it and removes
@@ -167,6 +168,13 @@ class Sandbox:
             proc = subprocess.Popen([sys.executable, "-I", "-u", _CHILD, json.dumps(cfg)], stdin=subprocess.DEVNULL,
                                     stdout=out_w, stderr=out_w, pass_fds=(req_r, rep_w), env=_clean_env(workdir),
                                     cwd=workdir, start_new_session=True, close_fds=True)
+        except OSError as exc:
+            for fd in (req_w, rep_r, out_r):
+                os.close(fd)
+            shutil.rmtree(workdir, ignore_errors=True)
+            if self._uid:
+                _release_uid(self._uid)
+            raise SandboxStartError(f"the python sandbox could not be started: {exc}") from None
         finally:
             for fd in (req_r, rep_w, out_w):
                 os.close(fd)
@@ -174,6 +182,7 @@ class Sandbox:
         self._owner, self._rep_buf = os.getpid(), b""
         self._finalizer = weakref.finalize(self, _finalize, proc, self._owner, [req_w, rep_r, out_r], workdir)
         os.set_blocking(out_r, False)
+        os.set_blocking(req_w, False)
         ready, out, ended = self._wait(time.monotonic() + lim.startup_timeout_s, "start")
         if ready is None or not ready.get("ready"):
             self.close()
@@ -202,12 +211,11 @@ class Sandbox:
         if not self.alive:
             self.start()
         request = json.dumps({"code": code, "max_output_chars": self.limits.max_output_chars}) + "\n"
-        try:
-            os.write(self._req, request.encode("utf-8", "backslashreplace"))
-        except OSError:  # the interpreter died between cells
+        deadline = time.monotonic() + self.limits.timeout_s
+        if not self._send(request.encode("utf-8", "backslashreplace"), deadline):
             self.close()
-            return CellResult("", True, 0, "the python interpreter had stopped")
-        reply, out, ended = self._wait(time.monotonic() + self.limits.timeout_s, "run")
+            return CellResult("", True, 0, "the python interpreter did not take the code (it had stopped)")
+        reply, out, ended = self._wait(deadline, "run")
         text = out.decode("utf-8", "replace")
         if reply is None:
             self.close()
@@ -217,6 +225,21 @@ class Sandbox:
         if dropped:  # the head came through the pipe; the end of what was dropped comes in the reply
             text += str(reply.get("tail", ""))[-dropped:]
         return CellResult(text, bool(reply.get("error")), total)
+
+    def _send(self, data: bytes, deadline: float) -> bool:
+        """Write a request (code longer than the pipe's buffer goes in pieces) before ``deadline``."""
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._req, selectors.EVENT_WRITE)
+            while data:
+                if not sel.select(max(0.0, deadline - time.monotonic())):
+                    return False
+                try:
+                    data = data[os.write(self._req, data):]
+                except BlockingIOError:
+                    continue
+                except OSError:  # the interpreter is gone
+                    return False
+        return True
 
     def _wait(self, deadline: float, what: str) -> tuple[Optional[dict], bytes, Optional[str]]:
         """Read output and the next reply until the reply, the deadline or the process's end:

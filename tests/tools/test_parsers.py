@@ -76,7 +76,8 @@ def test_qwen3_turn_without_a_call_is_final(qwen3):
     ('<tool_call>{"name": "python", "arguments": 7}</tool_call>', "must be a JSON object, got int"),
     ('<tool_call>{"name": "python", "arguments": "print(1)"}</tool_call>', "is a string that is not a JSON object"),
     ('<tool_call>{"name": "python", "arguments": "[1]"}</tool_call>', "must be a JSON object, got list"),
-    ('<tool_call>{"name": "shell", "arguments": {"cmd": "rm -rf /"}}</tool_call>', "unknown tool 'shell'; available tools: python, calculator"),
+    ('<tool_call>{"name": "shell", "arguments": {"cmd": "rm -rf /"}}</tool_call>',
+     "unknown tool 'shell'; available tools: python, calculator"),
     ("<tool_call>" + "[" * 100_000 + "</tool_call>", "nested too deeply"),
     ("<tool_call></tool_call>", "not valid JSON"),
 ])

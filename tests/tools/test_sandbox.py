@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -39,9 +41,9 @@ def needs(isolation: dict, *keys: str) -> None:
         pytest.skip(f"this system gives the sandbox no {', '.join(keys)}: {isolation_summary(isolation)}")
 
 
-def sandbox_processes() -> list[int]:
-    """Live processes running as one of this process's sandbox uids."""
-    low = _UID_BASE + (os.getpid() % (1 << 22)) * _UID_SLOTS
+def sandbox_processes(owner: int | None = None) -> list[int]:
+    """Live processes running as one of the sandbox uids of ``owner`` (default: this process)."""
+    low = _UID_BASE + ((owner or os.getpid()) % (1 << 22)) * _UID_SLOTS
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -49,9 +51,17 @@ def sandbox_processes() -> list[int]:
                 uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
         except (OSError, StopIteration, ValueError):
             continue
-        if low <= uid < low + _UID_SLOTS:
+        if low <= uid < low + _UID_SLOTS and not _zombie(pid):
             found.append(int(pid))
     return found
+
+
+def _zombie(pid) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def assert_nothing_left() -> None:
@@ -74,7 +84,8 @@ HOSTILE = [
     ("builds a huge list", "x = [0] * 10**9", "MemoryError", 1.0),
     ("recurses forever", "def f():\n    return f()\nf()", "RecursionError", 1.0),
     ("prints 5 MB", "print('x' * 5_000_000)", "[output cut: 5000001 characters, the limit is 200; the middle", 1.0),
-    ("floods its output fd", "import os\nwhile True:\n    os.write(1, b'x' * 65536)", "printed more than 1048576 bytes", 1.5),
+    ("floods its output fd", "import os\nwhile True:\n    os.write(1, b'x' * 65536)", "printed more than 1048576 bytes",
+     1.5),
     ("writes a 3 MB file", "open('big', 'wb').write(b'x' * 3 * 2**20)", "File too large", 1.0),
     ("reads an env secret", "import os\nprint(os.environ['STAPO_TEST_SECRET'])", "KeyError: 'STAPO_TEST_SECRET'", 1.0),
     ("exits non-zero", "import sys\nsys.exit(3)", "", 1.0),
@@ -157,6 +168,31 @@ def test_background_processes_do_not_outlive_the_call(python):
     result = python({"code": code})
     assert (result.text, result.error) == ("parent done\n", False)
     assert_nothing_left()
+
+
+def test_the_sandbox_dies_with_a_killed_trainer():
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER], stdout=subprocess.PIPE, text=True)
+    launcher, workdir = trainer.stdout.readline().split()
+    launcher = int(launcher)
+    time.sleep(0.3)  # its cell is sleeping now
+    trainer.kill()  # SIGKILL: no finalizer, no close()
+    trainer.wait()
+    deadline = time.monotonic() + 3.0
+    while not _zombie(launcher) or (os.geteuid() == 0 and sandbox_processes(trainer.pid)):
+        assert time.monotonic() < deadline, "the sandbox outlived its trainer"
+        time.sleep(0.05)
+    while os.path.exists(workdir):  # the orphaned launcher removes it on its way out
+        assert time.monotonic() < deadline, f"{workdir} outlived its trainer"
+        time.sleep(0.05)
+
+
+TRAINER = """
+from stapo.tools.sandbox import Sandbox, SandboxLimits
+box = Sandbox(SandboxLimits(timeout_s=60), stateful=True)
+box.start()
+print(box._proc.pid, box._workdir, flush=True)
+box.run("import time\\ntime.sleep(60)")
+"""
 
 
 def test_stateful_sessions_keep_state_and_are_isolated(isolation):

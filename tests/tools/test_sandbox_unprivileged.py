@@ -40,7 +40,8 @@ python = build_tool("python", timeout_s=5, cpu_time_s=2, memory_mb=256, max_proc
 with Sandbox(python.limits) as sandbox:
     sandbox.start()
     isolation = sandbox.isolation
-cases = {{"write": "open('/tmp/{name}', 'w')", "network": "import socket\\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
+cases = {{"write": "open('/tmp/{name}', 'w')",
+          "network": "import socket\\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
           "fork": "import os\\nwhile True:\\n    os.fork()", "ok": "import os\\nprint(os.getuid(), os.getpid())",
           "caps": "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')))"}}
 results = {{k: python({{"code": v}}) for k, v in cases.items()}}

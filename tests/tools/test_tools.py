@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -109,3 +111,11 @@ def test_a_stuck_call_is_reported_and_the_batch_moves_on():
     assert 1.2 <= elapsed < 2.5
     assert session.log == []  # the later call of the stuck session never ran
     assert sum(t.name == "stapo-tool-call" and t.daemon for t in threading.enumerate()) >= 1  # left behind, daemon
+
+
+def test_import_is_light():
+    """``import stapo.tools`` needs the standard library only: the episode loop and the sandbox pay nothing."""
+    heavy = ("torch", "transformers", "sympy", "numpy", "stapo.trainer", "stapo.rollout", "stapo.rewards")
+    code = "import sys, stapo.tools; print(','.join(m for m in %r if m in sys.modules))" % (heavy,)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "", f"stapo.tools pulled in: {out.stdout.strip()}"
