@@ -224,8 +224,8 @@ def _is_sums(raw: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> di
     return {
         "rollout_is_raw_sum": torch.where(mask, raw, zero).sum(),
         "rollout_is_max": torch.where(mask, raw, zero).amax() if mask.any() else zero,
-        "rollout_is_weight_sum": weights[mask].sum(),
-        "rollout_is_weight_sq_sum": weights[mask].square().sum(),
+        "rollout_is_weight_sum": weights[mask].double().sum(),  # fp64: the ESS is a ratio of near-equal sums
+        "rollout_is_weight_sq_sum": weights[mask].double().square().sum(),
         "rollout_is_clipped": (mask & (weights != raw)).sum().float(),
     }
 
