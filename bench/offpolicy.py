@@ -239,7 +239,8 @@ def runs_table(rows: list[dict]) -> str:
         lines.append(
             f"{head} {status} | {curve} | {100 * r['peak_acc']:.1f} ({r['peak_step']}) | {100 * r['final_acc']:.1f} "
             f"| {_fmt(r['staleness'], 1.0, '.2f')} | {_fmt(r['mismatch_kl'])} | {_fmt(r['mismatch_abs_max'])} "
-            f"| {100 * r['rejected_frac']:.2f} ({100 * r['rejected_seq_frac']:.2f}) | {is_cols} | {r['wall_s'] / 60:.1f} |")
+            f"| {100 * r['rejected_frac']:.2f} ({100 * r['rejected_seq_frac']:.2f}) | {is_cols} "
+            f"| {r['wall_s'] / 60:.1f} |")
     return "\n".join(lines)
 
 

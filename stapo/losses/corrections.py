@@ -175,7 +175,8 @@ def parse_rs_thresholds(options: str, spec: Threshold | None) -> tuple[Rejection
     names = list(dict.fromkeys(o.strip() for o in str(options).split(",") if o.strip()))
     unknown = [o for o in names if o not in RS_OPTIONS]
     if not names or unknown:
-        raise ValueError(f"rollout_rs: unknown option {(unknown or [options])[0]!r}; available: {', '.join(RS_OPTIONS)}")
+        raise ValueError(f"rollout_rs: unknown option {(unknown or [options])[0]!r}; "
+                         f"available: {', '.join(RS_OPTIONS)}")
     if spec is None:
         raise ValueError(f"rollout_rs={options} needs rollout_rs_threshold (one value per option)")
     specs = [s.strip() for s in str(spec).split(",") if s.strip()]
@@ -292,6 +293,7 @@ class RolloutCorrection:
             norm = ", batch-normalized" if self.rollout_is_batch_normalize else ""
             parts.append(f"{self.rollout_is}-level importance weights pi_old/pi_sampler, {how}{norm}")
         for b in self.bounds:
-            test = f"exp({b.option}) in [{b.lower:g}, {b.upper:g}]" if b.lower is not None else f"{b.option} <= {b.upper:g}"
+            test = (f"exp({b.option}) in [{b.lower:g}, {b.upper:g}]" if b.lower is not None
+                    else f"{b.option} <= {b.upper:g}")
             parts.append(f"reject {'sequences' if b.option.startswith('seq') else 'tokens'} unless {test}")
         return "; ".join(parts) or "none"

@@ -249,7 +249,8 @@ def correction_line(cfg: STAPOConfig) -> str:
         return line + f" (loss.tis_cap={lo.tis_cap:g})"
     if lo.rollout_is == "auto":
         why = (f"importance weights on by default with rollout.max_staleness={k}; loss.rollout_is=null turns "
-               "them off" if k >= 1 else "loss.rollout_is=auto: no importance weights in lock-step, the paper's setting")
+               "them off" if k >= 1 else
+               "loss.rollout_is=auto: no importance weights in lock-step, the paper's setting")
         return line + f" ({why})"
     return line
 

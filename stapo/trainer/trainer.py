@@ -152,7 +152,7 @@ class STAPOTrainer:
                     sums.add_value(key, value)
             masked = self.mask.apply(stats)  # lines 9-10: the S2T mask (or a baseline's)
             probe = self.spurious_probe.apply(stats)  # diagnostic: the S2T criterion, whatever the mask
-            corrected = self.correction(mini.sampling_logprobs, mini.old_logprobs, mini.trainable)  # sampler vs theta_old
+            corrected = self.correction(mini.sampling_logprobs, mini.old_logprobs, mini.trainable)  # vs the sampler
             self._observe(k, mini, stats, masked, probe, rollout, rewards, rows, corrected.rejected)
             with timer("update"):  # lines 11-12: Eq. 1 over kept tokens, optimizer step
                 update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts,

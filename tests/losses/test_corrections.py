@@ -184,7 +184,7 @@ def test_describe_says_what_is_corrected():
     ({"rollout_rs": "seq_max_k1", "rollout_rs_threshold": 2}, "unknown option 'seq_max_k1'"),
     ({"rollout_rs": "token_k3"}, "needs rollout_rs_threshold"),
     ({"rollout_rs_threshold": 2}, "rollout_rs_threshold is set but rollout_rs is not"),
-    ({"rollout_rs": "token_k3,seq_sum_k2", "rollout_rs_threshold": "1,2,3"}, "one threshold for all options or one per"),
+    ({"rollout_rs": "token_k3,seq_sum_k2", "rollout_rs_threshold": "1,2,3"}, "one threshold for all options or one"),
     ({"rollout_rs": "token_k2", "rollout_rs_threshold": "0.5_2.0"}, "take one upper bound"),
     ({"rollout_rs": "token_k1", "rollout_rs_threshold": 0.52}, "gives the band [1.92308, 0.52], empty"),
     ({"rollout_rs": "token_k1", "rollout_rs_threshold": "x_2"}, "'x' is not a number"),

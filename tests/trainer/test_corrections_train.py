@@ -25,7 +25,8 @@ ALWAYS = ("mismatch_kl", "mismatch_kl_k1", "rollout_ppl", "training_ppl", "rejec
 
 @pytest.mark.parametrize("overrides, line", [
     (["loss.rollout_is=token", "loss.rollout_rs=seq_mean_k3", "loss.rollout_rs_threshold=0.00525"],
-     "token-level importance weights pi_old/pi_sampler, truncated at 2; reject sequences unless seq_mean_k3 <= 0.00525"),
+     "token-level importance weights pi_old/pi_sampler, truncated at 2; "
+     "reject sequences unless seq_mean_k3 <= 0.00525"),
     (["loss.rollout_is=sequence", "loss.rollout_is_threshold=0.2_1.0", "loss.rollout_is_batch_normalize=true",
       "loss.rollout_rs=token_k1,seq_max_k2", "loss.rollout_rs_threshold=0.9_1.1101,0.05"],
      "sequence-level importance weights pi_old/pi_sampler, zero outside [0.2, 1], batch-normalized; reject tokens "

@@ -34,7 +34,8 @@ LAYOUTS = (("1x1", 1, 8, False, None), ("1x4", 1, 2, False, None), ("2x2", 2, 2,
 MASKS = {"stapo": {"tau_p": 0.05}, "entropy_top": {}}
 # on the stapo mask: the sampler is off by up to +-0.6 nats per token (see _make_batch)
 CORRECTIONS = {"token_is": {"rollout_is": "token", "rollout_is_threshold": 1.2},
-               "sequence_is": {"rollout_is": "sequence", "rollout_is_threshold": 3.0, "rollout_is_batch_normalize": True},
+               "sequence_is": {"rollout_is": "sequence", "rollout_is_threshold": 3.0,
+                               "rollout_is_batch_normalize": True},
                "seq_rs": {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.07}}
 
 
@@ -138,7 +139,8 @@ def layouts(tiny_model_dir, tmp_path_factory):
                 "grads": results[0][name]["grads"],  # full gradients are identical on every rank
                 "tau_h": [r[name]["tau_h"] for r in results],
                 "micro_batches": [r[name]["micro_batches"] for r in results],
-                "weights": None if results[0][name]["weights"] is None else torch.cat([r[name]["weights"] for r in results]),
+                "weights": None if results[0][name]["weights"] is None
+                else torch.cat([r[name]["weights"] for r in results]),
                 "rejected": torch.cat([r[name]["rejected"] for r in results]),
             }
             for name in (*MASKS, *CORRECTIONS)
