@@ -1,4 +1,5 @@
-"""stapo.losses: advantages, token stats, token masks and the clipped surrogate (torch only).
+"""stapo.losses: advantages, token stats, token masks, off-policy corrections and the clipped surrogate
+(torch only).
 
 May import: torch and ``stapo.registry``/``stapo.run_dir`` only (docs/index.md, "Layout"):
 pure tensor functions, no trainer, config or rollout.
