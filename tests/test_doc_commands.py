@@ -6,7 +6,8 @@ examples/recipes/*.yaml. How each kind of line runs (in this process, offline, o
 * ``stapo train ...`` and launcher lines (``deepspeed`` / ``torchrun`` / ``accelerate launch``
   ``-m stapo.cli train ...``): with ``--dry-run``; a launcher's ranks become ``--world-size``.
 * ``stapo masks ...`` and ``--help`` lines: as written.
-* ``stapo serve MODEL ...`` prints the vLLM server's command line (``--dry-run``), starting nothing;
+* ``stapo serve MODEL ...`` prints the vLLM server's command line (``--dry-run``), starting nothing, with
+  ``STAPO_SERVER_TOKEN`` set as the server examples set it first;
 * ``stapo inspect ...`` runs and ``stapo eval ...`` dry-runs against one tiny training run;
   placeholders (``RUN_DIR``, ``MODEL``, ``my.jsonl``, ...) become that run and its files (PLACEHOLDERS).
 * ``python examples/X.py ARGS``: dry — the script's config (EXAMPLES: how it reads its arguments)
@@ -94,7 +95,7 @@ def _recipe_commands(recipe: Path) -> list[DocCommand]:
 def doc_commands() -> list[DocCommand]:
     commands = [c for page in PAGES for c in _markdown_commands(page)]
     commands += [c for recipe in RECIPES for c in _recipe_commands(recipe)]
-    return [c for c in commands if c.argv not in (["stapo", "eval"], ["stapo", "inspect"])]  # names in prose
+    return [c for c in commands if c.argv not in (["stapo", "eval"], ["stapo", "inspect"], ["stapo", "serve"])]  # names
 
 
 COMMANDS = doc_commands()
@@ -184,6 +185,7 @@ def test_the_docs_show_commands_of_every_kind():
 def test_doc_command_runs(command, request, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("STAPO_SERVER_TOKEN", "docs-secret")  # the server examples export it first
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     argv = command.argv
     if argv[0] == "python" and argv[1].startswith("bench/"):

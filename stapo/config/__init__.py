@@ -124,7 +124,11 @@ class STAPOConfig:
         return cls.from_dict(data, overrides)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field as plain data, the shared secret left out (``rollout.server_token``: written files,
+        checkpoints and W&B never hold it; a resumed run reads ``STAPO_SERVER_TOKEN``)."""
+        data = dataclasses.asdict(self)
+        data["rollout"]["server_token"] = None
+        return data
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         text = yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)

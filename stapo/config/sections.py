@@ -151,12 +151,44 @@ class RolloutConfig:
     """``server`` mode: ``host:port`` of every vLLM server (``stapo serve MODEL``). Requests go to the least
     loaded one; a server that stops answering is left out (a warning names it) until it is back and
     re-synced."""
-    request_timeout_s: float = 3600.0
-    """``server`` mode: seconds one generation request may take (a long response on a busy server takes
-    minutes) before it is retried."""
+    server_token: Union[str, None] = None
+    """``server`` mode: the shared secret the servers were started with (``STAPO_SERVER_TOKEN`` in the
+    environment of ``stapo serve``); default: the trainer's own ``STAPO_SERVER_TOKEN``. Sent as
+    ``Authorization: Bearer``; never written to config.yaml, checkpoints or W&B (a resumed run reads it from
+    the environment). docs/rollout.md, "Security"."""
+    sync_host: Union[str, None] = None
+    """``server`` mode: the trainer's address the servers reach for the weight broadcast (its TCPStore and
+    gloo sockets bind it, nothing else). Default: 127.0.0.1 when every server is local, else this machine's
+    address on the route to them."""
+    request_timeout_s: float = 600.0
+    """``server`` mode: a generation request's time limit is this plus ``request_timeout_per_token_s`` ×
+    ``max_response_length`` (a server that stops answering its health route is found far sooner:
+    ``server_down_after_s``)."""
+    request_timeout_per_token_s: float = 0.1
+    """``server`` mode: seconds added to a request's time limit per token it may generate."""
     request_retries: int = 2
-    """``server`` mode: failed attempts at one server before it is declared down and its requests go to
-    the others (a refused connection declares it down at once)."""
+    """``server`` mode: retries of a request that got a 5xx or a malformed reply from a server (each logged)
+    before the server is declared down and its requests go to the others; a refused connection declares it
+    down at once, and a 4xx fails that request only (its rows come back empty)."""
+    server_down_after_s: float = 60.0
+    """``server`` mode: a server that does not answer ``/health`` for this long while requests are in flight
+    is declared down and its requests go to the others."""
+    health_interval_s: float = 5.0
+    """``server`` mode: how often the servers with requests in flight are probed."""
+    health_timeout_s: float = 5.0
+    """``server`` mode: the limit of one health probe or state read."""
+    sync_timeout_s: float = 300.0
+    """``server`` mode: the limit of each step of a weight sync (the weight group forming, one bucket, the
+    servers loading what they received)."""
+    sync_join_timeout_s: float = 30.0
+    """``server`` mode: every server checks in for a weight sync within this, or the sync is called off and
+    retried without the ones that did not (a server lost while joining never leaves the others waiting)."""
+    sync_retries: int = 2
+    """``server`` mode: times a failed weight sync is retried (with the servers that still answer) before
+    the run checkpoints and stops."""
+    producer_close_timeout_s: float = 60.0
+    """``server`` mode with ``max_staleness`` >= 1: how long the end of a run waits for a generation in
+    flight to finish."""
     max_staleness: int = 0
     """k: asynchronous training, ``server`` mode. 0 (the default and the paper's setting): generate, train,
     sync in lock-step. k >= 1: a producer generates the next iterations' batches while the trainer updates;

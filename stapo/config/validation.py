@@ -191,8 +191,15 @@ def _check_rollout_servers(r) -> None:
             parse_address(address)
         except ValueError as err:
             _check(False, f"rollout.servers: {err}")
-    _check(r.request_timeout_s > 0, f"rollout.request_timeout_s must be > 0, got {r.request_timeout_s}")
-    _check(r.request_retries >= 0, f"rollout.request_retries must be >= 0, got {r.request_retries}")
+    for name in ("request_timeout_s", "server_down_after_s", "health_interval_s", "health_timeout_s",
+                 "sync_timeout_s", "sync_join_timeout_s", "producer_close_timeout_s"):
+        _check(getattr(r, name) > 0, f"rollout.{name} must be > 0, got {getattr(r, name)}")
+    _check(r.request_timeout_per_token_s >= 0,
+           f"rollout.request_timeout_per_token_s must be >= 0, got {r.request_timeout_per_token_s}")
+    for name in ("request_retries", "sync_retries"):
+        _check(getattr(r, name) >= 0, f"rollout.{name} must be >= 0, got {getattr(r, name)}")
+    _check(r.server_token is None or (isinstance(r.server_token, str) and r.server_token.strip() != ""),
+           "rollout.server_token must be a non-empty string (or unset: STAPO_SERVER_TOKEN is read)")
     _check(r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}")
     _check(r.max_staleness == 0 or r.mode == "server",
            f"rollout.max_staleness={r.max_staleness} (asynchronous training) needs rollout.mode=server: a "

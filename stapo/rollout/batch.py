@@ -60,7 +60,8 @@ class Rollout:
             ended the row (it is a sampled action and gets its own logprob and gradient).
         sampling_logprobs: (B, T) float32, log-probability of each sampled token under the processed
             sampling distribution (temperature, top-k, top-p); 0 on padding.
-        finish_reason: B strings, "stop" (EOS / stop id sampled) or "length" (max_new_tokens hit).
+        finish_reason: B strings, "stop" (EOS / stop id sampled), "length" (max_new_tokens hit) or
+            "error" (a rollout server refused the request: no tokens; `ServerEngine`).
         response_text: B decoded responses, special tokens skipped.
         group_index: (B,) long; rows with equal values answer the same prompt (engines set i // G;
             `concat` offsets later parts, `select` keeps the values so rows stay traceable).

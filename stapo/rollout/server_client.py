@@ -1,31 +1,49 @@
 """A small JSON-over-HTTP client for one vLLM server (``rollout.mode: server``; docs/rollout.md).
 
-Standard library only (``urllib``): the trainer talks to vLLM's OpenAI-compatible server
-(``/v1/completions`` with token-id prompts), its health route, and — the server started by
-``stapo serve`` with ``VLLM_SERVER_DEV_MODE=1`` — its ``/collective_rpc`` and ``/reset_prefix_cache``
-routes, which reach stapo's worker extension (`stapo.rollout.vllm_worker`).
+Standard library only (``http.client``): the trainer talks to vLLM's OpenAI-compatible server
+(``/v1/completions`` with token-id prompts, ``/v1/models``), its health route and — the server started
+by ``stapo serve`` — its ``/collective_rpc`` and ``/reset_prefix_cache`` routes, which reach stapo's
+worker extension (`stapo.rollout.server_worker`). With a shared secret (``STAPO_SERVER_TOKEN`` or
+``rollout.server_token``) every call carries ``Authorization: Bearer <secret>`` (`stapo.rollout.server_guard`).
+
+Every failure is a `ServerError` that says what kind it was, because the engine treats them differently:
+a request error (4xx) fails that request only; an unreachable server, a timeout, a 5xx after retries or
+a malformed reply is a fault of the server, whose requests then go elsewhere.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
+import socket
+import threading
+from dataclasses import dataclass, field
 
-__all__ = ["ServerClient", "ServerError", "parse_address"]
+__all__ = ["ABORTED", "DOWN", "HTTP", "MALFORMED", "TIMEOUT", "ConnectionTracker", "ServerClient", "ServerError",
+           "parse_address"]
+
+DOWN, TIMEOUT, HTTP, MALFORMED, ABORTED = "down", "timeout", "http", "malformed", "aborted"
 
 
 class ServerError(RuntimeError):
-    """A rollout server did not answer, timed out, or answered with an HTTP error.
+    """A rollout server did not answer, timed out, answered with an HTTP error or with a reply that is not
+    what it should be. ``kind``: `DOWN` (nothing listens, connection reset), `TIMEOUT`, `HTTP` (``status``),
+    `MALFORMED`, `ABORTED` (the engine cut the request: the server stopped answering its health route)."""
 
-    ``down`` is True when nothing listens at the address (connection refused or reset): the server is
-    gone, retrying it is pointless until it is restarted."""
-
-    def __init__(self, address: str, message: str, *, down: bool = False, status: int | None = None) -> None:
+    def __init__(self, address: str, message: str, *, kind: str = HTTP, status: int | None = None) -> None:
         super().__init__(f"rollout server {address}: {message}")
-        self.address, self.down, self.status = address, down, status
+        self.address, self.kind, self.status = address, kind, status
+
+    @property
+    def down(self) -> bool:
+        """Gone (refused, reset, cut): retrying it now is pointless until it comes back."""
+        return self.kind in (DOWN, ABORTED)
+
+    @property
+    def request_error(self) -> bool:
+        """The request itself was refused (4xx other than 408/429): a fault of the request, not the server."""
+        return self.kind == HTTP and self.status is not None and 400 <= self.status < 500 \
+            and self.status not in (408, 429)
 
 
 def parse_address(address: str) -> str:
@@ -37,24 +55,66 @@ def parse_address(address: str) -> str:
     return f"{host}:{int(port)}"
 
 
+class ConnectionTracker:
+    """The connections of the requests in flight to one server, so that another thread can cut them all
+    (`cut`) when the server stops answering: each blocked read then fails at once with `ABORTED`."""
+
+    def __init__(self) -> None:
+        self._open: set[http.client.HTTPConnection] = set()
+        self._cut: set[int] = set()
+        self._lock = threading.Lock()
+
+    def add(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._open.add(conn)
+
+    def discard(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._open.discard(conn)
+            self._cut.discard(id(conn))
+
+    def cut(self) -> int:
+        """Shut down every open connection; returns how many."""
+        with self._lock:
+            conns = list(self._open)
+            self._cut.update(id(c) for c in conns)
+        for conn in conns:
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        return len(conns)
+
+    def was_cut(self, conn: http.client.HTTPConnection) -> bool:
+        with self._lock:
+            return id(conn) in self._cut
+
+
 @dataclass(frozen=True)
 class ServerClient:
-    """One server at ``address`` (``host:port``); every call has a timeout in seconds."""
+    """One server at ``address`` (``host:port``); every call has a timeout in seconds. ``token``: the shared
+    secret (never shown in a repr or a message)."""
 
     address: str
-    timeout_s: float = 3600.0
+    timeout_s: float = 600.0
+    token: str | None = field(default=None, repr=False)
 
     @property
     def host(self) -> str:
-        return self.address.rpartition(":")[0]
+        return self.address.rpartition(":")[0].strip("[]")
 
-    def get(self, path: str, timeout_s: float | None = None) -> dict:
-        return self._call(urllib.request.Request(self._url(path)), timeout_s)
+    @property
+    def port(self) -> int:
+        return int(self.address.rpartition(":")[2])
 
-    def post(self, path: str, body: dict, timeout_s: float | None = None) -> dict:
-        data = json.dumps(body).encode()
-        request = urllib.request.Request(self._url(path), data=data, headers={"Content-Type": "application/json"})
-        return self._call(request, timeout_s)
+    def get(self, path: str, timeout_s: float | None = None, tracker: ConnectionTracker | None = None) -> dict:
+        return self._call("GET", path, None, timeout_s, tracker)
+
+    def post(self, path: str, body: dict, timeout_s: float | None = None,
+             tracker: ConnectionTracker | None = None) -> dict:
+        return self._call("POST", path, body, timeout_s, tracker)
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -67,21 +127,65 @@ class ServerClient:
         """Call ``method`` of stapo's worker extension on every worker of the server (vLLM's
         ``/collective_rpc``: string arguments only); one result per worker."""
         reply = self.post("/collective_rpc", {"method": method, "args": [str(a) for a in args]}, timeout_s)
-        return list(reply.get("results", []))
+        results = reply.get("results") if isinstance(reply, dict) else None
+        if not isinstance(results, list) or not results:
+            raise ServerError(self.address, f"{method}: the reply has no per-worker results ({str(reply)[:200]})",
+                              kind=MALFORMED)
+        return results
 
-    def _url(self, path: str) -> str:
-        return f"http://{self.address}{path}"
+    def rpc_json(self, method: str, *args: str, timeout_s: float | None = None) -> list[dict]:
+        """`rpc` whose per-worker results are JSON objects (stapo's worker methods that return JSON)."""
+        out = []
+        for result in self.rpc(method, *args, timeout_s=timeout_s):
+            try:
+                value = json.loads(result) if isinstance(result, str) else result
+            except ValueError:
+                value = None
+            if not isinstance(value, dict):
+                raise ServerError(self.address, f"{method}: a worker answered {str(result)[:200]!r}, not a JSON "
+                                                "object (is it stapo serve?)", kind=MALFORMED)
+            out.append(value)
+        return out
 
-    def _call(self, request: urllib.request.Request, timeout_s: float | None) -> dict:
+    def _headers(self, has_body: bool) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"} if has_body else {}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return headers
+
+    def _call(self, method: str, path: str, body: dict | None, timeout_s: float | None,
+              tracker: ConnectionTracker | None) -> dict:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        data = None if body is None else json.dumps(body).encode()
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        if tracker is not None:
+            tracker.add(conn)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s if timeout_s is None else timeout_s) as reply:
-                body = reply.read()
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[-500:]
-            raise ServerError(self.address, f"HTTP {err.code} on {request.full_url}: {detail}",
-                              status=err.code) from None
-        except (ConnectionError, urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as err:
-            reason = getattr(err, "reason", err)
-            down = isinstance(reason, (ConnectionRefusedError, ConnectionResetError, BrokenPipeError))
-            raise ServerError(self.address, f"no answer on {request.full_url} ({reason})", down=down) from None
-        return json.loads(body) if body else {}
+            conn.request(method, path, body=data, headers=self._headers(data is not None))
+            reply = conn.getresponse()
+            status, payload = reply.status, reply.read()
+        except (TimeoutError, socket.timeout):
+            raise ServerError(self.address, f"no answer on {method} {path} within {timeout:.0f} s",
+                              kind=TIMEOUT) from None
+        except (OSError, http.client.HTTPException) as err:
+            if tracker is not None and tracker.was_cut(conn):
+                raise ServerError(self.address, f"{method} {path} cut: the server stopped answering its health "
+                                                "route", kind=ABORTED) from None
+            raise ServerError(self.address, f"no answer on {method} {path} ({type(err).__name__}: {err})",
+                              kind=DOWN) from None
+        finally:
+            if tracker is not None:
+                tracker.discard(conn)
+            conn.close()
+        if status >= 400:
+            detail = payload.decode(errors="replace")[-500:]
+            hint = " (the server needs the shared secret: set STAPO_SERVER_TOKEN or rollout.server_token)" \
+                if status == 401 else ""
+            raise ServerError(self.address, f"HTTP {status} on {method} {path}: {detail}{hint}", status=status)
+        if not payload:
+            return {}
+        try:
+            return json.loads(payload)
+        except ValueError:
+            raise ServerError(self.address, f"{method} {path} answered HTTP {status} with a body that is not JSON: "
+                                            f"{payload[:200]!r}", kind=MALFORMED) from None

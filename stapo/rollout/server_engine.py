@@ -9,90 +9,92 @@ It is the same `RolloutEngine`:
   ``n`` samples and its own seed — the colocated derivation (`request_seeds`), so a seed gives the
   same samples in both modes — and ``logprobs=0`` (the sampled token's log-prob; the server runs
   with ``--logprobs-mode processed_logprobs``, as the colocated engine does);
-- requests go to the live server with the fewest requests in flight; a request that fails is retried
-  (``retries``), then its server is declared down (a warning names it) and the request goes to
-  another; with no server left, :class:`NoRolloutServers`;
-- a server that is down comes back only when it answers and holds the current policy version: the
-  trainer's next sync re-sends it the weights (`BroadcastSession`) before it serves again;
-- weights: only the engine built with ``sends_weights`` (the trainer's global rank 0) runs the
-  session; on the other ranks `weight_update` and `load_weights` are no-ops (their ZeRO-3 gathers
-  still take part, `stapo.sync.buckets.sync_weights` is collective).
+- at start every server must answer, serve the trainer's model and tokenizer (`stapo.rollout.fingerprint`)
+  and report its ``max_model_len``; a session a stopped trainer left open is aborted (rank 0);
+- requests go to the live server with the fewest requests in flight. A request error (4xx) fails that
+  request only: its rows come back empty (``finish_reason`` ``"error"``, a warning names the server and
+  why); a 5xx or a malformed reply is retried (``retries``, each logged), then the server is declared
+  down and the request goes to another; so is a server that does not answer, or stops answering its
+  health route while requests are in flight (`ServerPool`); with no server left, `NoRolloutServers`;
+- before each generation the servers' state is read: one that holds another policy version than the last
+  sync (restarted, or down during a sync) serves again only after the next sync has reached it;
+- weights: only the engine built with ``sends_weights`` (the trainer's global rank 0) runs the session
+  (`BroadcastSession`). A failing session never raises mid-sync — the trainer's ZeRO-3 gathers are
+  collective, so every bucket still comes by and is dropped — it is aborted on every server it reached
+  (each keeps its weights), the servers that failed are marked down, and ``last_sync`` says what
+  happened: the trainer retries with the rest (`stapo.trainer.rollouts`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
 from stapo.rollout.batch import Rollout
 from stapo.rollout.engine import check_prompts
+from stapo.rollout.fingerprint import first_difference
 from stapo.rollout.sampling import SamplingParams
-from stapo.rollout.server_client import ServerClient, ServerError, parse_address
-from stapo.rollout.server_weights import BroadcastSession
+from stapo.rollout.server_client import MALFORMED, ServerClient, ServerError, parse_address
+from stapo.rollout.server_pool import NoRolloutServers, ServerPool
+from stapo.rollout.server_weights import BroadcastSession, SyncFailed
+from stapo.rollout.serve import is_loopback
 from stapo.rollout.vllm_engine import rollout_from_vllm_outputs, vllm_sampling_kwargs
+from stapo.rollout.weight_group import route_address
 
-__all__ = ["NoRolloutServers", "ServerEngine", "ServerPool", "completion_request", "outputs_from_completion"]
+__all__ = ["NoRolloutServers", "ServerEngine", "ServerLimits", "ServerPool", "SyncOutcome", "completion_request",
+           "outputs_from_completion", "sync_address"]
 
 log = logging.getLogger("stapo.rollout")
 
 
-class NoRolloutServers(RuntimeError):
-    """Every rollout server is down: the run cannot generate (the trainer checkpoints and stops)."""
+@dataclass(frozen=True)
+class ServerLimits:
+    """Every time limit and retry count of server mode (``rollout.*``; docs/rollout.md, "Faults")."""
+
+    request_timeout_s: float = 600.0  # one request's limit before its tokens are counted ...
+    request_timeout_per_token_s: float = 0.1  # ... plus this per token of max_new_tokens
+    request_retries: int = 2  # retries of a 5xx / malformed reply on the same server
+    server_down_after_s: float = 60.0  # no /health answer for this long while requests are in flight: down
+    health_interval_s: float = 5.0  # probe period of the servers with requests in flight
+    health_timeout_s: float = 5.0  # one probe's (and one state read's) limit
+    sync_timeout_s: float = 300.0  # each step of a weight session (group formation, one bucket, the commit)
+    sync_join_timeout_s: float = 30.0  # every server checks in for a session within this, or it is called off
+
+    def request_timeout(self, max_tokens: int) -> float:
+        return self.request_timeout_s + self.request_timeout_per_token_s * max_tokens
 
 
-class ServerPool:
-    """The servers and their state: requests in flight, down or live (thread-safe)."""
+@dataclass(frozen=True)
+class SyncOutcome:
+    """What the last weight sync did: ``ok`` when at least one server holds the new weights;
+    ``failed``: the servers marked down by it; ``error``: why it failed."""
 
-    def __init__(self, clients: Sequence[ServerClient]) -> None:
-        self.clients = list(clients)
-        self._in_flight = {c.address: 0 for c in self.clients}
-        self._down: dict[str, str] = {}  # address -> why
-        self._lock = threading.Lock()
+    ok: bool
+    error: str | None = None
+    failed: tuple[str, ...] = ()
+    live: int = 0  # servers live after it
 
-    @property
-    def live(self) -> list[ServerClient]:
-        with self._lock:
-            return [c for c in self.clients if c.address not in self._down]
 
-    @property
-    def down(self) -> list[ServerClient]:
-        with self._lock:
-            return [c for c in self.clients if c.address in self._down]
-
-    def acquire(self) -> ServerClient:
-        """The live server with the fewest requests in flight (the first listed on a tie)."""
-        with self._lock:
-            live = [c for c in self.clients if c.address not in self._down]
-            if not live:
-                raise NoRolloutServers("no rollout server is left: " + "; ".join(
-                    f"{a}: {why}" for a, why in self._down.items()))
-            client = min(live, key=lambda c: self._in_flight[c.address])
-            self._in_flight[client.address] += 1
-            return client
-
-    def release(self, client: ServerClient) -> None:
-        with self._lock:
-            self._in_flight[client.address] -= 1
-
-    def mark_down(self, client: ServerClient, why: str) -> None:
-        with self._lock:
-            if client.address in self._down:
-                return
-            self._down[client.address] = why
-            left = len(self.clients) - len(self._down)
-        log.warning("rollout server %s is down (%s); its requests go to the %d left", client.address, why, left)
-
-    def mark_live(self, client: ServerClient) -> None:
-        with self._lock:
-            if self._down.pop(client.address, None) is not None:
-                log.warning("rollout server %s is back and serves again", client.address)
+def sync_address(addresses: Sequence[str], configured: str | None) -> str:
+    """The trainer's address for the weight group: ``rollout.sync_host``, else loopback when every server is
+    local, else this machine's address on the route to the servers (one route for all, or ValueError)."""
+    if configured:
+        return configured
+    hosts = [a.rpartition(":")[0].strip("[]") for a in addresses]
+    if all(is_loopback(h) for h in hosts):
+        return "127.0.0.1"
+    routes = {route_address(h) for h in hosts}
+    if len(routes) > 1:
+        raise ValueError(f"the rollout servers are reached through different addresses of this machine "
+                         f"({sorted(routes)}): set rollout.sync_host to the one they all reach the trainer at")
+    return routes.pop()
 
 
 def completion_request(prompt: list[int], base: dict, seed: int | None) -> dict:
@@ -103,16 +105,36 @@ def completion_request(prompt: list[int], base: dict, seed: int | None) -> dict:
     return body
 
 
-def outputs_from_completion(reply: dict) -> SimpleNamespace:
-    """A ``/v1/completions`` reply as the ``RequestOutput`` shape `rollout_from_vllm_outputs` reads."""
+def outputs_from_completion(reply: dict, n: int | None = None, address: str = "?") -> SimpleNamespace:
+    """A ``/v1/completions`` reply as the ``RequestOutput`` shape `rollout_from_vllm_outputs` reads;
+    ServerError (`MALFORMED`, naming ``address``) when it is not a complete reply of ``n`` choices."""
+    def malformed(why: str) -> ServerError:
+        return ServerError(address, f"malformed completion reply: {why}", kind=MALFORMED)
+
+    choices = reply.get("choices") if isinstance(reply, dict) else None
+    if not isinstance(choices, list) or (n is not None and len(choices) != n):
+        raise malformed(f"{len(choices) if isinstance(choices, list) else 'no'} choices, expected {n}")
     outputs = []
-    for choice in reply["choices"]:
-        ids = choice.get("token_ids") or []
+    for choice in choices:
+        if not isinstance(choice, dict) or not isinstance(choice.get("token_ids"), list):
+            raise malformed("a choice without token_ids")
+        ids = choice["token_ids"]
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
-        outputs.append(SimpleNamespace(
-            index=choice["index"], token_ids=ids, text=choice.get("text", ""), finish_reason=choice.get("finish_reason"),
-            logprobs=[{tok: lp} for tok, lp in zip(ids, logprobs)] if len(logprobs) == len(ids) else None))
+        if len(logprobs) != len(ids) or choice.get("finish_reason") not in ("stop", "length"):
+            raise malformed(f"choice {choice.get('index')}: {len(ids)} tokens, {len(logprobs)} log-probs, "
+                            f"finish_reason {choice.get('finish_reason')!r}")
+        outputs.append(SimpleNamespace(index=choice.get("index", 0), token_ids=ids, text=choice.get("text", ""),
+                                       finish_reason=choice["finish_reason"],
+                                       logprobs=[{tok: lp} for tok, lp in zip(ids, logprobs)]))
+    if n is not None and sorted(o.index for o in outputs) != list(range(n)):
+        raise malformed(f"choice indices {sorted(o.index for o in outputs)}, expected 0..{n - 1}")
     return SimpleNamespace(outputs=outputs)
+
+
+def failed_outputs(n: int) -> SimpleNamespace:
+    """``n`` empty completions of a request that failed (``finish_reason`` ``"error"``)."""
+    return SimpleNamespace(outputs=[SimpleNamespace(index=i, token_ids=[], text="", finish_reason="error",
+                                                    logprobs=[]) for i in range(n)])
 
 
 class ServerEngine:
@@ -122,138 +144,241 @@ class ServerEngine:
         servers: ``host:port`` of each server (``stapo serve``), any node.
         pad_token_id: the tokenizer's pad id (rows are padded on the trainer's side).
         sends_weights: this process runs the weight sessions (the trainer's global rank 0).
-        timeout_s: one request's limit (a long response on a busy server takes minutes).
-        retries: failed attempts at one server before it is declared down.
-        sync_timeout_s: limit of a weight session's steps (group creation, one bucket, finish).
+        limits: time limits and retries (`ServerLimits`).
+        token: the shared secret the servers were started with (``STAPO_SERVER_TOKEN``), or None.
+        sync_host: the trainer's address the servers reach for the weight group (`sync_address`).
+        fingerprint: the trainer's `stapo.rollout.fingerprint` (``{"model", "tokenizer"}``); None: not checked.
     """
 
     def __init__(self, servers: Sequence[str], pad_token_id: int, *, sends_weights: bool = True,
-                 timeout_s: float = 3600.0, retries: int = 2, sync_timeout_s: float = 600.0) -> None:
+                 limits: ServerLimits = ServerLimits(), token: str | None = None, sync_host: str | None = None,
+                 fingerprint: dict | None = None) -> None:
         if not servers:
             raise ValueError("rollout.mode=server needs rollout.servers (host:port of each `stapo serve`)")
-        self.pool = ServerPool([ServerClient(parse_address(a), timeout_s) for a in servers])
+        self.limits = limits
+        addresses = [parse_address(a) for a in servers]
+        self.pool = ServerPool([ServerClient(a, limits.request_timeout_s, token) for a in addresses],
+                               down_after_s=limits.server_down_after_s, probe_interval_s=limits.health_interval_s,
+                               probe_timeout_s=limits.health_timeout_s)
         self.pad_token_id = pad_token_id
         self.sends_weights = sends_weights
-        self.retries = retries
-        self.sync_timeout_s = sync_timeout_s
+        self.sync_host = sync_address(addresses, sync_host) if sends_weights else sync_host
+        self.fingerprint = fingerprint
         self.policy_version: int | None = None  # what the servers hold after the last sync
+        self.last_sync: SyncOutcome | None = None
+        self.failed_requests = 0  # requests that failed with a request error (their rows are empty)
+        self._instances: dict[str, str] = {}  # address -> the worker instance whose model was checked
         self._workers: dict[str, int] = {}
         self._session: BroadcastSession | None = None
-        self._check_servers()
+        self._session_error: str | None = None
+        self._failed: tuple[str, ...] = ()  # servers a failed session step named
+        self._in_session = False
+        self.max_model_len = min(self._check_server(c) for c in self.pool.clients)
 
-    def _check_servers(self) -> None:
-        """Every listed server answers and runs stapo's worker extension; else one clear error."""
-        for client in self.pool.clients:
-            try:
-                client.get("/health", timeout_s=30)
-            except ServerError as err:
-                raise ValueError(f"rollout server {client.address} does not answer ({err}); start it with "
-                                 f"`stapo serve MODEL --port {client.address.rpartition(':')[2]}` or fix "
-                                 "rollout.servers") from None
-            self._workers[client.address] = len(self._versions_of(client))
-
-    def _versions_of(self, client: ServerClient) -> list[int | None]:
-        """The policy version each worker of ``client`` holds (vLLM's route returns them as strings)."""
+    # ---------------------------------------------------------------- start
+    def _check_server(self, client: ServerClient) -> int:
+        """One listed server at start: it answers, runs stapo's worker extension, serves the trainer's model
+        and tokenizer; a session left open is aborted (rank 0). Returns its ``max_model_len``."""
+        port = client.address.rpartition(":")[2]
         try:
-            return [None if v in (None, "None") else int(v) for v in client.rpc("stapo_policy_version", timeout_s=30)]
+            client.get("/health", timeout_s=30)
         except ServerError as err:
-            if err.status in (404, 500):
-                raise ValueError(f"rollout server {client.address} does not run stapo's worker extension "
-                                 "(or was started without VLLM_SERVER_DEV_MODE=1): start it with `stapo serve "
-                                 "MODEL`, which sets both") from None
-            raise
+            raise ValueError(f"rollout server {client.address} does not answer ({err}); start it with "
+                             f"`stapo serve MODEL --port {port}` or fix rollout.servers") from None
+        try:
+            states = self._states(client, timeout_s=30)
+            self._check_model(client)
+            models = client.get("/v1/models", timeout_s=30).get("data") or [{}]
+        except ServerError as err:
+            if err.status == 401:
+                raise ValueError(f"rollout server {client.address} needs the shared secret it was started with: set "
+                                 "STAPO_SERVER_TOKEN (or rollout.server_token) for the trainer") from None
+            if err.status in (403, 404, 500) or err.kind == MALFORMED:
+                raise ValueError(f"rollout server {client.address} does not run stapo's worker extension ({err}): "
+                                 "start it with `stapo serve MODEL`") from None
+            raise ValueError(str(err)) from None
+        self._instances[client.address] = ",".join(str(s.get("instance")) for s in states)  # checked above
+        if self.sends_weights and any(s.get("session_open") for s in states):
+            client.rpc("stapo_abort_weight_update", "", timeout_s=30)
+            log.warning("rollout server %s was in the middle of a weight sync (a trainer stopped during one): aborted "
+                        "it; the server keeps the weights it had", client.address)
+        return int(models[0].get("max_model_len") or 0) or 2**31 - 1
+
+    def _states(self, client: ServerClient, timeout_s: float | None = None) -> list[dict]:
+        states = client.rpc_json("stapo_server_state", timeout_s=timeout_s or self.limits.health_timeout_s)
+        self._workers[client.address] = len(states)
+        return states
+
+    def _check_model(self, client: ServerClient) -> None:
+        """ValueError naming the server and the first difference when it serves another model or tokenizer."""
+        if self.fingerprint is None:
+            return
+        served = client.rpc_json("stapo_fingerprint", timeout_s=120)[0]
+        difference = first_difference(self.fingerprint, served)
+        if difference is not None:
+            raise ValueError(f"rollout server {client.address} does not serve the trainer's model: {difference} "
+                             "(start it with `stapo serve` on the trainer's model.path, same --dtype)")
 
     # ---------------------------------------------------------------- generate
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> Rollout:
         """Sample ``n`` responses per prompt on the servers; rows grouped per prompt (see `Rollout`)."""
         prompts = check_prompts(prompt_ids, n)
-        if self._session is not None:
+        if self._in_session:
             raise RuntimeError("generate() inside a weight update session: finish the update first")
-        self._revive_servers()
+        self.refresh()
         base, seeds = vllm_sampling_kwargs(sampling, n, len(prompts))
         bodies = [completion_request(p, base, None if seeds is None else seeds[i]) for i, p in enumerate(prompts)]
+        timeout = self.limits.request_timeout(sampling.max_new_tokens)
         with ThreadPoolExecutor(max_workers=min(len(bodies), 64), thread_name_prefix="stapo-rollout") as pool:
-            replies = list(pool.map(self._complete, bodies))
-        return rollout_from_vllm_outputs([outputs_from_completion(r) for r in replies], prompts, n, self.pad_token_id)
+            outputs = list(pool.map(lambda body: self._complete(body, n, timeout), bodies))
+        return rollout_from_vllm_outputs(outputs, prompts, n, self.pad_token_id)
 
-    def _complete(self, body: dict) -> dict:
+    def _complete(self, body: dict, n: int, timeout_s: float) -> SimpleNamespace:
         """One request, on whichever live server has the least to do; fails over until none is left."""
         while True:
             client = self.pool.acquire()
             try:
-                return self._attempts(client, body)
+                return self._attempts(client, body, n, timeout_s)
             except ServerError as err:
-                self.pool.mark_down(client, str(err))
+                if err.request_error:  # the request, not the server
+                    self.failed_requests += 1
+                    log.warning("a rollout request failed on %s (%s): its %d rows are left empty", client.address,
+                                err, n)
+                    return failed_outputs(n)
+                self.pool.mark_down(client, str(err).removeprefix(f"rollout server {client.address}: "))
             finally:
                 self.pool.release(client)
 
-    def _attempts(self, client: ServerClient, body: dict) -> dict:
-        for attempt in range(self.retries + 1):
+    def _attempts(self, client: ServerClient, body: dict, n: int, timeout_s: float) -> SimpleNamespace:
+        tracker = self.pool.tracker(client)
+        for attempt in range(self.limits.request_retries + 1):
             try:
-                return client.post("/v1/completions", body)
+                return outputs_from_completion(client.post("/v1/completions", body, timeout_s, tracker), n,
+                                               client.address)
             except ServerError as err:
-                if err.down or attempt == self.retries or (err.status is not None and err.status < 500):
+                if err.down or err.request_error or attempt == self.limits.request_retries:
                     raise
+                log.warning("rollout server %s: attempt %d of %d failed (%s); retrying", client.address, attempt + 1,
+                            self.limits.request_retries + 1, err)
                 time.sleep(min(2.0 ** attempt, 10.0))
         raise AssertionError("unreachable")
 
-    def _revive_servers(self) -> None:
-        """A server that was down serves again once it answers and holds the current weights."""
-        for client in self.pool.down:
-            if client.healthy() and self.policy_version is not None:
-                try:
-                    held = self._versions_of(client)
-                except (ServerError, ValueError):
-                    continue
-                if held and all(v == self.policy_version for v in held):
-                    self.pool.mark_live(client)
+    def refresh(self) -> None:
+        """Read the live servers' state: one that does not answer, holds another policy version than the last
+        sync (restarted, or missed a sync), has a session open or serves another model is down. A server
+        comes back only through a sync that reaches it (`weight_update`), which also proves it takes weights."""
+        for client in self.pool.live:
+            try:
+                states = self._states(client)
+            except ServerError as err:
+                self.pool.mark_down(client, f"no state ({err.kind}: {err})")
+                continue
+            if not self._same_instance(client, states):
+                continue
+            held = {s.get("version") for s in states}
+            if self.policy_version is not None and held != {self.policy_version}:  # None: never synced here
+                self.pool.mark_down(client, f"holds policy version {sorted(held, key=str)}, not {self.policy_version} "
+                                            "(it serves again once a weight sync reached it)")
+            elif any(s.get("session_open") for s in states):
+                self.pool.mark_down(client, "a weight session is open on it (it serves again after the next sync)")
+
+    def _same_instance(self, client: ServerClient, states: list[dict]) -> bool:
+        """A server seen for the first time or restarted (new worker instance) must serve the trainer's model."""
+        instance = ",".join(str(s.get("instance")) for s in states)
+        if self._instances.get(client.address) == instance:
+            return True
+        try:
+            self._check_model(client)
+        except (ValueError, ServerError) as err:
+            self.pool.mark_down(client, f"restarted with another model: {err}")
+            return False
+        self._instances[client.address] = instance
+        return True
 
     # ------------------------------------------------------------ weight sync
     @contextlib.contextmanager
     def weight_update(self, version: int | None = None) -> Iterator[None]:
-        """One sync into every server that answers (a restarted one included); afterwards the servers
-        hold policy ``version`` (None: the next one after the last)."""
-        if self._session is not None:
+        """One sync into every server that answers; afterwards they hold policy ``version`` (None: the next
+        one). Never raises for a server's fault: ``last_sync`` says what happened (module docstring)."""
+        if self._in_session:
             raise RuntimeError("a weight update session is already open")
         version = version if version is not None else (self.policy_version or 0) + 1
-        if not self.sends_weights:
-            yield
-            self.policy_version = version
-            return
-        targets = [c for c in self.pool.clients if c.healthy()]
-        for client in self.pool.clients:
-            if client not in targets:
-                self.pool.mark_down(client, "no answer at the weight sync")
-        if not targets:
-            raise NoRolloutServers("no rollout server is left: none answers at the weight sync")
-        for client in targets:
-            self._workers[client.address] = len(self._versions_of(client))
-        session = BroadcastSession([(c, self._workers[c.address]) for c in targets], self.sync_timeout_s)
+        self._in_session, self._session_error, self._session, self._failed = True, None, None, ()
         try:
-            session.open()
-            self._session = session
+            if self.sends_weights:
+                self._open_session()
             yield
-            session.close(version)
-        except BaseException:
-            session.abort()  # a failed open or send: no thread pool or half-joined group left behind
-            raise
+            outcome = self._close_session(version) if self.sends_weights else SyncOutcome(True)
         finally:
-            self._session = None
-        self.policy_version = version
-        for client in targets:
-            self.pool.mark_live(client)
+            self._in_session = False
+        self.last_sync = outcome
+        if outcome.ok:
+            self.policy_version = version
+
+    def _open_session(self) -> None:
+        targets = []
+        for client in self.pool.clients:
+            try:
+                states = self._states(client)
+            except ServerError as err:
+                self.pool.mark_down(client, f"no answer at the weight sync ({err.kind})")
+                continue
+            if self._same_instance(client, states):
+                if any(s.get("session_open") for s in states):
+                    client.rpc("stapo_abort_weight_update", "", timeout_s=self.limits.health_timeout_s)
+                targets.append(client)
+        if not targets:
+            self._session_error = "no rollout server answers at the weight sync"
+            return
+        self._session = BroadcastSession([(c, self._workers[c.address]) for c in targets], self.sync_host,
+                                         self.limits.sync_timeout_s, join_timeout_s=self.limits.sync_join_timeout_s)
+        self._guarded(self._session.open)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Broadcast one bucket of full tensors (HF names) to every server in the open session."""
+        """Broadcast one bucket of full tensors (HF names) to every server in the open session (after a
+        failure in this session: dropped, so the trainer's collective gathers go on in step)."""
         if not self.sends_weights:
             return
-        if self._session is None:
+        if not self._in_session:
             raise RuntimeError("ServerEngine.load_weights must be called inside `with engine.weight_update():`")
-        self._session.send(weights)
+        if self._session is not None and self._session_error is None:
+            self._guarded(lambda: self._session.send(weights))
+
+    def _guarded(self, step) -> None:
+        try:
+            step()
+        except (SyncFailed, ServerError, RuntimeError, OSError) as err:
+            self._session_error = str(err)
+            self._failed = getattr(err, "servers", ()) or ((err.address,) if isinstance(err, ServerError) else ())
+
+    def _close_session(self, version: int) -> SyncOutcome:
+        session, failed = self._session, set()
+        if session is not None and self._session_error is None:
+            for client, why in session.close(version):
+                failed.add(client.address)
+                self.pool.mark_down(client, why)
+            for client, _ in session.servers:
+                if client.address not in failed:
+                    self.pool.mark_live(client)
+            if len(failed) < len(session.servers):
+                return SyncOutcome(True, failed=tuple(sorted(failed)), live=len(self.pool.live))
+            self._session_error = "every server failed the weight commit"
+        elif session is not None:
+            session.abort()  # a server too busy to take it (blocked until its timeout) is asked again next time
+            failed = set(self._failed)  # named by the failure (e.g. did not check in), or not answering at all
+            failed |= {c.address for c, _ in session.servers if not c.healthy(self.limits.health_timeout_s)}
+            for address in failed:
+                self.pool.mark_down(next(c for c in self.pool.clients if c.address == address),
+                                    f"failed the weight sync: {self._session_error}")
+        return SyncOutcome(False, self._session_error, tuple(sorted(failed)), live=len(self.pool.live))
 
     def policy_versions(self) -> dict[str, list[int | None]]:
         """What each live server reports: the policy version of each of its workers."""
-        return {c.address: self._versions_of(c) for c in self.pool.live}
+        return {c.address: [s.get("version") for s in self._states(c)] for c in self.pool.live}
+
+    def close(self) -> None:
+        """Stop the health watch (the servers keep running)."""
+        self.pool.close()
 
     def sleep(self) -> None:
         """Nothing to release: the servers run on their own devices."""

@@ -1,35 +1,71 @@
 """The trainer's side of a weight sync into vLLM servers: one session, buckets by broadcast.
 
-A session (``rollout.mode: server``; docs/rollout.md, "Rollout servers") is the colocated engine's
-session — begin, one load per bucket, finish — carried over the network:
+A session (``rollout.mode: server``; docs/rollout.md, "Rollout servers") carries the colocated engine's
+session — begin, one load per bucket, finish — over the network:
 
-1. the trainer (global rank 0) hosts a TCPStore and asks every live server, over its
-   ``/collective_rpc`` route, to join a process group for this session (`GroupSpec`): rank 0 is the
-   trainer, each server's workers follow (a tensor-parallel server's workers each receive the full
-   tensors; vLLM's ``load_weights`` shards them); joining also begins the server's layerwise reload;
-2. per bucket, the layout goes as JSON in an RPC and the bytes by ONE ``broadcast`` from rank 0:
-   NCCL between GPUs, gloo on CPU — the same session, bucket splitting and tied-head handling, so
-   vLLM's CPU build runs it in CI;
-3. finish processes the layers still waiting, records the policy version the server now holds, and
-   drops the prefix cache (its KV entries came from the old weights).
+1. ``open``: the trainer (global rank 0) hosts a TCPStore on ``sync_host`` only and asks every server,
+   over its authenticated ``/collective_rpc`` route, to join this session's process group
+   (`stapo.rollout.weight_group.GroupSpec`, with a fresh nonce): rank 0 is the trainer, each server's
+   workers follow (a tensor-parallel server's workers each receive the full tensors; vLLM's
+   ``load_weights`` shards them). The first broadcast is the nonce: a worker checks it before it takes
+   a byte of weights;
+2. ``send`` per bucket: the layout goes as JSON in an RPC and the bytes by ONE ``broadcast`` from rank 0
+   (NCCL between GPUs, gloo on CPU — the same session, so vLLM's CPU build runs it in CI); the servers
+   stage them (`stapo.rollout.server_worker`);
+3. ``close``: every server loads what it staged and records the policy version; then its prefix cache is
+   dropped (its KV entries came from the old weights).
 
-vLLM's own weight-transfer engines (``/init_weight_transfer_engine``) offer NCCL and CUDA IPC only,
-which a CPU machine cannot run; a group per session also lets a restarted server join the next sync.
+Any failure raises `SyncFailed`; ``abort`` then drops the group (which releases a worker blocked in a
+broadcast) and asks every server the session reached to abort too: each keeps the weights it had.
+
+vLLM's own weight-transfer engines (``/init_weight_transfer_engine``) offer NCCL and CUDA IPC only, which
+a CPU machine cannot run; a group per session also lets a restarted server join the next sync.
 """
 
 from __future__ import annotations
 
 import json
-import socket
+import logging
+import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from stapo.rollout.bucket_format import pack_bucket_tensor
 from stapo.rollout.server_client import ServerClient, ServerError
-from stapo.rollout.vllm_worker import GroupSpec, pack_bucket_tensor
+from stapo.rollout.weight_group import (GroupSpec, call_off, checked_in, let_form, listening_store, new_nonce,
+                                       send_nonce)
 
-__all__ = ["BroadcastSession", "reachable_address", "transfer_backend"]
+__all__ = ["BroadcastSession", "SyncFailed", "transfer_backend"]
+
+log = logging.getLogger("stapo.rollout")
+
+
+class SyncFailed(RuntimeError):
+    """A weight session failed; ``servers``: the addresses known to have failed (may be empty)."""
+
+    def __init__(self, message: str, servers: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.servers = tuple(servers)
+
+
+def _in_daemon_thread(fn, *args, name: str = "stapo-sync", **kwargs) -> Future:
+    """``fn(*args, **kwargs)`` on a daemon thread, as a Future. A session's calls may outlive it (a worker
+    blocked until its timeout after a failure): unlike a ThreadPoolExecutor's, these threads never hold up
+    the interpreter's exit."""
+    future: Future = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as err:  # noqa: BLE001  (handed to whoever waits on the future)
+                future.set_exception(err)
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def transfer_backend() -> str:
@@ -37,80 +73,138 @@ def transfer_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def reachable_address(server_host: str) -> str:
-    """This machine's address on the route to ``server_host`` (a UDP ``connect`` sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect((server_host, 9))
-            return sock.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
 class BroadcastSession:
-    """One weight-update session from the trainer into ``servers`` (each: a client and its worker count)."""
+    """One weight-update session from the trainer into ``servers`` (each: a client and its worker count).
 
-    def __init__(self, servers: Sequence[tuple[ServerClient, int]], timeout_s: float = 600.0,
-                 backend: str | None = None) -> None:
+    ``sync_host``: the address the servers reach the trainer at (the store and gloo bind it);
+    ``timeout_s``: the limit of each step (the group's formation, one bucket, the commit)."""
+
+    def __init__(self, servers: Sequence[tuple[ServerClient, int]], sync_host: str, timeout_s: float = 300.0,
+                 backend: str | None = None, join_timeout_s: float = 30.0) -> None:
         if not servers:
             raise ValueError("a weight-update session needs at least one server")
         self.servers = list(servers)
+        self.sync_host = sync_host
         self.backend = backend or transfer_backend()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="stapo-sync")
-        self._group = None
-        self._store = None
+        self.join_timeout_s = min(join_timeout_s, timeout_s)
+        self.nonce = new_nonce()
+        self.reached: list[ServerClient] = []  # servers asked to join (abort goes to them)
+        self._group = self._store = None
 
     def open(self) -> None:
-        """Create this session's group (rank 0 here) and begin the update on every server."""
-        import datetime
+        """Create this session's group (rank 0 here), send the nonce, and wait for every server to join.
 
-        import torch.distributed as dist
-
-        host = reachable_address(self.servers[0][0].host)
+        Two steps, so that a server lost while joining never leaves the others waiting in the group's
+        formation (a collective that no abort can reach): every worker first checks in on the store
+        (`weight_group.check_in`); only when all did within ``join_timeout_s`` does the trainer let them form
+        the group — otherwise it calls the session off, the workers that checked in return at once, and
+        `SyncFailed` names the servers that did not."""
+        self._store = listening_store(self.sync_host, self.timeout_s)
         world = 1 + sum(workers for _, workers in self.servers)
-        self._store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=self.timeout_s),
-                                    wait_for_workers=False)
         offsets, offset = [], 1
         for _, workers in self.servers:
             offsets.append(offset)
             offset += workers
-        specs = [GroupSpec(host, self._store.port, world, rank_offset=o, backend=self.backend,
-                           timeout_s=self.timeout_s) for o in offsets]
+        specs = [GroupSpec(self.sync_host, self._store.port, world, rank_offset=o, backend=self.backend,
+                           timeout_s=self.timeout_s, nonce=self.nonce, join_timeout_s=self.join_timeout_s)
+                 for o in offsets]
+        self.reached = [client for client, _ in self.servers]
         joins = self._on_every_server("stapo_join_weight_group", [s.to_json() for s in specs])
-        self._group = specs[0].connect(0, store=self._store)  # returns once every worker has joined
-        self._wait(joins)
+        missing = self._await_check_ins(specs, joins)
+        if missing:
+            call_off(self._store)
+            raise SyncFailed(f"server(s) {', '.join(missing)} did not join the weight sync within "
+                             f"{self.join_timeout_s:g} s; {self._failed_calls(joins)}", missing)
+        let_form(self._store)
+        try:
+            self._group = specs[0].connect(0, store=self._store, bind_host=self.sync_host)
+            send_nonce(self._group, self.nonce, self.device)
+        except RuntimeError as err:
+            raise SyncFailed(f"the weight group did not form ({err}); {self._failed_calls(joins)}",
+                             self._failed_addresses(joins)) from None
+        self._wait(joins, "join")
+
+    def _await_check_ins(self, specs: list[GroupSpec], joins: list[Future]) -> list[str]:
+        """Wait until every server's workers checked in (at most ``join_timeout_s``); the servers that did
+        not, or whose join call already failed, in their order."""
+        deadline = time.monotonic() + self.join_timeout_s
+        while True:
+            failed = {c.address for (c, _), j in zip(self.servers, joins) if j.done() and j.exception() is not None}
+            waiting = {c.address for (c, workers), spec in zip(self.servers, specs)
+                       if not checked_in(self._store, spec.rank_offset, workers)}
+            if failed or not waiting or time.monotonic() >= deadline:
+                return [c.address for c, _ in self.servers if c.address in failed | waiting]
+            time.sleep(0.02)
 
     def send(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Broadcast one bucket to every server (each loads it inside its open session)."""
+        """Broadcast one bucket to every server (each stages it)."""
         layout, flat = pack_bucket_tensor(list(bucket))
-        receives = self._on_every_server("stapo_receive_bucket", [json.dumps(layout)] * len(self.servers))
-        self._group.broadcast(flat.to(self.device), 0).wait()
-        counts = self._wait(receives)
+        receives = self._on_every_server("stapo_receive_bucket",
+                                         [json.dumps({**layout, "nonce": self.nonce})] * len(self.servers))
+        try:
+            self._group.broadcast(flat.to(self.device), 0).wait()
+        except RuntimeError as err:
+            raise SyncFailed(f"the broadcast of a bucket failed ({err})") from None
+        counts = self._wait(receives, "bucket")
         expected = len(layout["names"])
         for (client, _), results in zip(self.servers, counts):
             if any(int(r) != expected for r in results):
-                raise ServerError(client.address, f"loaded {results} tensors of a {expected}-tensor bucket")
+                raise SyncFailed(f"rollout server {client.address} staged {results} tensors of a {expected}-tensor "
+                                 "bucket", [client.address])
 
-    def close(self, version: int | None) -> None:
-        """Finish the session on every server: it then holds policy ``version``."""
-        try:
-            self._wait(self._on_every_server("stapo_finish_weight_update", [str(version)] * len(self.servers)))
-            for client, _ in self.servers:
+    def close(self, version: int | None) -> list[tuple[ServerClient, str]]:
+        """Commit on every server (it then holds policy ``version``) and drop their prefix caches. Returns
+        the servers that failed the commit or the cache reset, with why (the others hold the new weights)."""
+        commit = json.dumps({"nonce": self.nonce, "version": version})
+        futures = self._on_every_server("stapo_commit_weight_update", [commit] * len(self.servers))
+        failed = []
+        for (client, _), future in zip(self.servers, futures):
+            try:
+                future.result(timeout=self.timeout_s + 5)
                 client.post("/reset_prefix_cache", {}, self.timeout_s)
-        finally:
-            self.abort()
+            except (ServerError, FutureTimeout) as err:
+                failed.append((client, f"weight commit or prefix-cache reset failed: {err}"))
+        self._release()
+        return failed
 
-    def abort(self) -> None:
-        """Drop the session's group and threads (after a failure; `close` ends with it too)."""
-        self._group = self._store = None
-        self._pool.shutdown(wait=False)
+    def abort(self) -> list[str]:
+        """Drop the group (a worker blocked in a broadcast gets an error and returns) and abort the session on
+        every server it reached; returns the addresses that did not answer the abort."""
+        self._release()
+        silent = []
+        for client in self.reached:
+            try:
+                client.rpc("stapo_abort_weight_update", self.nonce, timeout_s=self.join_timeout_s)
+            except ServerError as err:
+                silent.append(client.address)
+                log.warning("weight sync: rollout server %s did not take the abort (%s)", client.address, err)
+        self.reached = []
+        return silent
+
+    def _release(self) -> None:
+        self._group = self._store = None  # closes the group's connections and the store's socket
 
     def _on_every_server(self, method: str, args: list[str]) -> list:
-        return [self._pool.submit(client.rpc, method, arg, timeout_s=self.timeout_s)
+        return [_in_daemon_thread(client.rpc, method, arg, timeout_s=self.timeout_s)
                 for (client, _), arg in zip(self.servers, args)]
 
-    @staticmethod
-    def _wait(futures: list) -> list:
-        return [f.result() for f in futures]
+    def _wait(self, futures: list, step: str) -> list:
+        """Every server's results of one step; SyncFailed naming the servers whose call failed."""
+        results, failed = [], []
+        for (client, _), future in zip(self.servers, futures):
+            try:
+                results.append(future.result(timeout=self.timeout_s + 5))
+            except (ServerError, FutureTimeout) as err:
+                failed.append((client.address, str(err) or "no answer"))
+        if failed:
+            raise SyncFailed(f"weight sync {step}: " + "; ".join(why for _, why in failed), [a for a, _ in failed])
+        return results
+
+    def _failed_calls(self, futures: list) -> str:
+        done = [(c.address, f.exception()) for (c, _), f in zip(self.servers, futures) if f.done()]
+        return "; ".join(f"{a}: {e}" for a, e in done if e is not None) or "no server reported an error"
+
+    def _failed_addresses(self, futures: list) -> list[str]:
+        return [c.address for (c, _), f in zip(self.servers, futures) if f.done() and f.exception() is not None]

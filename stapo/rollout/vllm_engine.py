@@ -61,7 +61,8 @@ from stapo.rollout.batch import Rollout, left_pad, right_pad
 from stapo.rollout.engine import release_cached_memory
 from stapo.rollout.engine import check_prompts
 from stapo.rollout.sampling import SamplingParams, derived_seed
-from stapo.rollout.vllm_worker import WORKER_EXTENSION, pack_bucket
+from stapo.rollout.bucket_format import pack_bucket
+from stapo.rollout.vllm_worker import WORKER_EXTENSION
 
 __all__ = ["VLLMEngine", "ExecutorPlan", "GroupFacts", "plan_executor", "request_seeds", "vllm_sampling_kwargs",
            "rollout_from_vllm_outputs", "CPU_KV_CACHE_BYTES", "cpu_engine_kwargs"]
@@ -363,7 +364,7 @@ def rollout_from_vllm_outputs(outputs: Sequence, prompts: Sequence[Sequence[int]
                 raise ValueError(f"prompt {p}: completion {c.index} has no per-token logprobs "
                                  "(vLLM SamplingParams needs logprobs=0)")
             logprobs.append([_chosen_logprob(entry, tok) for entry, tok in zip(c.logprobs, ids, strict=True)])
-            if c.finish_reason not in ("stop", "length"):
+            if c.finish_reason not in ("stop", "length", "error"):  # error: a failed server request (no tokens)
                 raise RuntimeError(f"prompt {p}: completion {c.index} ended with {c.finish_reason!r}")
             tokens.append(ids)
             reasons.append(c.finish_reason)

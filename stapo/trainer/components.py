@@ -191,12 +191,7 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
 
     r = cfg.rollout
     if r.mode == "server":
-        from stapo.rollout.server_engine import ServerEngine
-
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        log.info("rollout engine: vLLM servers %s", ", ".join(r.servers))
-        return ServerEngine(r.servers, pad, sends_weights=dist_rank == 0, timeout_s=r.request_timeout_s,
-                            retries=r.request_retries)
+        return build_server_engine(cfg, model_path, tokenizer, dist_rank)
     opts = EngineOptions(dtype=policy_dtype(cfg), max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                          seed=cfg.trainer.seed + dist_rank, max_batch_size=r.max_batch_size,
                          gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
@@ -208,6 +203,49 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
 
         engine = TensorParallelRollout(engine, tensor_parallel_group(r.tensor_parallel_size))
     return engine
+
+
+def build_server_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank: int = 0):
+    """``rollout.mode: server``: the listed servers, checked against this model and tokenizer (docs/rollout.md)."""
+    import os
+
+    from stapo.rollout.fingerprint import model_fingerprint, tokenizer_fingerprint
+    from stapo.rollout.server_engine import ServerEngine, ServerLimits
+    from stapo.rollout.server_guard import TOKEN_ENV
+    from transformers import AutoConfig, AutoTokenizer
+
+    r = cfg.rollout
+    trust = cfg.model.trust_remote_code
+    fingerprint = {"model": model_fingerprint(AutoConfig.from_pretrained(model_path, trust_remote_code=trust),
+                                              policy_dtype(cfg)),
+                   "tokenizer": tokenizer_fingerprint(AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust))}
+    limits = ServerLimits(request_timeout_s=r.request_timeout_s, request_timeout_per_token_s=r.request_timeout_per_token_s,
+                          request_retries=r.request_retries, server_down_after_s=r.server_down_after_s,
+                          health_interval_s=r.health_interval_s, health_timeout_s=r.health_timeout_s,
+                          sync_timeout_s=r.sync_timeout_s, sync_join_timeout_s=r.sync_join_timeout_s)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    log.info("rollout engine: vLLM servers %s", ", ".join(r.servers))
+    return ServerEngine(r.servers, pad, sends_weights=dist_rank == 0, limits=limits,
+                        token=r.server_token or os.environ.get(TOKEN_ENV) or None, sync_host=r.sync_host,
+                        fingerprint=fingerprint)
+
+
+def prompt_length_limit(cfg: STAPOConfig, rollout_engine) -> int:
+    """The longest prompt the run keeps: ``data.max_prompt_length``, or less when a rollout server's
+    ``max_model_len`` leaves less room beside ``rollout.max_response_length`` (a warning says so; longer
+    prompts are filtered with a count, as for the colocated engine, whose length is set from the config)."""
+    limit = cfg.data.max_prompt_length
+    served = getattr(rollout_engine, "max_model_len", None)
+    if served is None or served >= limit + cfg.rollout.max_response_length:
+        return limit
+    room = served - cfg.rollout.max_response_length
+    if room < 1:
+        raise ValueError(f"a rollout server's max_model_len ({served}) leaves no room for a prompt beside "
+                         f"rollout.max_response_length ({cfg.rollout.max_response_length}): start the servers with a "
+                         "larger --max-model-len or lower rollout.max_response_length")
+    log.warning("a rollout server's max_model_len is %d: prompts longer than %d tokens (max_model_len - "
+                "rollout.max_response_length) are filtered, not data.max_prompt_length=%d", served, room, limit)
+    return room
 
 
 # Attention kernels whose cost follows the real packed sequences (no dense block-diagonal mask):
@@ -284,27 +322,30 @@ def builtin_rows(n: int, seed: int, terms: int) -> list[dict]:
     return [{"prompt": p.question, "answer": p.answer} for p in arithmetic_problems(n, seed=seed, terms=terms)]
 
 
-def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset=None):
-    """``(train, eval or None)`` as :class:`stapo.data.PromptDataset`s."""
+def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset=None,
+                   max_prompt_length: int | None = None):
+    """``(train, eval or None)`` as :class:`stapo.data.PromptDataset`s; prompts longer than
+    ``max_prompt_length`` (default ``data.max_prompt_length``; `prompt_length_limit`) are filtered."""
     from stapo.data import PromptDataset
 
     d = cfg.data
+    longest = d.max_prompt_length if max_prompt_length is None else max_prompt_length
 
     def load(source, override, n_builtin, seed, split):
         if isinstance(override, PromptDataset):
             return override
         if override is not None:
-            return prompt_dataset_from_rows(override, cfg, tokenizer)
+            return prompt_dataset_from_rows(override, cfg, tokenizer, longest)
         if source is None:
             return None
         if source == BUILTIN_DATA:
-            return prompt_dataset_from_rows(builtin_rows(n_builtin, seed, cfg.tiny.terms), cfg, tokenizer)
+            return prompt_dataset_from_rows(builtin_rows(n_builtin, seed, cfg.tiny.terms), cfg, tokenizer, longest)
         from stapo.data import load_prompt_dataset
 
         try:
             return load_prompt_dataset(
                 source, split=split, prompt_field=d.prompt_field, answer_field=d.answer_field, preset=d.preset,
-                tokenizer=tokenizer, instruction=d.instruction, max_prompt_length=d.max_prompt_length,
+                tokenizer=tokenizer, instruction=d.instruction, max_prompt_length=longest,
                 cache_dir=Path(cfg.trainer.output_dir) / "cache" / "datasets",  # nothing written elsewhere
             )
         except KeyError as exc:  # a column a hub dataset lacks (local files are checked by plan_run)
@@ -320,7 +361,7 @@ def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset
     return train, evaluation
 
 
-def prompt_dataset_from_rows(rows, cfg: STAPOConfig, tokenizer):
+def prompt_dataset_from_rows(rows, cfg: STAPOConfig, tokenizer, max_prompt_length: int | None = None):
     """A list of dicts (or an HF ``datasets.Dataset``) with the configured fields → PromptDataset."""
     from stapo.data import prompt_dataset_from_records
 
@@ -329,5 +370,6 @@ def prompt_dataset_from_rows(rows, cfg: STAPOConfig, tokenizer):
     return prompt_dataset_from_records(
         rows, prompt_field="prompt" if builtin else d.prompt_field,
         answer_field="answer" if builtin else d.answer_field, preset=None if builtin else d.preset,
-        tokenizer=tokenizer, instruction=d.instruction, max_prompt_length=d.max_prompt_length,
+        tokenizer=tokenizer, instruction=d.instruction,
+        max_prompt_length=d.max_prompt_length if max_prompt_length is None else max_prompt_length,
     )

@@ -46,19 +46,23 @@ class RolloutProducer:
     """
 
     def __init__(self, produce: Callable[[int, int], ProducedBatch], sampler_state: Callable[[], dict], *,
-                 max_staleness: int, first_index: int, version: int, stop_index: int | None = None) -> None:
+                 max_staleness: int, first_index: int, version: int, stop_index: int | None = None,
+                 close_timeout_s: float = 60.0) -> None:
         if max_staleness < 1:
             raise ValueError(f"a producer needs max_staleness >= 1, got {max_staleness}")
         self._produce, self._sampler_state = produce, sampler_state
         self.max_staleness = max_staleness
         self._next, self._version = first_index, version
         self._stop_index = stop_index  # the first iteration not to generate for (the run's end)
+        self.close_timeout_s = close_timeout_s
+        # _cond's lock guards every field below; _engine is held while generating (the weight sync and a
+        # checkpoint's resume point take it too). Order: _engine before _cond, never the other way round.
         self._ready: dict[int, ProducedBatch] = {}
         self._states: dict[int, dict] = {}  # index -> sampler state before its draw
         self._error: BaseException | None = None
         self._stopped = False
         self._cond = threading.Condition()
-        self._engine = threading.Lock()  # held while generating; the weight sync takes it too
+        self._engine = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="stapo-producer", daemon=True)
         self._thread.start()
 
@@ -69,9 +73,11 @@ class RolloutProducer:
                     self._cond.wait_for(lambda: self._stopped or self._next - self._version <= self.max_staleness)
                     if self._stopped or (self._stop_index is not None and self._next >= self._stop_index):
                         return
-                    index, version = self._next, self._version
-                with self._engine:
-                    self._states[index] = self._sampler_state()
+                    index = self._next
+                with self._engine:  # no sync can run from here until the batch is generated
+                    with self._cond:  # the version the servers hold now (a sync in between advanced it)
+                        version = self._version
+                        self._states[index] = self._sampler_state()
                     batch = self._produce(index, version)
                 with self._cond:
                     self._ready[index] = batch
@@ -103,20 +109,24 @@ class RolloutProducer:
             yield
 
     def advance(self, version: int) -> None:
-        """The servers now hold policy ``version``: batches up to ``version + k`` may be generated."""
+        """The servers now hold policy ``version``: batches up to ``version + k`` may be generated. Call it
+        inside `paused` (the sync's own block), so no batch starts between the sync and this."""
         with self._cond:
             self._version = version
             self._cond.notify_all()
 
     def resume_state(self, index: int) -> tuple[dict, int]:
         """``(sampler state before batch index's draw, batches drawn ahead of it)``; call inside `paused`."""
-        state = self._states.get(index)
+        with self._cond:
+            state = self._states.get(index)
+            ahead = max(self._next - index, 0)
         if state is None:  # not drawn yet: the sampler stands right before it
             state = self._sampler_state()
-        return state, max(self._next - index, 0)
+        return state, ahead
 
     def close(self) -> None:
+        """Stop after the generation in flight (waits up to ``close_timeout_s``)."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=self.close_timeout_s)

@@ -9,25 +9,36 @@ the algorithm box:
   row stamped with the policy version that sampled it;
 * asynchronous (``rollout.max_staleness`` >= 1): a `RolloutProducer` generates ahead; the iteration
   takes its batch from it, and the checkpoint's resume point is its draw (docs/algorithm.md);
-* the weight sync (line 3), which pauses the producer and, with servers, makes every rank wait for it.
+* the weight sync (line 3), which pauses the producer and, with servers, makes every rank wait for it;
+* rollout servers failing: whether a sync failed (and is retried with the servers left) and whether any
+  rank lost its last server is decided for ALL ranks by one collective, so every rank stops (with a
+  checkpoint) or goes on together — never one rank in the stop checkpoint's collective while the others
+  wait elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from stapo.config import STAPOConfig
 from stapo.data import PromptSampler, balanced_shares
-from stapo.distributed.process_group import DistInfo, all_gather_object, barrier
+from stapo.distributed.process_group import DistInfo, all_gather_object, barrier, broadcast_object
 from stapo.distributed.training_offload import offloaded
 from stapo.rollout import Rollout, SamplingParams
+from stapo.rollout.server_pool import NoRolloutServers
 from stapo.sync.buckets import SyncStats, sync_weights
 from stapo.trainer.producer import ProducedBatch, RolloutProducer
 from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout, score_rollout
 
 __all__ = ["Rollouts"]
+
+T = TypeVar("T")
+log = logging.getLogger("stapo.trainer")
 
 
 class Rollouts:
@@ -43,14 +54,17 @@ class Rollouts:
 
     def start_producer(self, step: int) -> None:
         """Asynchronous training from iteration ``step`` on (the servers hold version ``step``)."""
-        if self.cfg.rollout.max_staleness > 0:
-            self.producer = RolloutProducer(self._produce, self.sampler.state_dict,
-                                            max_staleness=self.cfg.rollout.max_staleness, first_index=step,
-                                            version=step, stop_index=self.cfg.trainer.total_steps)
+        r = self.cfg.rollout
+        if r.max_staleness > 0:
+            self.producer = RolloutProducer(self._produce, self.sampler.state_dict, max_staleness=r.max_staleness,
+                                            first_index=step, version=step, stop_index=self.cfg.trainer.total_steps,
+                                            close_timeout_s=r.producer_close_timeout_s)
 
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close()
+        if hasattr(self.engine, "close"):
+            self.engine.close()
 
     # ---- lines 4-5 ----------------------------------------------------------------------------
     def scored(self, step: int, timer) -> ScoredRollout:
@@ -59,7 +73,7 @@ class Rollouts:
         r, t, world = self.cfg.rollout, self.cfg.trainer, self.dist.world_size
         if self.producer is not None:
             with timer("rollout"):  # the trainer's wait: generation itself ran during earlier updates
-                produced = self.producer.take(step)
+                produced = self._agreed(lambda: self.producer.take(step))
             with timer("reward"):
                 scored = score_rollout(self.score, produced.rollout, produced.examples, self.shaping)
             return self._with_server_metrics(scored, step, produced.epoch, produced.seconds)
@@ -85,7 +99,7 @@ class Rollouts:
         """The producer's work (its thread): draw batch ``index``'s prompts, generate with policy ``version``."""
         start = time.perf_counter()
         examples = self.next_prompts()
-        rollout = self.generate(examples, index, version=version)
+        rollout = self._generate(examples, index, version=version)  # no collective on this thread
         return ProducedBatch(index, examples, rollout, version, self.sampler.epoch, time.perf_counter() - start)
 
     def next_prompts(self) -> list:
@@ -103,10 +117,30 @@ class Rollouts:
         return SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
                               top_k=-1 if greedy else r.top_k, max_new_tokens=r.max_response_length, seed=seed)
 
-    def generate(self, examples: list, step: int, greedy: bool = False, round_index: int = 0,
-                 version: int | None = None) -> Rollout:
+    def generate(self, examples: list, step: int, greedy: bool = False, round_index: int = 0) -> Rollout:
+        """Rows for ``examples`` (the iteration ``step``'s seed), on the trainer's thread: with rollout
+        servers every rank learns whether any rank lost its last server (`_agreed`)."""
+        return self._agreed(lambda: self._generate(examples, step, greedy, round_index))
+
+    def _agreed(self, work: Callable[[], T]) -> T:
+        """``work()``, then, in server mode, one collective: when any rank ran out of rollout servers, every
+        rank raises `NoRolloutServers` here (and all stop together, with a checkpoint)."""
+        if not self.server:
+            return work()
+        result, lost = None, None
+        try:
+            result = work()
+        except NoRolloutServers as err:
+            lost = f"rank {self.dist.rank}: {err}"
+        lost_anywhere = [x for x in all_gather_object(lost) if x is not None]
+        if lost_anywhere:
+            raise NoRolloutServers(lost_anywhere[0])
+        return result
+
+    def _generate(self, examples: list, step: int, greedy: bool = False, round_index: int = 0,
+                  version: int | None = None) -> Rollout:
         """Rows for ``examples`` (the iteration ``step``'s seed), stamped with the policy ``version`` that
-        sampled them (default: ``step``'s, the weights of the last sync)."""
+        sampled them (default: ``step``'s, the weights of the last sync). No collective."""
         n = 1 if greedy else self.cfg.rollout.group_size
         if getattr(self.engine, "needs_weights", False):  # rollout.sleep_level 2 discarded them
             sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20)
@@ -122,16 +156,26 @@ class Rollouts:
     def sync(self, version: int) -> SyncStats:
         """theta_old <- theta into the rollout engine, which then holds policy ``version``. Rollout servers
         learn the version, and no rank generates before the sync is done (nor, asynchronous, during it)."""
-        with self.producer.paused() if self.producer is not None else contextlib.nullcontext():
-            if self.producer is not None:
-                barrier()  # every rank's producer is idle before rank 0 opens the servers' session
-            synced = sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20,
-                                  version=version if self.server else None)
-            if self.server:
-                barrier()
-        if self.producer is not None:
-            self.producer.advance(version)
-        return synced
+        if not self.server:
+            return sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20)
+        attempts = self.cfg.rollout.sync_retries + 1
+        for attempt in range(1, attempts + 1):
+            with self.producer.paused() if self.producer is not None else contextlib.nullcontext():
+                if self.producer is not None:
+                    barrier()  # every rank's producer is idle before rank 0 opens the servers' session
+                synced = sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20, version=version)
+                outcome = broadcast_object(self.engine.last_sync)  # rank 0's: every rank decides the same
+                if outcome.ok:
+                    if self.producer is not None:  # under the engine lock: no batch reads the old version after
+                        self.producer.advance(version)
+                    return synced
+            if self.dist.is_main:
+                log.warning("weight sync %d of %d into the rollout servers failed: %s%s", attempt, attempts,
+                            outcome.error, f"; retrying with the {outcome.live} server(s) left"
+                            if outcome.live and attempt < attempts else "")
+            if not outcome.live:
+                break
+        raise NoRolloutServers(f"the weight sync into the rollout servers failed {attempt} time(s): {outcome.error}")
 
     def resume_state(self, step: int) -> tuple[dict, int]:
         """``(prompt sampler state to resume iteration step from, batches generated ahead of it)``."""

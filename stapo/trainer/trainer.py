@@ -97,8 +97,9 @@ class STAPOTrainer:
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
         self.shaping = RewardShaping(cfg.rollout.max_response_length, cfg.reward.overlong_buffer,
                                      cfg.reward.overlong_penalty)
+        longest_prompt = build.prompt_length_limit(cfg, self.rollout_engine)  # servers may hold fewer tokens
         self.train_data, self.eval_data = build.main_rank_first(  # rank 0 fills the datasets cache first
-            self.dist, lambda: build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset))
+            self.dist, lambda: build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset, longest_prompt))
         from stapo.data import PromptSampler
 
         self.sampler = PromptSampler(len(self.train_data), cfg.trainer.train_batch_size, seed=cfg.trainer.seed)

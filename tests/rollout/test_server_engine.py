@@ -14,11 +14,12 @@ import torch.multiprocessing as mp
 
 from stapo.config import ConfigError, STAPOConfig
 from stapo.rollout import SamplingParams
-from stapo.rollout.server_client import ServerClient, parse_address
+from stapo.rollout.server_client import MALFORMED, ServerClient, ServerError, parse_address
 from stapo.rollout.server_engine import NoRolloutServers, ServerPool, completion_request, outputs_from_completion
 from stapo.rollout.serve import serve_command
 from stapo.rollout.vllm_engine import request_seeds, rollout_from_vllm_outputs, vllm_sampling_kwargs
-from stapo.rollout.vllm_worker import GroupSpec, pack_bucket_tensor, unpack_tensors
+from stapo.rollout.bucket_format import pack_bucket_tensor, unpack_tensors
+from stapo.rollout.weight_group import GroupSpec
 
 
 def test_a_request_carries_the_token_ids_and_the_colocated_seed():
@@ -40,8 +41,10 @@ def test_a_completion_reply_becomes_a_rollout():
     assert r.sampling_logprobs.tolist() == [[-1.0, -2.0], [-0.5, 0.0]]
     assert r.finish_reason == ["length", "stop"] and r.response_text == ["ac", "b"]
     bad = {"choices": [{"index": 0, "text": "", "token_ids": [4], "finish_reason": "stop", "logprobs": None}]}
-    with pytest.raises(ValueError, match="no per-token logprobs"):
-        rollout_from_vllm_outputs([outputs_from_completion(bad)], [[1]], 1, pad_token_id=0)
+    with pytest.raises(ServerError, match="rollout server node3:8000: malformed completion reply: choice 0: 1 "
+                                          "tokens, 0 log-probs") as failure:
+        outputs_from_completion(bad, 1, "node3:8000")
+    assert failure.value.kind == MALFORMED
 
 
 def test_the_pool_picks_the_least_loaded_live_server_and_fails_over(caplog):
@@ -106,6 +109,22 @@ def test_stapo_serve_adds_what_training_needs_and_keeps_the_users_options():
         serve_command("--port", [], "py", {}, on_cpu=True)
 
 
+def test_stapo_serve_listens_on_loopback_and_guards_its_routes():
+    argv, _ = serve_command("/m", ["--port", "8001"], "py", {}, on_cpu=False)
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--middleware") + 1] == "stapo.rollout.server_guard.ServerGuard"
+    argv, _ = serve_command("/m", ["--host", "127.0.0.1"], "py", {}, on_cpu=False)
+    assert argv.count("--host") == 1
+    with pytest.raises(ValueError, match="stapo serve --host 0.0.0.0 would let anyone .* STAPO_SERVER_TOKEN"):
+        serve_command("/m", ["--host", "0.0.0.0"], "py", {}, on_cpu=False)
+    argv, env = serve_command("/m", ["--host=10.0.0.5"], "py", {"STAPO_SERVER_TOKEN": "s3cret"}, on_cpu=False)
+    assert "--host=10.0.0.5" in argv and env["STAPO_SERVER_TOKEN"] == "s3cret" and "s3cret" not in argv
+    with pytest.raises(ValueError, match="drop --api-key"):
+        serve_command("/m", ["--api-key", "k"], "py", {}, on_cpu=False)
+    with pytest.raises(ValueError, match="VLLM_API_KEY"):
+        serve_command("/m", [], "py", {"VLLM_API_KEY": "k"}, on_cpu=False)
+
+
 def _bucket() -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     return [("a.weight", torch.randn(3, 5, generator=gen)), ("b.bias", torch.randn(7, generator=gen).bfloat16()),
@@ -159,49 +178,3 @@ def test_the_dry_run_notes_servers_that_do_not_answer(capsys, tmp_path):
     assert code == 0  # a note, not an error: servers may be started after the dry run
     assert f"rollout server 127.0.0.1:{port} does not answer now (start it with `stapo serve MODEL --port {port}`)" \
         in capsys.readouterr().out
-
-
-def test_a_weight_session_that_cannot_open_leaves_no_session_behind():
-    """A server that answers its health and version routes but never joins the session's group (its
-    worker refuses): the sync fails after ``sync_timeout_s``, and the next sync opens a new session
-    instead of finding the failed one still "open". The HTTP side is a few lines of http.server: this
-    tests the engine's bookkeeping; the real servers' sessions run in tests/vllm_cpu/test_server.py."""
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from stapo.rollout.server_engine import ServerEngine
-
-    class Refusing(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self._reply(200, {})
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if body["method"] == "stapo_policy_version":
-                self._reply(200, {"results": [None]})
-            else:
-                self._reply(500, {"error": f"{body['method']} refused"})
-
-        def _reply(self, code, body):
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        engine = ServerEngine([f"127.0.0.1:{server.server_address[1]}"], pad_token_id=0, sync_timeout_s=2)
-        for _ in range(2):  # before the fix the second attempt failed with "a weight update session is already open"
-            with pytest.raises(Exception) as failure:
-                with engine.weight_update():
-                    pass
-            assert "already open" not in str(failure.value)
-            assert engine._session is None
-    finally:
-        server.shutdown()

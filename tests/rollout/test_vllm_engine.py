@@ -15,7 +15,7 @@ from stapo.rollout import Rollout, SamplingParams, VLLMEngine
 from stapo.rollout.vllm_engine import (CPU_KV_CACHE_BYTES, EXTERNAL_LAUNCHER, ExecutorPlan, GroupFacts,
                                        cpu_engine_kwargs, plan_executor, request_seeds,
                                        rollout_from_vllm_outputs, vllm_sampling_kwargs)
-from stapo.rollout.vllm_worker import pack_bucket, unpack_bucket
+from stapo.rollout.bucket_format import pack_bucket, unpack_bucket
 
 
 def completion(index, token_ids, logprobs, reason="stop", text=""):

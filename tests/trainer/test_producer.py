@@ -86,3 +86,40 @@ def test_an_error_in_the_producer_reaches_the_trainer():
     producer.close()
     with pytest.raises(ValueError, match="max_staleness >= 1"):
         RolloutProducer(failing, dict, max_staleness=0, first_index=0, version=0)
+
+
+
+def test_a_batch_carries_the_version_the_servers_held_while_it_was_generated():
+    """A sync may land between the producer choosing its next batch and generating it: the label must be
+    what the servers held during generation, i.e. the version read under the engine lock (stress test;
+    before the fix it was read before the lock and a sync in between mislabelled the batch)."""
+    held = {"version": 0}  # what the "servers" hold; changed only inside `paused`, like a real sync
+
+    def produce(index, version):
+        generated_with = held["version"]
+        time.sleep(0.0002)
+        return ProducedBatch(index, [generated_with], None, version, 0, 0.0)
+
+    producer = RolloutProducer(produce, dict, max_staleness=2, first_index=0, version=0, stop_index=300)
+    for step in range(300):
+        batch = producer.take(step)
+        assert batch.policy_version == batch.examples[0], step
+        with producer.paused():
+            held["version"] = step + 1
+            producer.advance(step + 1)
+    producer.close()
+
+
+def test_the_resume_points_stay_consistent_under_concurrent_takes():
+    """`take` drops the resume points of trained batches while the producer adds new ones: one lock for
+    both (before the fix: "dictionary changed size during iteration" under load)."""
+    producer = RolloutProducer(lambda i, v: ProducedBatch(i, [], None, v, 0, 0.0), lambda: {"i": 0},
+                               max_staleness=64, first_index=0, version=0, stop_index=3000)
+    for step in range(3000):
+        producer.take(step)
+        if step % 50 == 0:
+            with producer.paused():
+                state, ahead = producer.resume_state(step + 1)
+            assert ahead >= 0 and isinstance(state, dict)
+        producer.advance(step + 1)
+    producer.close()

@@ -25,8 +25,8 @@ def free_port() -> int:
 class VLLMServer:
     """``stapo serve MODEL`` on 127.0.0.1:PORT in its own process group (vLLM starts child processes)."""
 
-    def __init__(self, model_dir: Path, log_path: Path, port: int | None = None) -> None:
-        self.model_dir, self.log_path = model_dir, log_path
+    def __init__(self, model_dir: Path, log_path: Path, port: int | None = None, dtype: str = "float32") -> None:
+        self.model_dir, self.log_path, self.dtype = model_dir, log_path, dtype
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -35,8 +35,8 @@ class VLLMServer:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> "VLLMServer":
-        cmd = [sys.executable, "-m", "stapo.cli", "serve", str(self.model_dir), "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
+        cmd = [sys.executable, "-m", "stapo.cli", "serve", str(self.model_dir),  # loopback: stapo serve's default
+               "--port", str(self.port), "--dtype", self.dtype, "--max-model-len", "512", "--seed", "0"]
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=plain_env(), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -70,6 +70,10 @@ class VLLMServer:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=60)
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the server and its children (SIGSTOP: a hung node; SIGCONT: it wakes up)."""
+        os.killpg(self.proc.pid, sig)
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FP32_LOGPROB_BOUND, HERE, run
+from conftest import FP32_LOGPROB_BOUND, HERE, ON_GPU, run
 
 from stapo.rollout import SamplingParams, VLLMEngine
 
@@ -71,7 +71,10 @@ def test_several_calls_in_one_submission_sample_what_they_sample_alone(engine, p
     for call, merged in zip(calls, together, strict=True):
         alone = engine.generate(*call)
         assert torch.equal(merged.response_ids, alone.response_ids) and merged.finish_reason == alone.finish_reason
-        assert torch.equal(merged.sampling_logprobs, alone.sampling_logprobs)
+        if ON_GPU:  # vLLM's GPU kernels are not batch-invariant: same tokens, logprobs within the bound
+            assert (merged.sampling_logprobs - alone.sampling_logprobs).abs().max() <= FP32_LOGPROB_BOUND
+        else:
+            assert torch.equal(merged.sampling_logprobs, alone.sampling_logprobs)
     assert [len(r) for r in together] == [6, 2]
 
 

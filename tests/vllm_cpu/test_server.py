@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from _servers import servers_override
-from conftest import FP32_LOGPROB_BOUND, ROOT, plain_env
+from conftest import FP32_LOGPROB_BOUND, LANE_TOKEN, ROOT, plain_env
 from test_train import COMMON, samples_of, train
 
 from stapo.rollout import SamplingParams, VLLMEngine
@@ -39,7 +39,7 @@ def test_server_and_in_process_engines_give_the_same_samples(servers, warm_model
 
     # same weights (the warm model, loaded in-process and broadcast into the server, which other tests of the
     # session may have trained), same seed: the same rows
-    remote_engine = ServerEngine([servers[0].address], pad_token_id=0)
+    remote_engine = ServerEngine([servers[0].address], pad_token_id=0, token=LANE_TOKEN)
     warm = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32)
     sync_weights(warm, remote_engine, bucket_bytes=2**20, version=0)
     sampling = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=24, seed=5)
@@ -57,7 +57,7 @@ def test_weights_reach_the_servers_after_every_sync(k0_run, servers):
     for r in steps:  # step 1 samples the start sync, steps 2-4 the sync after each update
         assert r["mismatch_logp_abs_max"] <= FP32_LOGPROB_BOUND, r
         assert r["policy_staleness"] == 0
-    versions = ServerEngine([s.address for s in servers], pad_token_id=0, sends_weights=False).policy_versions()
+    versions = ServerEngine([s.address for s in servers], pad_token_id=0, sends_weights=False, token=LANE_TOKEN).policy_versions()
     assert versions == {s.address: [4] for s in servers}  # each server reports the policy it holds
 
 
@@ -137,7 +137,7 @@ def test_a_restarted_server_is_resynced_before_it_serves(servers, warm_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32)
     servers[1].ensure_running()  # killed by the test above
-    engine = ServerEngine([s.address for s in servers], pad_token_id=0)
+    engine = ServerEngine([s.address for s in servers], pad_token_id=0, token=LANE_TOKEN)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
     sync_weights(model, engine, bucket_bytes=2**20, version=11)
     servers[1].kill()
@@ -170,4 +170,4 @@ def test_the_run_checkpoints_and_stops_when_no_server_is_left(servers, warm_mode
 def test_a_server_that_does_not_answer_at_start_is_named(servers):
     servers[1].kill()  # down already after the test above; killed here too so the test stands alone
     with pytest.raises(ValueError, match=f"rollout server {servers[1].address} does not answer"):
-        ServerEngine([servers[0].address, servers[1].address], pad_token_id=0)
+        ServerEngine([servers[0].address, servers[1].address], pad_token_id=0, token=LANE_TOKEN)

@@ -1,0 +1,149 @@
+"""A vLLM SERVER's side of a weight sync (``rollout.mode: server``), inside vLLM's worker.
+
+`StapoWorkerExtension` (stapo.rollout.vllm_worker) mixes this in; the trainer reaches these methods
+through the server's ``/collective_rpc`` route, which `stapo.rollout.server_guard` opens to exactly
+`SERVER_RPC_METHODS` (string arguments only, behind the shared secret). A sync is one session:
+
+1. ``stapo_join_weight_group(spec)``: join the session's process group (`stapo.rollout.weight_group`)
+   and check the session nonce the trainer broadcasts first — before a single weight byte;
+2. ``stapo_receive_bucket(layout)`` per bucket: receive its bytes by broadcast and STAGE them on the
+   host; the running model is not touched;
+3. ``stapo_commit_weight_update(commit)``: load every staged bucket in ONE layerwise reload (the
+   colocated session: begin / load / finish), record the policy version, leave the group.
+
+``stapo_abort_weight_update`` drops an open session at any point before the commit: the group and the
+staged bytes go, the served weights and the policy version stay what they were. Staging costs host
+memory of one copy of the weights per worker (what a sync sends) and keeps an aborted sync — a server
+or the trainer dying mid-way — from ever leaving a mix of two policies in a server.
+
+Every method takes and returns JSON strings or plain values: vLLM's route passes strings only. Needs
+torch (and transformers for the fingerprint) only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from stapo.rollout.bucket_format import unpack_tensors
+from stapo.rollout.weight_group import GroupSpec, accept_nonce
+
+__all__ = ["SERVER_RPC_METHODS", "ServerWorkerMixin"]
+
+# The only worker methods a server's /collective_rpc route accepts (stapo.rollout.server_guard).
+SERVER_RPC_METHODS = frozenset({
+    "stapo_policy_version", "stapo_server_state", "stapo_fingerprint", "stapo_join_weight_group",
+    "stapo_receive_bucket", "stapo_commit_weight_update", "stapo_abort_weight_update",
+})
+
+
+@dataclass
+class _Session:
+    nonce: str
+    group: object  # torch ProcessGroupGloo / ProcessGroupNCCL
+    device: torch.device  # where the broadcast lands (the GPU for NCCL)
+    opened: float = field(default_factory=time.time)
+    staged: list = field(default_factory=list)  # [(layout, host uint8 tensor)] in arrival order
+
+
+class ServerWorkerMixin:
+    """The server-side session (module docstring); ``self`` is vLLM's worker."""
+
+    def _stapo_open_session(self) -> _Session | None:
+        return getattr(self, "_stapo_session", None)
+
+    def _stapo_session_for(self, nonce: str) -> _Session:
+        session = self._stapo_open_session()
+        if session is None:
+            raise RuntimeError("no weight update session is open on this server")
+        if not nonce or nonce != session.nonce:
+            raise PermissionError("this call does not belong to the open weight update session (wrong nonce)")
+        return session
+
+    def stapo_server_state(self) -> str:
+        """JSON: the policy version held, this worker process's instance id (new after a restart), and
+        whether a session is open (a trainer that stopped mid-sync leaves one: the next trainer aborts it)."""
+        if not hasattr(self, "_stapo_instance"):
+            self._stapo_instance = uuid.uuid4().hex
+        session = self._stapo_open_session()
+        return json.dumps({"version": getattr(self, "_stapo_version", None), "instance": self._stapo_instance,
+                           "session_open": session is not None,
+                           "session_age_s": None if session is None else round(time.time() - session.opened, 3)})
+
+    def stapo_fingerprint(self) -> str:
+        """JSON `stapo.rollout.fingerprint` of the served model and tokenizer (computed once)."""
+        if not hasattr(self, "_stapo_fingerprint"):
+            from transformers import AutoTokenizer
+
+            from stapo.rollout.fingerprint import model_fingerprint, tokenizer_fingerprint
+
+            mc = self.vllm_config.model_config
+            tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
+                                                      trust_remote_code=mc.trust_remote_code)
+            self._stapo_fingerprint = json.dumps({"model": model_fingerprint(mc.hf_config, mc.dtype),
+                                                  "tokenizer": tokenizer_fingerprint(tokenizer)})
+        return self._stapo_fingerprint
+
+    def stapo_join_weight_group(self, spec: str) -> int:
+        """Join the session's group (``spec``: a `GroupSpec` as JSON) and check its nonce; returns this
+        worker's rank in the group. Refused while another session is open (abort it first)."""
+        if self._stapo_open_session() is not None:
+            raise RuntimeError("a weight update session is already open on this server (abort it first)")
+        group_spec = GroupSpec.from_json(spec)
+        rank = group_spec.rank_offset + int(getattr(self, "rank", 0))
+        device = torch.device(self.device) if group_spec.backend == "nccl" else torch.device("cpu")
+        group = group_spec.join(rank)  # checks in; forms the group only on the trainer's go
+        try:
+            accept_nonce(group, group_spec.nonce, device)
+        except BaseException:
+            del group  # leave the group: nothing was staged
+            raise
+        self._stapo_session = _Session(group_spec.nonce, group, device)
+        return rank
+
+    def stapo_receive_bucket(self, layout: str) -> int:
+        """Receive one bucket by broadcast (its layout and the session nonce as JSON) and stage it on the
+        host; returns the number of tensors in it."""
+        spec = json.loads(layout)
+        session = self._stapo_session_for(spec.get("nonce", ""))
+        raw = torch.empty(int(spec["nbytes"]), dtype=torch.uint8, device=session.device)
+        session.group.broadcast(raw, 0).wait()
+        host = raw if raw.device.type == "cpu" else raw.cpu()
+        count = len(unpack_tensors(spec, host))  # validates the layout against the bytes
+        session.staged.append((spec, host))
+        return count
+
+    def stapo_commit_weight_update(self, commit: str) -> int:
+        """Load every staged bucket into the served model in one layerwise reload and record the policy
+        version (``commit``: JSON ``{"nonce", "version"}``); the session ends either way. A failure while
+        loading leaves the version unknown (None), so the trainer syncs this server before it serves again.
+        Returns the number of tensors loaded."""
+        spec = json.loads(commit)
+        session = self._stapo_session_for(spec.get("nonce", ""))
+        self._stapo_session = None  # the group and the staged bytes go with this call
+        loaded = 0
+        self.stapo_begin_weight_update()
+        try:
+            for layout, host in session.staged:
+                loaded += self._stapo_load(unpack_tensors(layout, host.to(self.device)))
+        except BaseException:
+            self._stapo_version = None
+            self.stapo_finish_weight_update()  # layers not loaded get their previous tensors back
+            raise
+        self.stapo_finish_weight_update(spec.get("version"))
+        return loaded
+
+    def stapo_abort_weight_update(self, nonce: str = "") -> bool:
+        """Drop the open session (this session's, or with no nonce whichever is open: a trainer restarted
+        after a crash does not know the old one); the served weights stay. Returns whether one was open."""
+        session = self._stapo_open_session()
+        if session is None:
+            return False
+        if nonce and nonce != session.nonce:
+            raise PermissionError("the abort names another weight update session than the open one")
+        self._stapo_session = None
+        return True

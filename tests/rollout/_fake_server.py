@@ -1,0 +1,101 @@
+"""A small stand-in for `stapo serve` (http.server on loopback) whose replies a test chooses: what the
+engine's bookkeeping does with 4xx, 5xx, malformed replies, hangs, refused sessions and foreign models,
+without a vLLM process. The real servers run the same paths in tests/vllm_cpu/test_server_faults.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class FakeServer:
+    """``/health``, ``/v1/models``, ``/v1/completions`` and stapo's worker RPCs. Knobs (plain attributes):
+    ``completion(body) -> (status, reply or bytes)``; ``hang`` (every route but none answers until cleared);
+    ``fingerprint`` (dict or None); ``session_open``; ``join_status``; ``token`` (required bearer secret)."""
+
+    def __init__(self, *, fingerprint: dict | None = None, max_model_len: int = 512, token: str | None = None) -> None:
+        self.fingerprint, self.max_model_len, self.token = fingerprint, max_model_len, token
+        self.version: int | None = None
+        self.instance = uuid.uuid4().hex
+        self.session_open = False
+        self.join_status = 500
+        self.hang = threading.Event()
+        self.calls: list[tuple[str, str]] = []  # (path, method or "")
+        self.completion = lambda body: (200, self.good_reply(body))
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                fake._serve(self, None)
+
+            def do_POST(self):
+                fake._serve(self, json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.hang.clear()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    @staticmethod
+    def good_reply(body: dict) -> dict:
+        """``n`` choices of 2 tokens each (ids 5 + prompt length, 6), log-probs -0.5 and -0.25."""
+        first = 5 + len(body["prompt"])
+        return {"choices": [{"index": i, "text": "ab", "token_ids": [first, 6], "finish_reason": "stop",
+                             "logprobs": {"token_logprobs": [-0.5, -0.25]}} for i in range(body["n"])]}
+
+    def _serve(self, handler, body) -> None:
+        path = handler.path
+        self.calls.append((path, (body or {}).get("method", "")))
+        while self.hang.is_set():
+            time.sleep(0.05)
+        if self.token and handler.headers.get("Authorization") != f"Bearer {self.token}" and path != "/health":
+            return self._reply(handler, 401, {"error": "needs the secret"})
+        if path == "/health":
+            return self._reply(handler, 200, b"")
+        if path == "/v1/models":
+            return self._reply(handler, 200, {"data": [{"id": "m", "max_model_len": self.max_model_len}]})
+        if path == "/v1/completions":
+            return self._reply(handler, *self.completion(body))
+        if path == "/reset_prefix_cache":
+            return self._reply(handler, 200, b"")
+        if path == "/collective_rpc":
+            return self._rpc(handler, body["method"])
+        return self._reply(handler, 404, {"error": "not found"})
+
+    def _rpc(self, handler, method: str) -> None:
+        if method == "stapo_server_state":
+            state = {"version": self.version, "instance": self.instance, "session_open": self.session_open}
+            return self._reply(handler, 200, {"results": [json.dumps(state)]})
+        if method == "stapo_fingerprint" and self.fingerprint is not None:
+            return self._reply(handler, 200, {"results": [json.dumps(self.fingerprint)]})
+        if method == "stapo_abort_weight_update":
+            was, self.session_open = self.session_open, False
+            return self._reply(handler, 200, {"results": [was]})
+        if method == "stapo_join_weight_group":
+            return self._reply(handler, self.join_status, {"error": "join refused"})
+        return self._reply(handler, 500, {"error": f"{method} refused"})
+
+    @staticmethod
+    def _reply(handler, status: int, body) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        try:
+            handler.send_response(status)
+            handler.send_header("Content-Length", str(len(data)))
+            handler.end_headers()
+            handler.wfile.write(data)
+        except OSError:  # the client cut the request (the engine's health watch): nobody to answer
+            pass

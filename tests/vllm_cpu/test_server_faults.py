@@ -1,0 +1,327 @@
+"""Fault injection against REAL `stapo serve` processes (vLLM's CPU build, loopback): the closed control
+plane, syncs that survive a dead trainer or a dead server, request errors, hangs, malformed replies and
+foreign models (docs/rollout.md, "Security" and "Faults"). Each test adds its figure to the lane's summary
+(conftest.FAULT_FIGURES). The session's two servers run with the lane's secret; tests that kill or stop
+one bring it back before they end."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from _servers import VLLMServer, servers_override
+from conftest import FAULT_FIGURES, LANE_TOKEN, ROOT, plain_env
+from test_train import COMMON
+
+from stapo.rollout import SamplingParams
+from stapo.rollout.server_client import ServerClient, ServerError
+from stapo.rollout.server_engine import ServerEngine
+from stapo.rollout.weight_group import (GroupSpec, checked_in, let_form, listening_store, new_nonce, route_address,
+                                       send_nonce)
+from stapo.run_dir import METRICS_FILE, read_metrics
+
+pytestmark = pytest.mark.timeout(1800)
+SERVER = ["rollout.mode=server", "trainer.save_every=1", "trainer.keep_last=4"]
+
+
+def figure(what: str, seconds: float) -> None:
+    FAULT_FIGURES.append(f"{what}: {seconds:.1f} s")
+
+
+def status(address: str, path: str, body: dict | None = None, token: str | None = None) -> int:
+    request = urllib.request.Request(f"http://{address}{path}", data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+@pytest.fixture
+def both(servers):
+    for s in servers:
+        s.ensure_running()
+    return servers
+
+
+def state(server) -> dict:
+    return ServerClient(server.address, token=LANE_TOKEN).rpc_json("stapo_server_state", timeout_s=30)[0]
+
+
+def test_no_secret_is_401_a_foreign_method_403_and_only_loopback_listens(both):
+    start = time.monotonic()
+    address = both[0].address
+    assert status(address, "/health") == 200  # liveness is open
+    assert status(address, "/v1/models") == 401 and status(address, "/v1/models", token="wrong") == 401
+    assert status(address, "/collective_rpc", {"method": "stapo_server_state", "args": []}) == 401
+    assert status(address, "/v1/models", token=LANE_TOKEN) == 200
+    for method in ("__class__", "execute_model", "stapo_load_weights", "collective_rpc"):
+        assert status(address, "/collective_rpc", {"method": method, "args": []}, token=LANE_TOKEN) == 403, method
+    for path in ("/sleep", "/server_info", "/update_weights", "/v1/load_lora_adapter"):
+        assert status(address, path, {}, token=LANE_TOKEN) == 403, path
+    outside = route_address("192.0.2.1")  # this machine's non-loopback address, when it has one
+    if outside != "127.0.0.1":
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://{outside}:{both[0].port}/health", timeout=5)
+    figure("401 / 403 / loopback-only checks", time.monotonic() - start)
+
+
+def test_a_process_that_is_not_the_trainer_cannot_change_the_served_weights(both, prompts):
+    """Without the secret nothing is reached; with a hijacked rank 0 (a sender that does not know the
+    session's nonce) the server leaves the group before it takes a byte."""
+    start = time.monotonic()
+    server, engine = both[0], ServerEngine([both[0].address], pad_token_id=0, token=LANE_TOKEN)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    before, held = engine.generate(prompts, 1, greedy), state(server)["version"]
+    store = listening_store("127.0.0.1", 30)
+    spec = GroupSpec("127.0.0.1", store.port, world_size=2, rank_offset=1, timeout_s=30, nonce=new_nonce())
+    assert status(server.address, "/collective_rpc", {"method": "stapo_join_weight_group", "args": [spec.to_json()]}) == 401
+    client = ServerClient(server.address, token=LANE_TOKEN)
+    with ThreadPoolExecutor(1) as pool:
+        join = pool.submit(client.rpc, "stapo_join_weight_group", spec.to_json(), timeout_s=60)
+        while not checked_in(store, 1, 1):  # the worker checked in; the impostor gives the go itself
+            time.sleep(0.02)
+        let_form(store)
+        impostor = spec.connect(0, store=store, bind_host="127.0.0.1")
+        send_nonce(impostor, new_nonce(), torch.device("cpu"))  # not the nonce of the authenticated join
+        with pytest.raises(ServerError, match="not this session's nonce"):
+            join.result(timeout=60)
+    assert state(server)["session_open"] is False and state(server)["version"] == held
+    assert torch.equal(engine.generate(prompts, 1, greedy).response_ids, before.response_ids)
+    figure("impostor rank 0 refused (nonce), weights unchanged", time.monotonic() - start)
+
+
+def _train(out, model_dir, *overrides, env=None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "stapo.cli", "train", f"model.path={model_dir}", f"trainer.output_dir={out}",
+           *COMMON, *SERVER, *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or plain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+class Lines:
+    """The trainer's stderr, line by line with the time each arrived (read on a thread)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc) -> None:
+        for line in proc.stderr:
+            self.lines.append((time.monotonic(), line))
+
+    def first(self, text: str) -> float | None:
+        return next((t for t, line in self.lines if text in line), None)
+
+    @property
+    def text(self) -> str:
+        self._thread.join(timeout=10)
+        return "".join(line for _, line in self.lines)
+
+
+def _trained_steps(out) -> list[int]:
+    path = out / METRICS_FILE
+    return [r["step"] for r in read_metrics(path) if "loss" in r] if path.exists() else []
+
+
+def _freeze_mid_sync(trainer: subprocess.Popen, server, after_step: int, out, busy_counts: bool = True) -> None:
+    """Stop ``trainer`` (SIGSTOP) at a moment it is inside a weight sync after ``after_step``: freeze it
+    every ~20 ms and look at ``server``: a session open there (between two of the sync's calls) is mid-sync,
+    and so, with ``busy_counts``, is a server too busy in a sync call to answer."""
+    client = ServerClient(server.address, token=LANE_TOKEN)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and trainer.poll() is None:
+        if max(_trained_steps(out), default=0) >= after_step:
+            trainer.send_signal(signal.SIGSTOP)
+            try:
+                if client.rpc_json("stapo_server_state", timeout_s=0.5)[0]["session_open"]:
+                    return
+            except ServerError:  # the worker is blocked in the sync's receive: mid-sync
+                if busy_counts:
+                    return
+            trainer.send_signal(signal.SIGCONT)
+        time.sleep(0.02)
+    raise AssertionError("the trainer was never caught inside a weight sync")
+
+
+def test_a_trainer_killed_mid_sync_resumes_with_the_same_servers(both, warm_model_dir, tmp_path):
+    out = tmp_path / "killed_trainer"
+    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3")
+    _freeze_mid_sync(trainer, both[0], 1, out, busy_counts=False)  # a session open, between two calls
+    trainer.kill()  # SIGKILL, frozen inside the sync
+    trainer.communicate(timeout=60)
+    stale = state(both[0])  # what the dead trainer left: an open session
+    start = time.monotonic()
+    resumed = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", "trainer.resume=auto")
+    _, stderr = resumed.communicate(timeout=1800)
+    took = time.monotonic() - start
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert stale["session_open"]
+    assert f"rollout server {both[0].address} was in the middle of a weight sync" in stderr
+    assert _trained_steps(out)[-1] == 3 and "resumed from" in stderr
+    assert {s.address: state(s)["version"] for s in both} == {s.address: 3 for s in both}
+    figure("trainer SIGKILLed mid-sync (session left open) -> restarted run aborts it and trains the remaining "
+           "steps with the same servers", took)
+
+
+def test_a_server_killed_mid_sync_leaves_the_run_to_the_other(both, warm_model_dir, tmp_path):
+    out = tmp_path / "killed_server"
+    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3")
+    lines = Lines(trainer)
+    _freeze_mid_sync(trainer, both[1], 1, out)
+    at_step = max(_trained_steps(out))
+    both[1].kill()
+    killed = time.monotonic()
+    trainer.send_signal(signal.SIGCONT)
+    trainer.wait(timeout=1800)
+    finished = time.monotonic()
+    stderr = lines.text
+    assert trainer.returncode == 0, stderr[-3000:]
+    assert f"rollout server {both[1].address}" in stderr and "is down" in stderr
+    assert _trained_steps(out) == [1, 2, 3]
+    assert state(both[0])["version"] == 3
+    figure(f"server SIGKILLed in the sync after step {at_step} -> that sync retried with the other, the run's "
+           f"{3 - at_step} remaining step(s) and its final evaluation done", finished - killed)
+    both[1].start().wait_ready()
+
+
+def test_an_over_long_prompt_is_a_warning_and_the_run_goes_on(both, warm_model_dir, tmp_path):
+    from stapo.tiny import arithmetic_problems
+
+    rows = [{"prompt": p.question, "answer": p.answer} for p in arithmetic_problems(8, seed=3, terms=3)]
+    rows.append({"prompt": "Compute " + "+".join(["1"] * 400) + ".", "answer": "400"})  # > max-model-len 512
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    start = time.monotonic()
+    trainer = _train(tmp_path / "long", warm_model_dir, servers_override(*both), "trainer.total_steps=1",
+                     f"data.source={data}", f"data.eval_source={data}", "data.max_prompt_length=2048")
+    _, stderr = trainer.communicate(timeout=1800)
+    assert trainer.returncode == 0, stderr[-3000:]
+    assert "a rollout server's max_model_len is 512: prompts longer than 472 tokens" in stderr
+    assert "filtered 1 of 9 prompts longer than 472 tokens" in stderr
+    figure("over-long prompt: warned and filtered at start, 1-step run", time.monotonic() - start)
+
+
+def test_a_sigstopped_server_is_declared_down_within_the_bound(both, warm_model_dir, tmp_path):
+    bound = 8.0
+    out = tmp_path / "stopped"
+    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3",
+                     f"rollout.server_down_after_s={bound}", "rollout.health_interval_s=1", "rollout.health_timeout_s=2")
+    lines = Lines(trainer)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and not _trained_steps(out) and trainer.poll() is None:
+        time.sleep(0.2)
+    both[1].signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        trainer.wait(timeout=1800)
+    finally:
+        both[1].signal(signal.SIGCONT)
+    stderr = lines.text
+    assert trainer.returncode == 0, stderr[-3000:]
+    assert _trained_steps(out) == [1, 2, 3]
+    declared = lines.first(f"rollout server {both[1].address} is down")
+    assert declared is not None, stderr[-3000:]
+    # found by a state read (2 s) before its next requests, or by the health watch (bound + a probe period)
+    assert declared - stopped <= bound + 1 + 2 + 5, declared - stopped
+    figure(f"SIGSTOPped server declared down (rollout.server_down_after_s={bound:g})", declared - stopped)
+
+
+class MalformedProxy:
+    """Forwards to a real server, except that completions answer HTTP 200 with a body that is not JSON."""
+
+    def __init__(self, target: str) -> None:
+        self.completions = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._forward(None)
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/v1/completions":
+                    proxy.completions += 1
+                    return self._send(200, b"<html>502 from a proxy</html>")
+                self._forward(body)
+
+            def _forward(self, body):
+                request = urllib.request.Request(f"http://{target}{self.path}", data=body, method=self.command,
+                                                 headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
+                try:
+                    with urllib.request.urlopen(request, timeout=60) as reply:
+                        self._send(reply.status, reply.read())
+                except urllib.error.HTTPError as err:
+                    self._send(err.code, err.read())
+
+            def _send(self, code, data):
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.address = f"127.0.0.1:{self.httpd.server_address[1]}"
+
+
+def test_malformed_replies_fail_over_and_name_the_server(both, prompts, caplog):
+    proxy = MalformedProxy(both[0].address)
+    start = time.monotonic()
+    try:
+        engine = ServerEngine([proxy.address, both[1].address], pad_token_id=0, token=LANE_TOKEN)
+        with caplog.at_level("WARNING", logger="stapo.rollout"):
+            rollout = engine.generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=2))
+    finally:
+        proxy.httpd.shutdown()
+    assert rollout.finish_reason.count("error") == 0 and len(rollout) == 2 * len(prompts)
+    assert proxy.completions >= 1 and [c.address for c in engine.pool.down] == [proxy.address]
+    assert f"rollout server {proxy.address}" in caplog.text and "body that is not JSON" in caplog.text
+    figure("malformed replies -> failover to the other server", time.monotonic() - start)
+
+
+def test_a_server_with_another_dtype_or_tokenizer_is_one_clear_error_at_start(both, warm_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "stapo.cli", "train", f"model.path={warm_model_dir}",
+                           f"trainer.output_dir={tmp_path / 'bf16'}", *COMMON, *SERVER, servers_override(both[0]),
+                           "model.dtype=bf16", "trainer.zero_stage=1"], cwd=ROOT, env=plain_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"rollout server {both[0].address} does not serve the trainer's model: weight dtype: trainer bfloat16, " \
+           "server float32" in proc.stderr
+    other = tmp_path / "other_tokenizer"  # the same weights, a tokenizer with one more token
+    import shutil
+
+    shutil.copytree(warm_model_dir, other)
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["<not_in_the_trainers_vocabulary>"])
+    tokenizer.save_pretrained(other)
+    server = VLLMServer(other, tmp_path / "other.log").start()
+    try:
+        server.wait_ready()
+        with pytest.raises(ValueError, match=f"rollout server {server.address} does not serve the trainer's model: "
+                                             "tokenizer vocab_size"):
+            from stapo.config import STAPOConfig
+            from stapo.trainer.components import build_server_engine
+
+            cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", f"rollout.servers=[{server.address}]",
+                                               "model.dtype=fp32", f"rollout.server_token={LANE_TOKEN}"])
+            build_server_engine(cfg, str(warm_model_dir), AutoTokenizer.from_pretrained(warm_model_dir))
+    finally:
+        server.kill()
+    figure("another dtype (a run) / another tokenizer (a server started for it): one error at start",
+           time.monotonic() - start)
