@@ -314,9 +314,33 @@ class LossConfig:
     ``(chunk_size, vocab)`` fp32 buffer; the default is tuned in ``bench/token_stats.py``
     (docs/losses.md)."""
     tis_cap: Union[float, None] = None
-    """Truncated importance sampling: weight each token's surrogate by ``min(pi_old / pi_sampler, tis_cap)``
-    to correct the rollout engine's numerics (verl / Yao et al. 2025; docs/losses.md). None (the
-    paper) disables; 2 is usual."""
+    """Shorthand for ``rollout_is: token`` with ``rollout_is_threshold: tis_cap``: weight each token's
+    surrogate by ``min(pi_old / pi_sampler, tis_cap)`` (truncated importance sampling, Yao et al. 2025).
+    None: the ``rollout_is`` settings decide. Setting it together with ``rollout_is`` or
+    ``rollout_is_threshold`` is an error."""
+    rollout_is: Union[str, None] = "auto"
+    """Off-policy importance weights ``pi_old / pi_sampler`` on each token's surrogate (verl's
+    ``rollout_is``; docs/losses.md, "Off-policy corrections"): ``token`` (one ratio per token),
+    ``sequence`` (the product over the response, on all its tokens), null (off), or ``auto``: ``token``
+    when ``rollout.max_staleness >= 1`` (asynchronous rows come from an older policy), off in lock-step
+    (the paper). ``stapo train --dry-run`` prints what ``auto`` resolved to."""
+    rollout_is_threshold: Union[float, str] = 2.0
+    """A number ``C``: weights are truncated, ``min(w, C)`` (TIS; verl's default 2). ``"lo_hi"`` (e.g.
+    ``"0.5_2.0"``, quoted or with a decimal point on both ends): weights outside ``[lo, hi]`` are zeroed,
+    the others kept as they are (IcePop); a zeroed token stays in the loss normalizer."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the IS weights by their mean over the mini-batch on all ranks (valid tokens for ``token``,
+    responses for ``sequence``), after the threshold (verl's ``rollout_is_batch_normalize``)."""
+    rollout_rs: Union[str, None] = None
+    """Rejection by divergence statistics of ``log r = log pi_old - log pi_sampler`` (verl's
+    ``rollout_rs``), comma-separated: ``token_k1..3``, ``seq_sum_k1..3``, ``seq_mean_k1..3``,
+    ``seq_max_k2..3`` (k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r). A rejected token (a whole
+    response for ``seq_*``) leaves the loss and its normalizer; counted as ``rejected_frac`` /
+    ``rejected_seq_frac``. null: off."""
+    rollout_rs_threshold: Union[float, str, None] = None
+    """Bounds of ``rollout_rs``, one per option (comma-separated) or one for all: k2/k3 statistics pass
+    at or below an upper bound; k1 ones take a ratio band ``"lo_hi"`` on ``exp(k1) = pi_sampler / pi_old``
+    (a single number ``hi`` means ``[1/hi, hi]``). Needed with ``rollout_rs``."""
     mask_truncated: bool = False
     """DAPO's overlong filtering: responses cut at ``rollout.max_response_length`` (finish reason
     ``length``) leave the loss and its normalizer."""

@@ -88,9 +88,7 @@ def validate(cfg) -> None:
     _check(r.engine in engine_choices(), f"rollout.engine must be one of {list(engine_choices())}, got {r.engine!r}")
     _check(r.sleep_level in (1, 2), f"rollout.sleep_level must be 1 or 2, got {r.sleep_level}")
     _check(r.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}")
-    _check(lo.tis_cap is None or lo.tis_cap > 0,
-           f"loss.tis_cap (truncated importance sampling cap) must be > 0 or null, got {lo.tis_cap} "
-           "(values >= 1 are usual: 2 in verl)")
+    _check_correction(cfg)
     rw = cfg.reward
     _check(r.max_sampling_rounds >= 1, f"rollout.max_sampling_rounds must be >= 1, got {r.max_sampling_rounds}")
     _check_rollout_servers(r)
@@ -114,6 +112,27 @@ def validate(cfg) -> None:
     mask_error = _mask_error(cfg.mask.name, cfg.mask.params)
     _check(mask_error is None, str(mask_error))
     _validate_lora(cfg.model.lora)
+
+
+def _check_correction(cfg) -> None:
+    """``loss.tis_cap`` / ``loss.rollout_*``: the shorthand or the full settings, and settings that build
+    a ``RolloutCorrection`` (its message names the setting)."""
+    from stapo.losses.corrections import RolloutCorrection
+
+    lo = cfg.loss
+    _check(lo.tis_cap is None or lo.tis_cap > 0,
+           f"loss.tis_cap (truncated importance sampling cap) must be > 0 or null, got {lo.tis_cap} "
+           "(values >= 1 are usual: 2 in verl)")
+    _check(lo.rollout_is in ("auto", "token", "sequence", None),
+           f"loss.rollout_is must be one of ['auto', 'token', 'sequence', null], got {lo.rollout_is!r}")
+    _check(lo.tis_cap is None or (lo.rollout_is == "auto" and lo.rollout_is_threshold == 2.0),
+           f"loss.tis_cap={lo.tis_cap} is the shorthand for loss.rollout_is=token loss.rollout_is_threshold="
+           f"{lo.tis_cap}: set one or the other, not both (got loss.rollout_is={lo.rollout_is}, "
+           f"loss.rollout_is_threshold={lo.rollout_is_threshold})")
+    try:
+        RolloutCorrection(**cfg.rollout_correction)
+    except ValueError as err:
+        _check(False, f"loss.{err}")
 
 
 def _mask_error(name: str, params: dict) -> str | None:

@@ -29,6 +29,7 @@ def build_token_record(
     prompt_texts: Sequence[str], response_texts: Sequence[str],
     rewards: Sequence[float] | torch.Tensor,
     weights: torch.Tensor | None = None,  # (B, T) float, the mask's token weights (None: keep as 1 / 0)
+    rejected: torch.Tensor | None = None,  # (B, T) bool, rejected by the off-policy correction (None: none)
     row_texts: Callable[[list[int]], list[str]] | None = None,
     context_segments: Sequence[list] | None = None,  # per row: [[position, text], ...] of an episode's tool turns
 ) -> TokenRecord:
@@ -71,6 +72,7 @@ def build_token_record(
         topk_text=[[cache[i] for i in r] for r in flat_topk.tolist()],
         collision=collision[valid].float(),
         weight=None if weights is None else torch.where(kept, weights.detach().cpu()[valid].float(), 0.0),
+        rejected=None if rejected is None else rejected.detach().cpu().bool()[valid],
     )
 
 

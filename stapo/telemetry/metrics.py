@@ -28,7 +28,13 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
 - ``clip_frac_low``, ``clip_frac_high``, ``approx_kl``, ``loss``, ``grad_norm``, ``lr``
 - ``mismatch_logp_abs_mean``, ``mismatch_logp_abs_max``, ``mismatch_kl`` (rollout engine vs trainer:
   |log pi_sampler - log pi_old| over valid response tokens, its max, and the k3 estimate of
-  KL(sampler || trainer); the trainer's theta_old recompute, so ~1e-6 in fp32 with the HF engine)
+  KL(sampler || trainer); the trainer's theta_old recompute, so ~1e-6 in fp32 with the HF engine),
+  ``mismatch_kl_k1`` (the k1 estimate of the same KL, mean of log pi_sampler - log pi_old; may be < 0),
+  ``rollout_ppl``, ``training_ppl`` (mean over responses of exp(-mean token log-prob) under the sampler
+  and under theta_old; verl's names)
+- ``rejected_frac``, ``rejected_seq_frac`` (valid tokens / responses with a token that the off-policy
+  correction's rejection, ``loss.rollout_rs``, took out of the loss; 0 without it; counted apart from
+  ``silenced_frac``, the mask's)
 - ``zero_std_group_frac`` (groups whose rewards are all equal, hence A = 0), ``skipped_updates`` (mini-batch
   updates skipped this step for a non-finite loss or gradient norm), ``skipped_steps`` (steps skipped
   so far, cumulative)
@@ -42,6 +48,11 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
 Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean``,
 ``eval_response_length_mean`` (greedy response tokens; eval steps only);
 ``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``);
+with importance weights (``loss.rollout_is``, docs/losses.md "Off-policy corrections"): ``rollout_is_mean``,
+``rollout_is_max`` (of the untruncated ratios pi_old / pi_sampler over valid tokens; sequence level: the
+row's product on each of its tokens), ``rollout_is_eff_sample_size`` (ESS of the applied weights,
+(sum w)^2 / (n sum w^2), before batch normalization; 1 when all are equal), ``rollout_is_clipped_frac``
+(valid tokens whose weight the threshold truncated or zeroed);
 ``mask_gate`` (a gated weighting mask's gate, e.g. STARE's: 1 on, 0 off, the mean over the step's
 mini-batches; only for such a mask);
 ``mfu_stats``, ``mfu_update`` (model FLOPs utilization of the phase on a GPU whose peak is known,
@@ -88,7 +99,8 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "entropy_mean", "silenced_frac", "spurious_frac", "keep_frac", "mask_tau_h", "probe_tau_h",
     "upweighted_frac", "downweighted_frac", "weight_mean",
     "clip_frac_low", "clip_frac_high", "approx_kl", "loss", "grad_norm", "lr",
-    "mismatch_logp_abs_mean", "mismatch_logp_abs_max", "mismatch_kl",
+    "mismatch_logp_abs_mean", "mismatch_logp_abs_max", "mismatch_kl", "mismatch_kl_k1", "rollout_ppl", "training_ppl",
+    "rejected_frac", "rejected_seq_frac",
     "zero_std_group_frac", "skipped_updates", "skipped_steps",
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step", "sync_mb",
     "time_rollout_max", "time_rollout_min",
@@ -102,7 +114,9 @@ OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "e
                                          "turns_mean", "tool_calls_mean", "tool_errors_mean", "tool_error_frac",
                                          "context_token_frac", "tool_penalty_mean", "time_tools",
                                          "eval_tool_calls_mean", "eval_no_tools_accuracy",
-                                         "eval_no_tools_reward_mean", "eval_no_tools_response_length_mean")
+                                         "eval_no_tools_reward_mean", "eval_no_tools_response_length_mean",
+                                         "rollout_is_mean", "rollout_is_max", "rollout_is_eff_sample_size",
+                                         "rollout_is_clipped_frac")
 #: Metrics measured from wall time: they differ between two runs of the same training.
 TIMING_METRIC_KEYS: tuple[str, ...] = (
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",

@@ -21,6 +21,8 @@ from stapo.rollout.batch import row_lengths
 # Quantities that are already global (identical on every rank) before the reduction. (The loss is
 # not: each rank holds its share of Eq. 1's numerator over the global denominator.)
 _GLOBAL = ("mask_tau_h", "probe_tau_h", "grad_norm")
+# Maxima: the max over mini-batches, then over ranks (never summed).
+MAX_KEYS = ("mismatch_abs_max", "rollout_is_max")
 
 
 class PhaseTimer:
@@ -53,7 +55,10 @@ class StepSums(dict):
             self.add_value(key, value)
 
     def add_value(self, key: str, value) -> None:
-        self[key] = self.get(key, 0.0) + value
+        if key in MAX_KEYS and key in self:
+            self[key] = torch.maximum(torch.as_tensor(self[key]), torch.as_tensor(value))
+        else:
+            self[key] = self.get(key, 0.0) + value
 
 
 def _rollout_sums(rollout, rewards: torch.Tensor, scores: torch.Tensor, group_size: int) -> dict[str, float]:
@@ -155,7 +160,7 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
     iteration's :class:`~stapo.trainer.scored_rollout.ScoredRollout`."""
     rollout = scored.rollout
     local = {**_rollout_sums(rollout, scored.rewards, scored.scores, group_size), **sums}
-    mismatch_max = all_reduce_max(float(local.pop("mismatch_abs_max")))  # a max, not a sum
+    maxima = {key: all_reduce_max(float(local.pop(key))) for key in MAX_KEYS if key in local}  # not sums
     generation = timer.seconds.get("rollout", 0.0)  # this rank's; the ranks' spread shows an uneven deal
     slowest, fastest = all_reduce_max(generation), -all_reduce_max(-generation)
     s = reduce_metrics(local)
@@ -175,6 +180,8 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         optional["entropy_bonus"] = entropy_coef * s["entropy_bonus_sum"] / kept
     if "tool_calls_sum" in s:  # only with rollout.tools: multi-turn episodes
         optional.update(_episode_metrics(s, n, world_size))
+    if "rollout_is_weight_sum" in s:  # only with importance weights (loss.rollout_is)
+        optional.update(_is_diagnostics(s, maxima["rollout_is_max"]))
     return {
         "step": float(step),
         "epoch": float(epoch),
@@ -199,8 +206,13 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "clip_frac_high": s.get("clip_high_count", 0.0) / kept,
         "approx_kl": s.get("approx_kl_sum", 0.0) / kept,
         "mismatch_logp_abs_mean": s["mismatch_abs_sum"] / max(s["mismatch_tokens"], 1.0),
-        "mismatch_logp_abs_max": mismatch_max,
+        "mismatch_logp_abs_max": maxima["mismatch_abs_max"],
         "mismatch_kl": s["mismatch_k3_sum"] / max(s["mismatch_tokens"], 1.0),
+        "mismatch_kl_k1": s["mismatch_k1_sum"] / max(s["mismatch_tokens"], 1.0),
+        "rollout_ppl": s["rollout_ppl_sum"] / max(s["mismatch_seqs"], 1.0),
+        "training_ppl": s["training_ppl_sum"] / max(s["mismatch_seqs"], 1.0),
+        "rejected_frac": s["rejected_tokens"] / max(s["correction_tokens"], 1.0),
+        "rejected_seq_frac": s["rejected_seqs"] / max(s["correction_seqs"], 1.0),
         "loss": s["loss"] / minibatches,
         "grad_norm": s["grad_norm"] / max(applied, 1.0),
         "lr": lr,
@@ -216,6 +228,16 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         **_throughput(s, timer, model_config, peak_flops, world_size),
         **optional,
     }
+
+
+def _is_diagnostics(s: dict, is_max: float) -> dict[str, float]:
+    """verl's IS diagnostics from the step's sums (stapo.losses.corrections): the untruncated ratios'
+    mean and max, the effective sample size of the applied weights ``(sum w)^2 / (n sum w^2)`` (1: all
+    equal) and the fraction of tokens whose weight the threshold changed."""
+    n, total, squares = max(s["correction_tokens"], 1.0), s["rollout_is_weight_sum"], s["rollout_is_weight_sq_sum"]
+    return {"rollout_is_mean": s["rollout_is_raw_sum"] / n, "rollout_is_max": is_max,
+            "rollout_is_eff_sample_size": total * total / (n * squares) if squares > 0 else 0.0,
+            "rollout_is_clipped_frac": s["rollout_is_clipped"] / n}
 
 
 def _episode_metrics(s: dict, n: float, world_size: int) -> dict[str, float]:

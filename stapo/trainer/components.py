@@ -22,6 +22,7 @@ from stapo.distributed.process_group import DistInfo, barrier, broadcast_object
 from stapo.distributed.deepspeed_engine import ZeroTuning
 from stapo.trainer import tool_setup
 from stapo.trainer import server_setup
+from stapo.losses import RolloutCorrection
 from stapo.trainer.model_source import BUILTIN_MODEL, require_model
 from stapo.trainer.update import UpdateOptions
 
@@ -225,7 +226,6 @@ def update_options(cfg: STAPOConfig) -> UpdateOptions:
         temperature=cfg.rollout.temperature,
         max_response_length=cfg.rollout.max_response_length,
         kl_coef=cfg.loss.kl_coef,
-        tis_cap=cfg.loss.tis_cap,
         entropy_coef=cfg.loss.entropy_coef,
         packing=cfg.trainer.packing,
         pack_one_row=cfg.model.attn_implementation in ONE_ROW_ATTENTION,
@@ -233,6 +233,26 @@ def update_options(cfg: STAPOConfig) -> UpdateOptions:
         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch or None,
         max_tokens_per_stats_micro_batch=cfg.trainer.max_tokens_per_stats_micro_batch or None,
     )
+
+
+def build_correction(cfg: STAPOConfig) -> RolloutCorrection:
+    """The off-policy correction (``loss.rollout_*``, ``loss.tis_cap``; ``auto`` resolved by
+    ``STAPOConfig.rollout_correction``); a no-op when everything is off."""
+    return RolloutCorrection(**cfg.rollout_correction)
+
+
+def correction_line(cfg: STAPOConfig) -> str:
+    """What the run corrects, and why (``stapo train --dry-run`` and the trainer's log print it)."""
+    line = f"off-policy correction: {build_correction(cfg).describe()}"
+    k, lo = cfg.rollout.max_staleness, cfg.loss
+    if lo.tis_cap is not None:
+        return line + f" (loss.tis_cap={lo.tis_cap:g})"
+    if lo.rollout_is == "auto":
+        why = (f"importance weights on by default with rollout.max_staleness={k}; loss.rollout_is=null turns "
+               "them off" if k >= 1 else
+               "loss.rollout_is=auto: no importance weights in lock-step, the paper's setting")
+        return line + f" ({why})"
+    return line
 
 
 RewardFn = Callable[[str, str], float]

@@ -2,8 +2,8 @@
 
 Every N iterations the per-token statistics of the first mini-batch (``inspect.record_minibatches``:
 or of every one) — exactly the ``p``, ``H`` and ``A`` the mask saw, what it silenced, plus top-5
-alternatives and the collision probability (paper Fig. 2, App. C) — are written to
-``output_dir/token_records/``.
+alternatives and the collision probability (paper Fig. 2, App. C), and which tokens the off-policy
+correction rejected — are written to ``output_dir/token_records/``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ class TokenRecorder:
 
     @torch.no_grad()
     def record(self, step, minibatch, model, mini, stats, masked, thresholds, rollout, rewards, tokenizer, mask_name,
-               opts) -> None:
+               opts, rejected=None) -> None:
         """Write the record of one mini-batch (rank 0's rows; every rank runs the forward). Called
-        before the mini-batch's update, so top-k comes from the theta that gave p and H."""
+        before the mini-batch's update, so top-k comes from the theta that gave p and H. ``rejected``:
+        (B, T) bool, the tokens the off-policy correction took out of the loss."""
         shape = (*mini.response_ids.shape, self.top_k)
         topk_ids = torch.zeros(shape, dtype=torch.long)
         topk_probs = torch.zeros(shape)
@@ -61,6 +62,7 @@ class TokenRecorder:
             row_texts=lambda ids: row_token_texts(tokenizer, ids, alone),  # pieces completed by neighbours
             prompt_texts=rollout.prompt_text, response_texts=rollout.response_text, rewards=rewards,
             weights=masked.weights, context_segments=context_segments(rollout, tokenizer),
+            rejected=rejected,
         )
         write_token_record(token_record_path(self.output_dir, step, minibatch), record)
 

@@ -5,7 +5,7 @@ One iteration (``step``)::
     prompts   -> rollout engine: G responses each from pi_theta_old        (Alg. 1 line 4)
     responses -> verifier: R in {+1, -1} -> group advantages (Eq. 2)        (line 5)
     no-grad pass of theta_old: old_logprobs, entropy                       (line 8, first mini-batch)
-    per mini-batch: mask stats -> keep -> clipped surrogate (Eq. 1) -> step (lines 6-12)
+    per mini-batch: mask stats -> keep, off-policy correction -> clipped surrogate (Eq. 1) -> step (lines 6-12)
     bucketed ZeRO-3 gather -> rollout engine weights                       (line 3, next iteration)
 
 Launch: ``stapo train CONFIG`` (one process) or ``deepspeed --num_gpus N -m stapo.cli train CONFIG``,
@@ -109,6 +109,8 @@ class STAPOTrainer:
 
         self.sampler = PromptSampler(len(self.train_data), cfg.trainer.train_batch_size, seed=cfg.trainer.seed)
         self.opts = build.update_options(cfg)
+        self.correction = build.build_correction(cfg)  # off-policy: IS weights / rejection (a no-op when off)
+        log.info(build.correction_line(cfg))
         self.checkpoints = CheckpointManager(self.output_dir, keep_last=cfg.trainer.keep_last,
                                              exclude_frozen=cfg.model.lora.enabled)
         self.logger = MetricsLogger(
@@ -156,11 +158,12 @@ class STAPOTrainer:
                     sums.add_value(key, value)
             masked = self.mask.apply(stats)  # lines 9-10: the S2T mask (or a baseline's)
             probe = self.spurious_probe.apply(stats)  # diagnostic: the S2T criterion, whatever the mask
-            self._observe(k, mini, stats, masked, probe, rollout, rewards, rows)
+            corrected = self.correction(mini.sampling_logprobs, mini.old_logprobs, mini.trainable)  # vs the sampler
+            self._observe(k, mini, stats, masked, probe, rollout, rewards, rows, corrected.rejected)
             with timer("update"):  # lines 11-12: Eq. 1 over kept tokens, optimizer step
                 update_sums = update_minibatch(self.engine, self.model, mini, masked.keep, self.opts,
-                                               weights=masked.weights)
-            sums.add({**update_sums, **mask_sums(stats, masked, probe)})
+                                               weights=masked.weights, correction=corrected)
+            sums.add({**update_sums, **mask_sums(stats, masked, probe), **corrected.sums})
         self.step_count += 1
         self._track_skips(skipped_updates(sums))
 
@@ -311,7 +314,7 @@ class STAPOTrainer:
         self._close_scorer()
         return summary
 
-    def _observe(self, k, mini, stats, masked, probe, rollout, rewards, rows) -> None:
+    def _observe(self, k, mini, stats, masked, probe, rollout, rewards, rows, rejected) -> None:
         """Sample completions of the first mini-batch and token records of mini-batch ``k`` (its
         ``rows`` of the rollout), when due. Runs BEFORE its update, so the recorder's top-k
         alternatives come from the same theta_old as p, H and A."""
@@ -326,7 +329,8 @@ class STAPOTrainer:
         if record:
             thresholds = {"tau_p": self.spurious_probe.tau_p, **probe.thresholds, **masked.thresholds}
             self.recorder.record(step, k, self.model, mini, stats, masked, thresholds, rollout, rewards,
-                                 self.tokenizer, registered_name(self.mask) or type(self.mask).__name__, self.opts)
+                                 self.tokenizer, registered_name(self.mask) or type(self.mask).__name__, self.opts,
+                                 rejected=rejected)
 
     def _track_skips(self, skipped_updates: int) -> None:
         """The one place that counts skipped steps (and aborts after too many in a row)."""
