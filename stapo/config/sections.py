@@ -70,6 +70,13 @@ class TinyConfig:
     warm_start_bare_fraction: float = 0.5
     """Fraction of warm-start examples whose target is the bare answer (``\\boxed{17}``) instead of
     the worked solution; RL then learns which form earns the reward (docs/demo.md)."""
+    task: str = "arithmetic"
+    """The tiny demo's task: ``arithmetic`` (the default demo, docs/demo.md) or ``tir`` (products that the
+    tiny model cannot work out in its head, with a calculator it can call: its own tokenizer, model and
+    warm start; ``builtin:arithmetic`` data then draws these problems; docs/tir.md)."""
+    warm_start_tool_fraction: float = 0.4
+    """``task: tir``: fraction of the warm-start examples whose prompt offers the calculator that call it
+    (half the examples offer it); the rest answer directly."""
 
 
 @dataclass
@@ -96,6 +103,43 @@ class DataConfig:
     draws a disjoint held-out set."""
     eval_size: int = 200
     """Number of held-out prompts evaluated (greedy decoding)."""
+
+
+@dataclass
+class ToolsConfig:
+    """Multi-turn tool-integrated episodes (docs/tir.md). Off by default: one prompt, one response."""
+
+    enabled: bool = False
+    """Run each rollout row as an episode: the policy's turns, stopped at a tool call, alternate with the
+    tools' results (context tokens: read, never trained), until a final answer, ``max_turns`` or
+    ``rollout.max_response_length`` tokens (policy + context). Prompts list the tools (chat template)."""
+    names: list = field(default_factory=lambda: ["python"])
+    """Tools the policy may call, from the registry (``stapo tools`` lists them)."""
+    parser: str = "qwen3"
+    """Tool-call format: ``qwen3`` (``<tool_call>{json}</tool_call>``, results as the chat template's tool
+    turn) or ``python_block`` (fenced python blocks, results inline; docs/tools.md)."""
+    max_turns: int = 4
+    """Policy turns per episode at most (a turn that still calls a tool at the limit ends the episode,
+    finish reason ``length``)."""
+    stateful: bool = True
+    """Tools with state (``python``): one session per episode, so variables persist across its calls."""
+    timeout_s: float = 10.0
+    """Wall-clock limit of one tool call (a call past it is a tool error)."""
+    max_output_chars: int = 2000
+    """A tool's output is cut to this many characters (cut output is a tool error)."""
+    params: dict = field(default_factory=dict)
+    """Further parameters per tool, e.g. ``{python: {memory_mb: 1024}}`` (``stapo tools`` lists them)."""
+    max_workers: int = 8
+    """Tool calls run at once (across the batch's episodes; one episode's calls run in order)."""
+    eval_without_tools: bool = False
+    """Evaluation also runs the held-out prompts without tools (prompts that offer none, one turn each):
+    ``eval_accuracy_no_tools`` next to ``eval_accuracy``."""
+    error_penalty: float = 0.0
+    """Reward shaping: subtracted once per tool error of an episode (0: off, the verifier alone)."""
+    call_budget: int = 0
+    """Reward shaping: tool calls per episode that cost nothing; each call beyond costs ``call_penalty``."""
+    call_penalty: float = 0.0
+    """Reward shaping: subtracted per tool call beyond ``call_budget`` (0: off)."""
 
 
 @dataclass
@@ -194,6 +238,8 @@ class RolloutConfig:
     producer_close_timeout_s: float = 60.0
     """``server`` mode with ``max_staleness`` >= 1: how long the end of a run waits for a generation in
     flight to finish."""
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """Tool-integrated reasoning: multi-turn episodes with tool calls (off by default; docs/tir.md)."""
     max_staleness: int = 0
     """k: asynchronous training, ``server`` mode. 0 (the default and the paper's setting): generate, train,
     sync in lock-step. k >= 1: a producer generates the next iterations' batches while the trainer updates;
@@ -273,9 +319,33 @@ class LossConfig:
     ``(chunk_size, vocab)`` fp32 buffer; the default is tuned in ``bench/token_stats.py``
     (docs/losses.md)."""
     tis_cap: Union[float, None] = None
-    """Truncated importance sampling: weight each token's surrogate by ``min(pi_old / pi_sampler, tis_cap)``
-    to correct the rollout engine's numerics (verl / Yao et al. 2025; docs/losses.md). None (the
-    paper) disables; 2 is usual."""
+    """Shorthand for ``rollout_is: token`` with ``rollout_is_threshold: tis_cap``: weight each token's
+    surrogate by ``min(pi_old / pi_sampler, tis_cap)`` (truncated importance sampling, Yao et al. 2025).
+    None: the ``rollout_is`` settings decide. Setting it together with ``rollout_is`` or
+    ``rollout_is_threshold`` is an error."""
+    rollout_is: Union[str, None] = "auto"
+    """Off-policy importance weights ``pi_old / pi_sampler`` on each token's surrogate (verl's
+    ``rollout_is``; docs/losses.md, "Off-policy corrections"): ``token`` (one ratio per token),
+    ``sequence`` (the product over the response, on all its tokens), null (off), or ``auto``: ``token``
+    when ``rollout.max_staleness >= 1`` (asynchronous rows come from an older policy), off in lock-step
+    (the paper). ``stapo train --dry-run`` prints what ``auto`` resolved to."""
+    rollout_is_threshold: Union[float, str] = 2.0
+    """A number ``C``: weights are truncated, ``min(w, C)`` (TIS; verl's default 2). ``"lo_hi"`` (e.g.
+    ``"0.5_2.0"``, quoted or with a decimal point on both ends): weights outside ``[lo, hi]`` are zeroed,
+    the others kept as they are (IcePop); a zeroed token stays in the loss normalizer."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the IS weights by their mean over the mini-batch on all ranks (valid tokens for ``token``,
+    responses for ``sequence``), after the threshold (verl's ``rollout_is_batch_normalize``)."""
+    rollout_rs: Union[str, None] = None
+    """Rejection by divergence statistics of ``log r = log pi_old - log pi_sampler`` (verl's
+    ``rollout_rs``), comma-separated: ``token_k1..3``, ``seq_sum_k1..3``, ``seq_mean_k1..3``,
+    ``seq_max_k2..3`` (k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r). A rejected token (a whole
+    response for ``seq_*``) leaves the loss and its normalizer; counted as ``rejected_frac`` /
+    ``rejected_seq_frac``. null: off."""
+    rollout_rs_threshold: Union[float, str, None] = None
+    """Bounds of ``rollout_rs``, one per option (comma-separated) or one for all: k2/k3 statistics pass
+    at or below an upper bound; k1 ones take a ratio band ``"lo_hi"`` on ``exp(k1) = pi_sampler / pi_old``
+    (a single number ``hi`` means ``[1/hi, hi]``). Needed with ``rollout_rs``."""
     mask_truncated: bool = False
     """DAPO's overlong filtering: responses cut at ``rollout.max_response_length`` (finish reason
     ``length``) leave the loss and its normalizer."""

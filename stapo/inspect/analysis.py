@@ -99,7 +99,7 @@ def grad_norm_by_class(records: Sequence[TokenRecord]) -> list[ClassStat]:
 
 
 WEIGHT_CLASSES: tuple[str, ...] = ("up-weighted (w > 1)", "down-weighted (0 < w < 1)", "silenced (w = 0)",
-                                    "S2T: A>0, p<τ_p, H<τ_h")
+                                    "rejected (off-policy correction)", "S2T: A>0, p<τ_p, H<τ_h")
 
 
 @dataclass(frozen=True)
@@ -118,15 +118,17 @@ class WeightClassStat:
 
 
 def weight_classes(records: Sequence[TokenRecord]) -> list[WeightClassStat]:
-    """Up-weighted, down-weighted and silenced tokens of the active mask, and the S2T class, over all
-    records: their place on the probability–entropy plane and their gradient-norm proxy."""
+    """Up-weighted, down-weighted and silenced tokens of the active mask, the tokens the off-policy
+    correction rejected (``loss.rollout_rs``: out of the loss whatever the mask decided) and the S2T
+    class, over all records: their place on the probability–entropy plane and their gradient-norm proxy."""
     if not records:
         raise ValueError("weight_classes needs at least one token record")
     w = torch.cat([r.weight for r in records])
     s2t = torch.cat([spurious_mask(r) for r in records])
+    rejected = torch.cat([r.rejected for r in records])
     cat = {name: torch.cat([getattr(r, name) for r in records]) for name in ("logprob", "entropy", "advantage")}
     norm = torch.cat([grad_norm_proxy(r.logprob, r.collision, r.advantage) for r in records]).double().sqrt()
-    selections = (w > 1, (w > 0) & (w < 1), w == 0, s2t)
+    selections = (w > 1, (w > 0) & (w < 1), w == 0, rejected, s2t)
     out = []
     for name, sel in zip(WEIGHT_CLASSES, selections):
         n = int(sel.sum())

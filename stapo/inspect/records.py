@@ -5,16 +5,19 @@ mini-batch K > 0; :func:`stapo.run_dir.token_record_path`), written by :func:`wr
 A :class:`TokenRecord` holds::
 
     step: int, minibatch: int, mask_name: str, thresholds: {"tau_p": float, "tau_h": float}
-    rows: list of {row, prompt_text, response_text, reward, advantage}
+    rows: list of {row, prompt_text, response_text, reward, advantage, context}
     # one entry per VALID response token of the mini-batch (flattened, row-major):
     row (N,) long, position (N,) long, token_id (N,) long, token_text list[str] (N),
     logprob (N,) f32, entropy (N,) f32, advantage (N,) f32, kept (N,) bool, silenced (N,) bool,
     topk_ids (N, K) long, topk_probs (N, K) f32, topk_text list[list[str]] (N x K),
     collision (N,) f32   # Σ_v π(v)², the collision probability of paper Lemma A.1
     weight (N,) f32      # the active mask's token weight (a plain mask: 1 kept, 0 silenced)
+    rejected (N,) bool   # rejected by the off-policy correction (loss.rollout_rs): out of the loss too
 
 ``kept`` is the active mask's keep (``keep & response_mask``); ``silenced`` = valid and not kept.
-``weight`` is optional in the file (records written before token weights read as ``kept``).
+``weight`` is optional in the file (records written before token weights read as ``kept``), and so is
+``rejected`` (earlier records read as none rejected). ``kept`` / ``silenced`` are the mask's decisions
+only: a rejected token may be either (the loss uses ``kept & ~rejected``).
 All statistics are those the mask saw (paper Fig. 2 records the same quantities). Missing or NaN
 thresholds (masks without them) are filled with STAPO's defaults, see :func:`default_thresholds`.
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -46,19 +49,22 @@ _TENSORS = {  # field -> (dtype, ndim)
     "logprob": (torch.float32, 1), "entropy": (torch.float32, 1),
     "advantage": (torch.float32, 1), "kept": (torch.bool, 1), "silenced": (torch.bool, 1),
     "topk_ids": (torch.long, 2), "topk_probs": (torch.float32, 2), "collision": (torch.float32, 1),
-    "weight": (torch.float32, 1),
+    "weight": (torch.float32, 1), "rejected": (torch.bool, 1),
 }
 
 
 @dataclass
 class RecordRow:
-    """One response of the recorded mini-batch."""
+    """One response of the recorded mini-batch. ``context``: a multi-turn episode's context segments
+    (tool output and template tokens, docs/tir.md) as ``[position of its first token, text]``; they hold
+    no record entries (never trained) but belong in the text around the policy's tokens."""
 
     row: int
     prompt_text: str
     response_text: str
     reward: float
     advantage: float
+    context: list = field(default_factory=list)
 
 
 @dataclass
@@ -84,11 +90,14 @@ class TokenRecord:
     topk_text: list[list[str]]  # (N x K)
     collision: torch.Tensor   # (N,) f32, Σ π²
     weight: torch.Tensor | None = None  # (N,) f32, the mask's token weight; None: kept as 1 / 0
+    rejected: torch.Tensor | None = None  # (N,) bool, rejected by the off-policy correction; None: none
 
     def __post_init__(self) -> None:
         self.rows = [r if isinstance(r, RecordRow) else RecordRow(**r) for r in self.rows]
         if self.weight is None and isinstance(self.kept, torch.Tensor):
             self.weight = self.kept.float()
+        if self.rejected is None and isinstance(self.kept, torch.Tensor):
+            self.rejected = torch.zeros_like(self.kept)
         self.thresholds = default_thresholds(self.thresholds, self.entropy)
         self.validate()
 
@@ -194,7 +203,7 @@ def read_token_record(path: str | Path) -> TokenRecord:
     return TokenRecord(**{k: data[k] for k in names if k in data}, token_text=token_text, topk_text=topk_text)
 
 
-_OPTIONAL = {"weight"}  # fields records written by an earlier stapo may lack
+_OPTIONAL = {"weight", "rejected"}  # fields records written by an earlier stapo may lack
 _PACKED = ("text_bytes", "text_offsets", "token_text_idx", "topk_text_idx")
 
 

@@ -62,9 +62,10 @@ def _summary(records: Sequence[TokenRecord]) -> dict[str, object]:
     n = sum(r.num_tokens for r in records)
     n_sil = sum(int(r.silenced.sum()) for r in records)
     n_spur = sum(int(spurious_mask(r).sum()) for r in records)
+    n_rej = sum(int(r.rejected.sum()) for r in records)
     return {"records": len(records), "steps": sorted({r.step for r in records}),
             "masks": sorted({r.mask_name for r in records}), "tokens": n, "silenced": n_sil,
-            "spurious": n_spur, "tau_p": records[0].thresholds["tau_p"]}
+            "spurious": n_spur, "rejected": n_rej, "tau_p": records[0].thresholds["tau_p"]}
 
 
 def _summary_lines(s: dict[str, object]) -> list[str]:
@@ -74,7 +75,8 @@ def _summary_lines(s: dict[str, object]) -> list[str]:
             f"{', '.join(s['masks'])}, τ_p = {s['tau_p']:g}",
             f"- valid tokens: {s['tokens']}; silenced by the mask: {s['silenced']} "
             f"({100 * int(s['silenced']) / n:.4f}%); meeting STAPO's criterion: "
-            f"{s['spurious']} ({100 * int(s['spurious']) / n:.4f}%)"]
+            f"{s['spurious']} ({100 * int(s['spurious']) / n:.4f}%); rejected by the off-policy correction: "
+            f"{s['rejected']} ({100 * int(s['rejected']) / n:.4f}%)"]
 
 
 def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, *,

@@ -1,4 +1,5 @@
-"""stapo.losses: advantages, token stats, token masks and the clipped surrogate (torch only).
+"""stapo.losses: advantages, token stats, token masks, off-policy corrections and the clipped surrogate
+(torch only).
 
 May import: torch and ``stapo.registry``/``stapo.run_dir`` only (docs/index.md, "Layout"):
 pure tensor functions, no trainer, config or rollout.
@@ -38,6 +39,8 @@ from stapo.losses.builtin_masks import (
 from stapo.losses import weighting_masks  # noqa: E402,F401  (registers stare and clip_cov)
 from stapo.losses.weighting_masks import ClipCovMask, STAREMask
 from stapo.losses.mismatch import mismatch_sums, tis_weights
+from stapo.losses.corrections import (IS_LEVELS, RS_OPTIONS, CorrectionResult, RejectionBound, RolloutCorrection,
+                                      importance_weights, normalize_weights, rejected_tokens, rs_statistic)
 from stapo.losses.surrogate import AGG_MODES, aggregate_loss, clipped_surrogate_loss
 from stapo.losses.truncation import truncated_keep, truncated_rows
 
@@ -78,6 +81,16 @@ __all__ = [
     # rollout-trainer mismatch and truncated importance sampling
     "mismatch_sums",
     "tis_weights",
+    # off-policy corrections (verl's rollout correction: IS weights, IcePop, rejection)
+    "RolloutCorrection",
+    "CorrectionResult",
+    "RejectionBound",
+    "IS_LEVELS",
+    "RS_OPTIONS",
+    "importance_weights",
+    "normalize_weights",
+    "rejected_tokens",
+    "rs_statistic",
     # overlong filtering (DAPO §3.4)
     "truncated_keep",
     "truncated_rows",

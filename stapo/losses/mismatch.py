@@ -8,19 +8,24 @@ valid token, ``d = trainer - sampler``:
 * ``mismatch_abs_sum`` / ``mismatch_tokens``: mean |d| (``mismatch_logp_abs_mean``);
 * ``mismatch_abs_max``: max |d| (``mismatch_logp_abs_max``; reduce with max, not sum);
 * ``mismatch_k3_sum``: k3 estimator of KL(sampler || trainer) on tokens drawn from the sampler,
-  ``k3 = exp(d) - d - 1 >= 0`` (``mismatch_kl`` = k3_sum / tokens).
+  ``k3 = exp(d) - d - 1 >= 0`` (``mismatch_kl`` = k3_sum / tokens);
+* ``mismatch_k1_sum``: the k1 estimator of the same KL, ``-d`` (``mismatch_kl_k1``; may be negative);
+* ``rollout_ppl_sum`` / ``training_ppl_sum`` / ``mismatch_seqs``: per-row perplexities
+  ``exp(-mean_t log pi)`` of the sampler and of the trainer, summed over rows with a valid token
+  (``rollout_ppl``, ``training_ppl``: verl's batch mean of per-sequence perplexities).
 
 ``tis_weights`` is truncated importance sampling (Yao et al., "Your efficient RL framework
-secretly brings you off-policy RL training", 2025; verl's ``rollout_is``): the surrogate's
+secretly brings you off-policy RL training", 2025; verl's ``rollout_is=token``): the surrogate's
 gradient is an expectation under theta_old, but tokens were drawn from the sampler, so each token
-is reweighted by ``min(pi_old / pi_sampler, cap)`` (docs/losses.md). Pure tensor functions.
+is reweighted by ``min(pi_old / pi_sampler, cap)``; the whole family (sequence weights, IcePop,
+rejection) is :mod:`stapo.losses.corrections` (docs/losses.md). Pure tensor functions.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from stapo.losses.corrections import importance_weights, log_ratio
 
 __all__ = ["mismatch_sums", "tis_weights"]
 
@@ -46,11 +51,22 @@ def mismatch_sums(sampling_logprobs: torch.Tensor, trainer_logprobs: torch.Tenso
     # where BEFORE arithmetic: padding may hold anything (inf, NaN) and must not leak into a sum
     d = torch.where(mask, trainer_logprobs.float() - sampling_logprobs.float(), zero)  # (B, T)
     abs_d = d.abs()
+    rows = mask.any(dim=1)  # (B,)
+    count = mask.sum(dim=1).clamp(min=1).float()  # (B,)
+
+    def ppl_sum(logprobs: torch.Tensor) -> torch.Tensor:  # sum over rows of exp(-mean_t log pi)
+        mean = torch.where(mask, logprobs.float(), zero).sum(dim=1) / count
+        return torch.where(rows, (-mean).exp(), zero).sum()
+
     return {
         "mismatch_abs_sum": abs_d.sum(),
         "mismatch_abs_max": abs_d.max() if abs_d.numel() else zero,
         "mismatch_k3_sum": torch.where(mask, d.exp() - d - 1.0, zero).sum(),
+        "mismatch_k1_sum": -d.sum(),
         "mismatch_tokens": mask.sum().float(),
+        "rollout_ppl_sum": ppl_sum(sampling_logprobs),
+        "training_ppl_sum": ppl_sum(trainer_logprobs),
+        "mismatch_seqs": rows.sum().float(),
     }
 
 
@@ -66,9 +82,5 @@ def tis_weights(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, cap
     if mask is None:
         mask = torch.ones(old_logprobs.shape, dtype=torch.bool, device=old_logprobs.device)
     _check("old_logprobs", old_logprobs, "sampling_logprobs", sampling_logprobs, mask)
-    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
-    log_w = torch.where(mask, old_logprobs.float() - sampling_logprobs.float(), zero)
-    # clamp the log weight first (exp of a large difference overflows to inf), then the weight
-    # itself, so that a capped token weighs exactly `cap`
-    weights = log_w.clamp(max=math.log(cap)).exp().clamp(max=cap)
+    weights = importance_weights(log_ratio(old_logprobs, sampling_logprobs, mask), mask, "token", cap)
     return torch.where(mask, weights, torch.ones_like(weights))

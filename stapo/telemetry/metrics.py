@@ -28,7 +28,13 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
 - ``clip_frac_low``, ``clip_frac_high``, ``approx_kl``, ``loss``, ``grad_norm``, ``lr``
 - ``mismatch_logp_abs_mean``, ``mismatch_logp_abs_max``, ``mismatch_kl`` (rollout engine vs trainer:
   |log pi_sampler - log pi_old| over valid response tokens, its max, and the k3 estimate of
-  KL(sampler || trainer); the trainer's theta_old recompute, so ~1e-6 in fp32 with the HF engine)
+  KL(sampler || trainer); the trainer's theta_old recompute, so ~1e-6 in fp32 with the HF engine),
+  ``mismatch_kl_k1`` (the k1 estimate of the same KL, mean of log pi_sampler - log pi_old; may be < 0),
+  ``rollout_ppl``, ``training_ppl`` (mean over responses of exp(-mean token log-prob) under the sampler
+  and under theta_old; verl's names)
+- ``rejected_frac``, ``rejected_seq_frac`` (valid tokens / responses with a token that the off-policy
+  correction's rejection, ``loss.rollout_rs``, took out of the loss; 0 without it; counted apart from
+  ``silenced_frac``, the mask's)
 - ``zero_std_group_frac`` (groups whose rewards are all equal, hence A = 0), ``skipped_updates`` (mini-batch
   updates skipped this step for a non-finite loss or gradient norm), ``skipped_steps`` (steps skipped
   so far, cumulative)
@@ -42,6 +48,11 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
 Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean``,
 ``eval_response_length_mean`` (greedy response tokens; eval steps only);
 ``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``);
+with importance weights (``loss.rollout_is``, docs/losses.md "Off-policy corrections"): ``rollout_is_mean``,
+``rollout_is_max`` (of the untruncated ratios pi_old / pi_sampler over valid tokens; sequence level: the
+row's product on each of its tokens), ``rollout_is_eff_sample_size`` (ESS of the applied weights,
+(sum w)^2 / (n sum w^2), before batch normalization; 1 when all are equal), ``rollout_is_clipped_frac``
+(valid tokens whose weight the threshold truncated or zeroed);
 ``mask_gate`` (a gated weighting mask's gate, e.g. STARE's: 1 on, 0 off, the mean over the step's
 mini-batches; only for such a mask);
 ``mfu_stats``, ``mfu_update`` (model FLOPs utilization of the phase on a GPU whose peak is known,
@@ -56,7 +67,14 @@ step's oldest token and the one it trains: 0 in lock-step, at most ``rollout.max
 ``rollout.partial`` a response continued after a sync has younger tokens than its first ones),
 ``generation_s`` (wall seconds the step's batch took to generate; asynchronous, it ran during earlier
 updates and ``time_rollout`` is only the trainer's wait for it); with ``rollout.partial``:
-``partial_interrupted`` (response segments a weight sync cut, all ranks; they went on with the new weights).
+``partial_interrupted`` (response segments a weight sync cut, all ranks; they went on with the new weights);
+with ``rollout.tools`` (multi-turn episodes, docs/tir.md): ``turns_mean`` (policy turns per episode), ``tool_calls_mean``,
+``tool_errors_mean`` (per episode), ``tool_error_frac`` (errors / calls), ``context_token_frac`` (context
+tokens / all response tokens: what the model read but did not write), ``tool_penalty_mean`` (the tool
+shaping per episode, 0 unless configured), ``time_tools`` (seconds the episode loop waited for tools, part
+of ``time_rollout``, mean over ranks), and at evaluation ``eval_tool_calls_mean``; with
+``rollout.tools.eval_without_tools``: ``eval_no_tools_accuracy``, ``eval_no_tools_reward_mean``,
+``eval_no_tools_response_length_mean`` (the held-out prompts offering no tools, one turn each).
 
 Non-finite values (a skipped step's loss) are stored as the strings ``"NaN"``, ``"Infinity"``,
 ``"-Infinity"`` so every line stays valid JSON; :func:`stapo.run_dir.read_metrics` turns them back
@@ -84,7 +102,8 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "entropy_mean", "silenced_frac", "spurious_frac", "keep_frac", "mask_tau_h", "probe_tau_h",
     "upweighted_frac", "downweighted_frac", "weight_mean",
     "clip_frac_low", "clip_frac_high", "approx_kl", "loss", "grad_norm", "lr",
-    "mismatch_logp_abs_mean", "mismatch_logp_abs_max", "mismatch_kl",
+    "mismatch_logp_abs_mean", "mismatch_logp_abs_max", "mismatch_kl", "mismatch_kl_k1", "rollout_ppl", "training_ppl",
+    "rejected_frac", "rejected_seq_frac",
     "zero_std_group_frac", "skipped_updates", "skipped_steps",
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step", "sync_mb",
     "time_rollout_max", "time_rollout_min",
@@ -95,13 +114,19 @@ OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "e
                                          "mask_gate", "entropy_bonus", "mfu_stats", "mfu_update",
                                          "sampling_rounds", "groups_kept", "groups_dropped", "groups_surplus",
                                          "sampling_capped", "policy_staleness", "policy_staleness_mean",
-                                         "generation_s", "partial_interrupted")
+                                         "generation_s", "partial_interrupted",
+                                         "turns_mean", "tool_calls_mean", "tool_errors_mean", "tool_error_frac",
+                                         "context_token_frac", "tool_penalty_mean", "time_tools",
+                                         "eval_tool_calls_mean", "eval_no_tools_accuracy",
+                                         "eval_no_tools_reward_mean", "eval_no_tools_response_length_mean",
+                                         "rollout_is_mean", "rollout_is_max", "rollout_is_eff_sample_size",
+                                         "rollout_is_clipped_frac")
 #: Metrics measured from wall time: they differ between two runs of the same training.
 TIMING_METRIC_KEYS: tuple[str, ...] = (
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",
     "time_rollout_max", "time_rollout_min",
     "tokens_per_s_rollout", "tokens_per_s_stats", "tokens_per_s_update", "tokens_per_s", "mfu_stats", "mfu_update",
-    "generation_s",
+    "generation_s", "time_tools",
 )
 
 

@@ -21,6 +21,8 @@ from stapo.rollout.batch import row_lengths
 # Quantities that are already global (identical on every rank) before the reduction. (The loss is
 # not: each rank holds its share of Eq. 1's numerator over the global denominator.)
 _GLOBAL = ("mask_tau_h", "probe_tau_h", "grad_norm")
+# Maxima: the max over mini-batches, then over ranks (never summed).
+MAX_KEYS = ("mismatch_abs_max", "rollout_is_max")
 
 
 class PhaseTimer:
@@ -53,7 +55,10 @@ class StepSums(dict):
             self.add_value(key, value)
 
     def add_value(self, key: str, value) -> None:
-        self[key] = self.get(key, 0.0) + value
+        if key in MAX_KEYS and key in self:
+            self[key] = torch.maximum(torch.as_tensor(self[key]), torch.as_tensor(value))
+        else:
+            self[key] = self.get(key, 0.0) + value
 
 
 def _rollout_sums(rollout, rewards: torch.Tensor, scores: torch.Tensor, group_size: int) -> dict[str, float]:
@@ -70,7 +75,17 @@ def _rollout_sums(rollout, rewards: torch.Tensor, scores: torch.Tensor, group_si
         "groups": float(groups.shape[0]),
         "zero_std_groups": float(zero_std.sum()),
         "prompt_tokens": float(rollout.prompt_mask.sum()),
+        "context_tokens": float(rollout.context_mask.sum()),  # episodes' tool/template tokens: read, not trained
+        **_episode_sums(rollout.episodes),
     }
+
+
+def _episode_sums(episodes) -> dict[str, float]:
+    """Tool-integrated episodes (docs/tir.md): turns, calls, errors, seconds in tools; nothing otherwise."""
+    if episodes is None:
+        return {}
+    return {"turns_sum": float(episodes.turns.sum()), "tool_calls_sum": float(episodes.tool_calls.sum()),
+            "tool_errors_sum": float(episodes.tool_errors.sum()), "tool_wait_s": float(episodes.tool_wait_s)}
 
 
 def mask_sums(stats: TokenStats, masked: MaskResult, probe: MaskResult) -> dict[str, torch.Tensor]:
@@ -145,7 +160,7 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
     iteration's :class:`~stapo.trainer.scored_rollout.ScoredRollout`."""
     rollout = scored.rollout
     local = {**_rollout_sums(rollout, scored.rewards, scored.scores, group_size), **sums}
-    mismatch_max = all_reduce_max(float(local.pop("mismatch_abs_max")))  # a max, not a sum
+    maxima = {key: all_reduce_max(float(local.pop(key))) for key in MAX_KEYS if key in local}  # not sums
     generation = timer.seconds.get("rollout", 0.0)  # this rank's; the ranks' spread shows an uneven deal
     slowest, fastest = all_reduce_max(generation), -all_reduce_max(-generation)
     s = reduce_metrics(local)
@@ -163,6 +178,10 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         optional["mask_gate"] = s["mask_gate"] / world_size / minibatches
     if "entropy_bonus_sum" in s:  # only with loss.entropy_coef != 0
         optional["entropy_bonus"] = entropy_coef * s["entropy_bonus_sum"] / kept
+    if "tool_calls_sum" in s:  # only with rollout.tools: multi-turn episodes
+        optional.update(_episode_metrics(s, n, world_size))
+    if "rollout_is_weight_sum" in s:  # only with importance weights (loss.rollout_is)
+        optional.update(_is_diagnostics(s, maxima["rollout_is_max"]))
     return {
         "step": float(step),
         "epoch": float(epoch),
@@ -187,8 +206,13 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "clip_frac_high": s.get("clip_high_count", 0.0) / kept,
         "approx_kl": s.get("approx_kl_sum", 0.0) / kept,
         "mismatch_logp_abs_mean": s["mismatch_abs_sum"] / max(s["mismatch_tokens"], 1.0),
-        "mismatch_logp_abs_max": mismatch_max,
+        "mismatch_logp_abs_max": maxima["mismatch_abs_max"],
         "mismatch_kl": s["mismatch_k3_sum"] / max(s["mismatch_tokens"], 1.0),
+        "mismatch_kl_k1": s["mismatch_k1_sum"] / max(s["mismatch_tokens"], 1.0),
+        "rollout_ppl": s["rollout_ppl_sum"] / max(s["mismatch_seqs"], 1.0),
+        "training_ppl": s["training_ppl_sum"] / max(s["mismatch_seqs"], 1.0),
+        "rejected_frac": s["rejected_tokens"] / max(s["correction_tokens"], 1.0),
+        "rejected_seq_frac": s["rejected_seqs"] / max(s["correction_seqs"], 1.0),
         "loss": s["loss"] / minibatches,
         "grad_norm": s["grad_norm"] / max(applied, 1.0),
         "lr": lr,
@@ -200,29 +224,55 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "time_rollout_max": slowest,
         "time_rollout_min": fastest,
         "sync_mb": s["sync_mb"] / world_size,
-        "tokens_per_s": (s["length_sum"] + s["prompt_tokens"]) / step_time,
+        "tokens_per_s": (s["length_sum"] + s["prompt_tokens"] + s["context_tokens"]) / step_time,
         **_throughput(s, timer, model_config, peak_flops, world_size),
         **optional,
     }
 
 
-def evaluation_metrics(rewards: list[float], response_lengths: list[int] | None = None) -> dict[str, float]:
-    """Held-out accuracy, mean reward and (with ``response_lengths``) mean response length, all ranks."""
+def _is_diagnostics(s: dict, is_max: float) -> dict[str, float]:
+    """verl's IS diagnostics from the step's sums (stapo.losses.corrections): the untruncated ratios'
+    mean and max, the effective sample size of the applied weights ``(sum w)^2 / (n sum w^2)`` (1: all
+    equal) and the fraction of tokens whose weight the threshold changed."""
+    n, total, squares = max(s["correction_tokens"], 1.0), s["rollout_is_weight_sum"], s["rollout_is_weight_sq_sum"]
+    return {"rollout_is_mean": s["rollout_is_raw_sum"] / n, "rollout_is_max": is_max,
+            "rollout_is_eff_sample_size": total * total / (n * squares) if squares > 0 else 0.0,
+            "rollout_is_clipped_frac": s["rollout_is_clipped"] / n}
+
+
+def _episode_metrics(s: dict, n: float, world_size: int) -> dict[str, float]:
+    """Per-episode means of the tool-integrated episodes, from the step's global sums."""
+    calls = s["tool_calls_sum"]
+    return {"turns_mean": s["turns_sum"] / n, "tool_calls_mean": calls / n,
+            "tool_errors_mean": s["tool_errors_sum"] / n,
+            "tool_error_frac": s["tool_errors_sum"] / max(calls, 1.0),
+            "context_token_frac": s["context_tokens"] / max(s["context_tokens"] + s["length_sum"], 1.0),
+            "tool_penalty_mean": s.get("tool_penalty_sum", 0.0) / n, "time_tools": s["tool_wait_s"] / world_size}
+
+
+def evaluation_metrics(rewards: list[float], response_lengths: list[int] | None = None,
+                       tool_calls: list[int] | None = None, prefix: str = "eval_") -> dict[str, float]:
+    """Held-out accuracy, mean reward and (with ``response_lengths``) mean response length, all ranks;
+    with ``tool_calls`` (tool-integrated episodes) the mean calls per episode. Keys start with ``prefix``."""
     lengths = [] if response_lengths is None else response_lengths
     s = reduce_metrics({"n": float(len(rewards)), "correct": float(sum(r > 0 for r in rewards)),
-                        "reward_sum": float(sum(rewards)), "length_sum": float(sum(lengths))})
+                        "reward_sum": float(sum(rewards)), "length_sum": float(sum(lengths)),
+                        "calls": float(sum(tool_calls or []))})
     n = max(s["n"], 1.0)
-    row = {"eval_accuracy": s["correct"] / n, "eval_reward_mean": s["reward_sum"] / n}
+    row = {f"{prefix}accuracy": s["correct"] / n, f"{prefix}reward_mean": s["reward_sum"] / n}
     if response_lengths is not None:
-        row["eval_response_length_mean"] = s["length_sum"] / n
+        row[f"{prefix}response_length_mean"] = s["length_sum"] / n
+    if tool_calls is not None:
+        row[f"{prefix}tool_calls_mean"] = s["calls"] / n
     return row
 
 
 def sample_completions(rollout, rewards: torch.Tensor, silenced: torch.Tensor, tokenizer, count: int = 2) -> list[dict]:
-    """A few completions with their tokens and which were silenced, for ``MetricsLogger.log_samples``."""
+    """A few completions with their tokens and which were silenced, for ``MetricsLogger.log_samples`` (an
+    episode's tool turns included: context tokens, never silenced)."""
     samples = []
     for row in range(min(count, len(rollout))):
-        valid = rollout.response_mask[row]
+        valid = rollout.real_mask[row]
         ids = rollout.response_ids[row][valid].tolist()
         samples.append({
             "prompt": rollout.prompt_text[row] if rollout.prompt_text else "",

@@ -25,7 +25,7 @@ from stapo.losses import build_mask, mask_params
 from stapo.rollout.registry import engine_problem, resolve_engine
 from stapo.run_dir import written_artifacts
 from stapo.distributed.process_group import get_rank
-from stapo.trainer.components import rows_per_rank
+from stapo.trainer.components import correction_line, rows_per_rank
 from stapo.trainer.data_check import DataSource, check_data
 from stapo.trainer.model_source import ModelSource, model_source, offline, unavailable_reason
 from stapo.trainer.resume import choose_checkpoint, warn_skipped
@@ -182,6 +182,7 @@ def summary_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:
         f"rollout.engine: {r.engine}" + (f" -> {plan.engine}" if plan.engine != r.engine else ""),
         f"reward: {'reward.function ' + cfg.reward.function if cfg.reward.function else cfg.reward.mode}",
         f"mask: {cfg.mask.name} ({params})",
+        correction_line(cfg),
         *(f"{d.setting}: {d.source} ({d.describe()})" for d in plan.data),
         _output_line(cfg, plan),
     ]

@@ -2,8 +2,8 @@
 
 Every N iterations the per-token statistics of the first mini-batch (``inspect.record_minibatches``:
 or of every one) — exactly the ``p``, ``H`` and ``A`` the mask saw, what it silenced, plus top-5
-alternatives and the collision probability (paper Fig. 2, App. C) — are written to
-``output_dir/token_records/``.
+alternatives and the collision probability (paper Fig. 2, App. C), and which tokens the off-policy
+correction rejected — are written to ``output_dir/token_records/``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ class TokenRecorder:
 
     @torch.no_grad()
     def record(self, step, minibatch, model, mini, stats, masked, thresholds, rollout, rewards, tokenizer, mask_name,
-               opts) -> None:
+               opts, rejected=None) -> None:
         """Write the record of one mini-batch (rank 0's rows; every rank runs the forward). Called
-        before the mini-batch's update, so top-k comes from the theta that gave p and H."""
+        before the mini-batch's update, so top-k comes from the theta that gave p and H. ``rejected``:
+        (B, T) bool, the tokens the off-policy correction took out of the loss."""
         shape = (*mini.response_ids.shape, self.top_k)
         topk_ids = torch.zeros(shape, dtype=torch.long)
         topk_probs = torch.zeros(shape)
@@ -60,6 +61,25 @@ class TokenRecorder:
             decode_token=lambda i: piece_text(tokenizer, i),  # a byte piece as \xNN, never U+FFFD
             row_texts=lambda ids: row_token_texts(tokenizer, ids, alone),  # pieces completed by neighbours
             prompt_texts=rollout.prompt_text, response_texts=rollout.response_text, rewards=rewards,
-            weights=masked.weights,
+            weights=masked.weights, context_segments=context_segments(rollout, tokenizer),
+            rejected=rejected,
         )
         write_token_record(token_record_path(self.output_dir, step, minibatch), record)
+
+
+def context_segments(rollout, tokenizer) -> list[list] | None:
+    """Per row, each run of context tokens (a tool turn of an episode) as ``[first position, text]``
+    (special tokens shown: they are the chat template's); None for single-turn rows."""
+    if rollout.episodes is None:
+        return None
+    out = []
+    for ids, context in zip(rollout.response_ids.tolist(), rollout.context_mask.tolist()):
+        runs, start = [], None
+        for t, flag in enumerate([*context, False]):
+            if flag and start is None:
+                start = t
+            elif not flag and start is not None:
+                runs.append([start, tokenizer.decode(ids[start:t], skip_special_tokens=False)])
+                start = None
+        out.append(runs)
+    return out

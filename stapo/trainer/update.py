@@ -3,8 +3,8 @@
 The update must not depend on how the mini-batch is cut into micro-batches or spread over ranks
 (docs/algorithm.md, "Why the update is exact"). Three things make that exact:
 
-1. the keep mask is computed once per mini-batch by the caller, with quantile thresholds over the
-   valid tokens of the whole mini-batch on all ranks (``masked_quantile`` all-gathers);
+1. the keep mask and the off-policy correction are computed once per mini-batch by the caller, on full
+   rows, with quantile thresholds and batch means over the whole mini-batch on all ranks;
 2. the loss normalizer (kept tokens for ``token-mean``, rows for the ``seq-mean-*`` modes) is the
    GLOBAL count, all-reduced before any backward, so micro-batch losses add up to Eq. 1;
 3. gradients are summed, not averaged, over micro-batches and ranks (``GradientAccumulation``).
@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from stapo.losses import all_reduce_sum_, clipped_surrogate_loss, tis_weights
+from stapo.losses import CorrectionResult, all_reduce_sum_, clipped_surrogate_loss
 from stapo.losses.ops import DEFAULT_CHUNK_SIZE
 from stapo.distributed.accumulation import GradientAccumulation
 from stapo.trainer.microbatch import MicroBatches
@@ -38,9 +38,10 @@ class TrainBatch:
     advantages: torch.Tensor  # (B,) fp32, shared by all tokens of a response
     old_logprobs: torch.Tensor  # (B, T) fp32, policy at theta_old (trainer recompute)
     old_entropy: torch.Tensor  # (B, T) fp32
-    sampling_logprobs: torch.Tensor | None = None  # (B, T) fp32, the rollout engine's (for TIS)
+    sampling_logprobs: torch.Tensor | None = None  # (B, T) fp32, the rollout engine's (off-policy corrections)
     ref_logprobs: torch.Tensor | None = None  # (B, T) fp32, frozen reference policy (for the KL term)
     loss_mask: torch.Tensor | None = None  # (B, T) bool: tokens allowed in the loss (None: response_mask)
+    context_mask: torch.Tensor | None = None  # (B, T) bool: episodes' context tokens, inputs only (None: none)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -68,7 +69,6 @@ class UpdateOptions:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     max_response_length: int | None = None
     kl_coef: float = 0.0
-    tis_cap: float | None = None
     entropy_coef: float = 0.0
     # micro-batching: rows (micro_batch_size) unless a token budget is set; packed or padded rows
     packing: bool = True
@@ -114,29 +114,36 @@ def rollout_entropy(batch: TrainBatch) -> float:
 
 def _global_normalizer(keep: torch.Tensor, trainable: torch.Tensor, agg: str) -> torch.Tensor:
     """Eq. 1's denominator over the whole mini-batch on all ranks: kept tokens for ``token-mean``,
-    rows for the seq-mean modes (rows left out of the loss by ``loss.mask_truncated`` do not count)."""
+    rows for the seq-mean modes (rows left out of the loss by ``loss.mask_truncated`` or rejected whole by
+    the off-policy correction do not count)."""
     local = keep.sum() if agg == "token-mean" else trainable.any(dim=1).sum()
     return all_reduce_sum_(local.to(torch.float64)).to(torch.float32)
 
 
-def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor,
-                     opts: UpdateOptions, weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOptions,
+                     weights: torch.Tensor | None = None,
+                     correction: CorrectionResult | None = None) -> dict[str, torch.Tensor]:
     """Eq. 1 over the kept tokens, backward over micro-batches, one optimizer step.
 
     ``keep``: ``(B, T)`` bool from the mask strategy (never true on padding); ``weights``: its
-    float token weights (``MaskResult.weights``; tokens of weight 0 leave ``keep``). Returns this
-    rank's metric SUMS as device tensors (the step reduces them once; no per-micro-batch sync).
+    float token weights (``MaskResult.weights``; tokens of weight 0 leave ``keep``). ``correction``:
+    the mini-batch's off-policy correction (``stapo.losses.RolloutCorrection``, computed on these full
+    rows): its rejected tokens leave the loss and the normalizer, its IS weights multiply the surrogate
+    (a token's weight is the mask's times the correction's). Returns this rank's metric SUMS as device
+    tensors (the step reduces them once; no per-micro-batch sync).
     """
     with pass_kind(model, UPDATE):  # ZeRO-3: its own forward + backward trace (zero3_trace)
-        return _update(engine, model, batch, keep, opts, weights)
+        return _update(engine, model, batch, keep, opts, weights, correction)
 
 
 def _update(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOptions,
-            weights: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    keep = keep & batch.trainable
+            weights: torch.Tensor | None, correction: CorrectionResult | None) -> dict[str, torch.Tensor]:
+    trainable = batch.trainable if correction is None else batch.trainable & ~correction.rejected
+    keep = keep & trainable
     if weights is not None:
         keep = keep & (weights > 0)
-    normalizer = _global_normalizer(keep, batch.trainable, opts.agg)
+    normalizer = _global_normalizer(keep, trainable, opts.agg)
+    is_weights = correction.weights if correction is not None else None
     device = _device(model)
     micro_batches = MicroBatches(batch, opts, device, no_grad=False)
     accumulation = GradientAccumulation(engine, len(micro_batches))
@@ -151,14 +158,12 @@ def _update(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOp
         micro_keep = keep[rows, :t_len].to(device)
         micro_weights = weights[rows, :t_len].to(device) if weights is not None else None
         ref = part.ref_logprobs[:, :t_len].to(device) if part.ref_logprobs is not None else None
-        is_weights = None  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
-        if opts.tis_cap is not None and part.sampling_logprobs is not None:
-            is_weights = tis_weights(old, part.sampling_logprobs[:, :t_len].to(device), opts.tis_cap, micro_keep)
+        micro_is = is_weights[rows, :t_len].to(device) if is_weights is not None else None
         loss, metrics = clipped_surrogate_loss(
             logprobs, old, part.advantages.to(device), micro_keep,
             clip_low=opts.clip_low, clip_high=opts.clip_high, clip_c=opts.clip_c, agg=opts.agg,
             normalizer=normalizer.to(device), max_response_length=opts.max_response_length,
-            log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef, is_weights=is_weights,
+            log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef, is_weights=micro_is,
             entropy=entropy if bonus else None, entropy_coef=opts.entropy_coef, weights=micro_weights,
         )
         accumulation.backward(loss)

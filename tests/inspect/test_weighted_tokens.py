@@ -26,7 +26,8 @@ def _weighted(make_record, step: int = 10):
 
 
 def test_weight_classes_hand_built(make_record):
-    up, down, silenced, s2t = weight_classes([_weighted(make_record)])
+    up, down, silenced, rejected, s2t = weight_classes([_weighted(make_record)])
+    assert rejected.count == 0 and math.isnan(rejected.mean_weight)  # no off-policy rejection in this record
     assert (up.count, up.s2t_overlap, down.count, silenced.count, silenced.s2t_overlap) == (2, 1, 1, 1, 1)
     assert up.frac == pytest.approx(2 / 8) and up.mean_weight == pytest.approx(1.1)
     assert up.median_prob == pytest.approx(0.002)  # torch.median of (0.9, 0.002): the lower middle
@@ -71,3 +72,33 @@ def test_inspect_run_reports_the_weighted_tokens(tmp_path, make_record):
     assert "| down-weighted (0 < w < 1) | 1 | 12.5000% | 0 | 0.9 |" in table
     assert "## Weighted tokens next to S2T" in (out / "index.md").read_text()
     assert "<td>up-weighted (w &gt; 1)</td><td>2</td>" in (out / "report.html").read_text()
+
+
+def test_rejected_tokens_are_their_own_class(tmp_path, make_record):
+    # row 1 ("I", " think", " 5": A = -1) rejected whole by a sequence filter; the mask silenced 0:1 and 0:4
+    record = make_record(10)
+    record.rejected = torch.tensor([False] * 5 + [True] * 3)
+    record.validate()
+    *_, rejected, s2t = weight_classes([record])
+    assert (rejected.count, rejected.s2t_overlap, rejected.positive_frac) == (3, 0, 0.0)
+    assert rejected.frac == pytest.approx(3 / 8) and rejected.mean_entropy == pytest.approx((0.6 + 0.4 + 0.45) / 3)
+    back = read_token_record(write_token_record(token_record_path(tmp_path / "run", 10), record))
+    assert torch.equal(back.rejected, record.rejected)
+    old = record.to_dict()
+    del old["rejected"]  # a record written before the off-policy correction: nothing rejected
+    assert not type(record)(**old).rejected.any()
+    out = inspect_run(tmp_path / "run")
+    assert "rejected by the off-policy correction: 3 (37.5000%)" in (out / "index.md").read_text()
+    assert "| rejected (off-policy correction) | 3 | 37.5000% | 0 |" in (out / "weighted_tokens.md").read_text()
+
+
+def test_build_token_record_takes_the_rejected_tokens():
+    record = build_token_record(
+        step=1, minibatch=0, mask_name="stapo", thresholds={"tau_p": 0.01, "tau_h": 0.5},
+        token_ids=torch.tensor([[5, 6, 7], [8, 9, 0]]), logprobs=torch.full((2, 3), -1.0), entropy=torch.ones(2, 3),
+        advantages=torch.tensor([1.0, -1.0]), response_mask=torch.tensor([[True, True, True], [True, True, False]]),
+        keep=torch.ones(2, 3, dtype=torch.bool), topk_ids=torch.zeros(2, 3, 2, dtype=torch.long),
+        topk_probs=torch.zeros(2, 3, 2), collision=torch.ones(2, 3), decode_token=str, prompt_texts=["p", "q"],
+        response_texts=["r", "s"], rewards=[1.0, -1.0],
+        rejected=torch.tensor([[False, False, False], [True, True, True]]))  # the padding slot is not a token
+    assert torch.equal(record.rejected, torch.tensor([False, False, False, True, True]))

@@ -108,35 +108,91 @@ def test_spurious_probe_follows_the_configured_thresholds(tmp_path, tiny_model_d
     assert metrics["probe_tau_h"] == pytest.approx(metrics["mask_tau_h"])
 
 
-@pytest.mark.parametrize("tis_cap, factor", [(None, 1.0), (2.0, 2.0), (8.0, 4.0)])
-def test_tis_weights_scale_the_surrogate(tis_cap, factor, tiny_model_dir):
-    # the sampler gave every token a quarter of the trainer's probability: pi_old / pi_sampler = 4,
-    # truncated at the cap. At theta_old rho = 1, so each kept token's loss is -A * w and the
-    # token-mean loss is -w * sum(A) / N = factor times the loss without TIS.
-    import dataclasses
-
+def _engine(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from stapo.distributed.process_group import init_distributed
     from stapo.distributed.deepspeed_engine import build_engine
-    from stapo.trainer.update import update_minibatch
 
     init_distributed()
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    engine = build_engine(model, lr=1e-3, warmup_steps=0, grad_accum_steps=2, zero_stage=0, bf16=False)
+    return build_engine(model, lr=1e-3, warmup_steps=0, grad_accum_steps=2, zero_stage=0, bf16=False)
+
+
+def _sampled_by(batch, log_gap):
+    """The batch with the sampler's log-probs ``old - log_gap`` per row (``log r = log_gap``)."""
+    import dataclasses
+
+    gap = torch.as_tensor(log_gap, dtype=torch.float32)[:, None]
+    sampling = torch.where(batch.response_mask, batch.old_logprobs - gap, 0.0)
+    # rows of 6, 3, 5 and 2 tokens with A = 1, -1, 1, 1: sum(A) over the 16 tokens is 6 - 3 + 5 + 2 = 10
+    return dataclasses.replace(batch, advantages=torch.tensor([1.0, -1.0, 1.0, 1.0]), sampling_logprobs=sampling,
+                               ref_logprobs=None)
+
+
+@pytest.mark.parametrize("settings, factor", [({}, 1.0), ({"rollout_is": "token", "rollout_is_threshold": 2.0}, 2.0),
+                                              ({"rollout_is": "sequence", "rollout_is_threshold": 8.0}, 8.0),
+                                              ({"rollout_is": "token", "rollout_is_threshold": 8.0}, 4.0)])
+def test_importance_weights_scale_the_surrogate(settings, factor, tiny_model_dir):
+    # the sampler gave every token a quarter of the trainer's probability: pi_old / pi_sampler = 4 per
+    # token (a row's product: 4^len, truncated at 8), capped at the threshold. At theta_old rho = 1, so each
+    # kept token's loss is -A * w and the token-mean loss is -w * sum(A) / N = factor times the plain loss.
+    from stapo.losses import RolloutCorrection
+    from stapo.trainer.update import update_minibatch
+
+    engine = _engine(tiny_model_dir)
     batch, opts = _batch_with_reference(engine.module, 0.0)
-    advantages = torch.tensor([1.0, -1.0, 1.0, 1.0])  # tokens: 6 + 3 + 5 + 2 = 16, sum(A) = 6 - 3 + 5 + 2 = 10
-    sampling = torch.where(batch.response_mask, batch.old_logprobs - math.log(4.0), 0.0)
-    batch = dataclasses.replace(batch, advantages=advantages, sampling_logprobs=sampling, ref_logprobs=None)
-    sums = update_minibatch(engine, engine.module, batch, batch.response_mask,
-                            dataclasses.replace(opts, tis_cap=tis_cap))
+    batch = _sampled_by(batch, [math.log(4.0)] * 4)
+    corrected = RolloutCorrection(**settings)(batch.sampling_logprobs, batch.old_logprobs, batch.response_mask)
+    sums = update_minibatch(engine, engine.module, batch, batch.response_mask, opts, correction=corrected)
     assert float(sums["loss"]) == pytest.approx(-factor * 10 / 16, abs=1e-5)
 
 
+def test_a_token_weight_is_the_masks_times_the_corrections(tiny_model_dir):
+    # mask weight 0.5 on row 0, 1 elsewhere; IS weight 4 everywhere (cap 8): per-token weights 2, 4, 4, 4,
+    # the normalizer the 16 tokens: -(2 * 6 - 4 * 3 + 4 * 5 + 4 * 2) / 16 = -28 / 16
+    from stapo.losses import RolloutCorrection
+    from stapo.trainer.update import update_minibatch
+
+    engine = _engine(tiny_model_dir)
+    batch, opts = _batch_with_reference(engine.module, 0.0)
+    batch = _sampled_by(batch, [math.log(4.0)] * 4)
+    corrected = RolloutCorrection("token", 8.0)(batch.sampling_logprobs, batch.old_logprobs, batch.response_mask)
+    mask_weights = torch.where(torch.arange(4)[:, None] == 0, 0.5, 1.0).expand(4, 6)
+    sums = update_minibatch(engine, engine.module, batch, batch.response_mask, opts, weights=mask_weights,
+                            correction=corrected)
+    assert float(sums["loss"]) == pytest.approx(-28 / 16, abs=1e-5)
+    assert float(sums["kept_tokens"]) == 16
+
+
+@pytest.mark.parametrize("settings, loss, kept", [
+    # row 1 (3 tokens, A = -1) sampled with log r = 1.5 against 0 elsewhere. IcePop band [0.5, 2]: r = e^1.5
+    # is outside, weight 0, the token stays in the normalizer: -(6 + 0 + 5 + 2) / 16
+    ({"rollout_is": "token", "rollout_is_threshold": "0.5_2.0"}, -13 / 16, 16),
+    # rejection (seq_mean_k3 = e^1.5 - 2.5 = 1.98 > 0.5 on row 1, 0 elsewhere): row 1 leaves numerator and
+    # normalizer: -(6 + 5 + 2) / 13
+    ({"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.5}, -1.0, 13),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": 2.0}, -1.0, 13),  # exp(k1) = e^-1.5 < 1/2
+])
+def test_rejection_leaves_the_normalizer_and_a_zero_weight_does_not(settings, loss, kept, tiny_model_dir):
+    from stapo.losses import RolloutCorrection
+    from stapo.trainer.update import update_minibatch
+
+    engine = _engine(tiny_model_dir)
+    batch, opts = _batch_with_reference(engine.module, 0.0)
+    batch = _sampled_by(batch, [0.0, 1.5, 0.0, 0.0])
+    corrected = RolloutCorrection(**settings)(batch.sampling_logprobs, batch.old_logprobs, batch.response_mask)
+    sums = update_minibatch(engine, engine.module, batch, batch.response_mask, opts, correction=corrected)
+    assert float(sums["loss"]) == pytest.approx(loss, abs=1e-5)
+    assert float(sums["kept_tokens"]) == kept
+
+
+@pytest.mark.parametrize("out", ["loss_mask", "rejected"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_a_row_out_of_the_loss_leaves_numerator_and_normalizer(agg, tiny_model_dir):
-    # loss.mask_truncated: a row masked out by loss_mask gives exactly the loss of the batch without
-    # that row, in every aggregation (for the seq-mean modes the row leaves the row count too)
+def test_a_row_out_of_the_loss_leaves_numerator_and_normalizer(agg, out, tiny_model_dir):
+    # loss.mask_truncated (a row masked out by loss_mask) or a sequence rejected by the off-policy correction
+    # gives exactly the loss of the batch without that row, in every aggregation (for the seq-mean modes the
+    # row leaves the row count too)
     import dataclasses
 
     from transformers import AutoModelForCausalLM
@@ -155,9 +211,18 @@ def test_a_row_out_of_the_loss_leaves_numerator_and_normalizer(agg, tiny_model_d
     batch, opts = _batch_with_reference(first.module, 0.0)
     batch = dataclasses.replace(batch, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]), ref_logprobs=None)
     opts = dataclasses.replace(opts, agg=agg, max_response_length=6)
-    cut = torch.tensor([False, True, False, False])  # row 1 hit the length limit
-    masked = dataclasses.replace(batch, loss_mask=batch.response_mask & ~cut[:, None])
-    with_mask = update_minibatch(first, first.module, masked, masked.response_mask, opts)
+    cut = torch.tensor([False, True, False, False])  # row 1 hit the length limit, or its sampler was far off
+    if out == "loss_mask":
+        masked = dataclasses.replace(batch, loss_mask=batch.response_mask & ~cut[:, None])
+        with_mask = update_minibatch(first, first.module, masked, masked.response_mask, opts)
+    else:
+        from stapo.losses import RolloutCorrection
+
+        sampling = torch.where(batch.response_mask, batch.old_logprobs - 2.0 * cut[:, None], 0.0)
+        corrected = RolloutCorrection(rollout_rs="seq_max_k2", rollout_rs_threshold=1.0)(  # (log r)^2 / 2 = 2 on row 1
+            sampling, batch.old_logprobs, batch.response_mask)
+        assert torch.equal(corrected.rejected.any(dim=1), cut)
+        with_mask = update_minibatch(first, first.module, batch, batch.response_mask, opts, correction=corrected)
     rest = batch.rows(torch.tensor([0, 2, 3]))
     second = engine()
     without_row = update_minibatch(second, second.module, rest, rest.response_mask, opts)

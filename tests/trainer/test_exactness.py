@@ -7,6 +7,11 @@ micro-batches by row count or by a token budget. The loss, the keep mask and the
 must agree to fp32 tolerance, for the ``stapo`` and ``entropy_top`` masks. The stats the masks see
 are fixed per row (computed once by a plain forward) so only the layout differs; the ratio's
 denominator is offset per token so that both clip sides are exercised.
+
+The off-policy corrections (docs/losses.md, "Off-policy corrections") go through the same layouts on top
+of the ``stapo`` mask: token IS, sequence IS batch-normalized over the mini-batch on all ranks, and a
+sequence rejection filter, each computed on a rank's full rows before micro-batching. Their loss and
+gradient must equal the 1x1 reference within 1e-6 (absolute).
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ LAYOUTS = (("1x1", 1, 8, False, None), ("1x4", 1, 2, False, None), ("2x2", 2, 2,
            ("1x4-packed", 1, 2, True, None), ("2x2-packed", 2, 2, True, None),
            ("1-budget", 1, 8, True, 24), ("2-budget", 2, 8, True, 24))
 MASKS = {"stapo": {"tau_p": 0.05}, "entropy_top": {}}
+# on the stapo mask: the sampler is off by up to +-0.6 nats per token (see _make_batch)
+CORRECTIONS = {"token_is": {"rollout_is": "token", "rollout_is_threshold": 1.2},
+               "sequence_is": {"rollout_is": "sequence", "rollout_is_threshold": 3.0,
+                               "rollout_is_batch_normalize": True},
+               "seq_rs": {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.07}}
 
 
 def _make_batch(model_dir) -> dict:
@@ -49,13 +59,14 @@ def _make_batch(model_dir) -> dict:
             temperature=1.0, chunk_size=64)
     # theta_old differs from theta by up to +-0.5 nats per token: ratios on both sides of the clip range
     offset = (torch.rand(ROWS, lt, generator=g) - 0.5) * torch.where(response_mask, 1.0, 0.0)
+    sampler_offset = (torch.rand(ROWS, lt, generator=g) - 0.5) * 1.2 * torch.where(response_mask, 1.0, 0.0)
     old = torch.zeros(ROWS, lt)
     old[:, : logprobs.shape[1]] = logprobs
     ent = torch.zeros(ROWS, lt)
     ent[:, : entropy.shape[1]] = entropy
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                 response_mask=response_mask, advantages=advantages, old_logprobs=old + offset,
-                entropy=ent)
+                entropy=ent, sampling_logprobs=old + offset - sampler_offset)
 
 
 def rank_share(batch: dict):
@@ -67,14 +78,15 @@ def rank_share(batch: dict):
     share = ROWS // info.world_size
     rows = slice(info.rank * share, (info.rank + 1) * share)
     fields = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages", "old_logprobs", "entropy")
-    return info, rows, TrainBatch(*(batch[f][rows] for f in fields))
+    return info, rows, TrainBatch(*(batch[f][rows] for f in fields), sampling_logprobs=batch["sampling_logprobs"][rows])
 
 
 def _update_worker(out_dir, *, model_dir, batch, micro_batch_size, packing, max_tokens):
-    """On each rank: its share of rows, one update per mask, full grads captured before the step."""
+    """On each rank: its share of rows, one update per mask and per correction, full grads captured
+    before the step."""
     from transformers import AutoModelForCausalLM
 
-    from stapo.losses import TokenStats, build_mask
+    from stapo.losses import RolloutCorrection, TokenStats, build_mask
     from _dist_utils import gather_full_grads
     from stapo.distributed.accumulation import GradientAccumulation
     from stapo.distributed.deepspeed_engine import build_engine
@@ -93,15 +105,22 @@ def _update_worker(out_dir, *, model_dir, batch, micro_batch_size, packing, max_
 
     GradientAccumulation.step = step_after_capturing_grads
     results = {}
-    for name, params in MASKS.items():
+    runs = [(name, name, params, None) for name, params in MASKS.items()] + \
+        [(name, "stapo", MASKS["stapo"], settings) for name, settings in CORRECTIONS.items()]
+    for label, name, params, settings in runs:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         engine = build_engine(model, lr=1e-3, warmup_steps=0, grad_accum_steps=-(-len(mine) // micro_batch_size),
                               micro_batch_size=micro_batch_size, bf16=False)
         captured.clear()
         masked = build_mask(name, **params).apply(stats)
-        sums = update_minibatch(engine, engine.module, mine, masked.keep, opts)
-        results[name] = {"loss": float(sums["loss"]), "keep": masked.keep, "grads": dict(captured),
-                         "tau_h": float(masked.thresholds["tau_h"]), "micro_batches": float(sums["micro_batches"])}
+        corrected = None if settings is None else RolloutCorrection(**settings)(
+            mine.sampling_logprobs, mine.old_logprobs, mine.response_mask)  # full rows, before micro-batching
+        sums = update_minibatch(engine, engine.module, mine, masked.keep, opts, correction=corrected)
+        keep = masked.keep if corrected is None else masked.keep & ~corrected.rejected
+        results[label] = {"loss": float(sums["loss"]), "keep": keep, "grads": dict(captured),
+                          "tau_h": float(masked.thresholds["tau_h"]), "micro_batches": float(sums["micro_batches"]),
+                          "weights": None if corrected is None or corrected.weights is None else corrected.weights,
+                          "rejected": torch.zeros_like(keep) if corrected is None else corrected.rejected}
     return results
 
 
@@ -120,8 +139,11 @@ def layouts(tiny_model_dir, tmp_path_factory):
                 "grads": results[0][name]["grads"],  # full gradients are identical on every rank
                 "tau_h": [r[name]["tau_h"] for r in results],
                 "micro_batches": [r[name]["micro_batches"] for r in results],
+                "weights": None if results[0][name]["weights"] is None
+                else torch.cat([r[name]["weights"] for r in results]),
+                "rejected": torch.cat([r[name]["rejected"] for r in results]),
             }
-            for name in MASKS
+            for name in (*MASKS, *CORRECTIONS)
         }
     return batch, out
 
@@ -145,3 +167,25 @@ def test_update_is_independent_of_micro_batches_and_ranks(layouts, mask):
         for name, grad in ref["grads"].items():
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=f"{label}: {name}")
     assert any(g.abs().sum() > 0 for g in ref["grads"].values()), "the update produced no gradient"
+
+
+@pytest.mark.parametrize("correction", list(CORRECTIONS))
+def test_corrections_are_independent_of_micro_batches_and_ranks(layouts, correction):
+    batch, out = layouts
+    ref = out["1x1"][correction]
+    valid = batch["response_mask"]
+    if correction == "seq_rs":  # the filter rejects some responses, not all
+        rows = ref["rejected"].any(dim=1)
+        assert 0 < int(rows.sum()) < valid.shape[0] and torch.equal(ref["rejected"], valid & rows[:, None])
+    else:
+        w = ref["weights"][valid]
+        assert w.min() < w.max() and not ref["rejected"].any()  # weights differ; nothing rejected
+    assert abs(ref["loss"] - out["1x1"]["stapo"]["loss"]) > 1e-4, "the correction changed nothing"
+    for label in [layout[0] for layout in LAYOUTS if layout[0] != "1x1"]:
+        got = out[label][correction]
+        assert torch.equal(got["keep"], ref["keep"]) and torch.equal(got["rejected"], ref["rejected"]), label
+        if ref["weights"] is not None:
+            torch.testing.assert_close(got["weights"], ref["weights"], rtol=0, atol=1e-6, msg=f"{label}: weights")
+        assert abs(got["loss"] - ref["loss"]) <= 1e-6, f"{label}: |dloss| = {abs(got['loss'] - ref['loss']):.3g}"
+        worst = max((got["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
+        assert worst <= 1e-6, f"{label}: max |dgrad| = {worst:.3g}"

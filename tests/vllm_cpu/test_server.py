@@ -88,6 +88,10 @@ def test_asynchronous_training_is_at_most_one_version_behind_and_resumes(servers
     # groups all had equal rewards moves nothing, so not every stale batch need show it)
     assert steps[0]["mismatch_logp_abs_max"] <= FP32_LOGPROB_BOUND, steps[0]
     assert max(r["mismatch_logp_abs_mean"] for r in steps[1:]) > FP32_LOGPROB_BOUND, steps
+    # ... and token-level IS corrects it by default (loss.rollout_is=auto with k >= 1; docs/losses.md)
+    assert all("rollout_is_eff_sample_size" in r and r["rejected_frac"] == 0.0 for r in steps), steps
+    largest = max(r["rollout_is_max"] for r in steps[1:])
+    assert steps[0]["rollout_is_max"] < 1.0 + 2 * FP32_LOGPROB_BOUND < largest, steps
     # killed after step 1's checkpoint: the batch generated ahead is regenerated, no trained step is lost
     (out / "checkpoints").joinpath("latest").write_text("step_1")
     proc = subprocess.run([sys.executable, "-m", "stapo.cli", "train", f"model.path={warm_model_dir}",
