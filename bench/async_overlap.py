@@ -1,11 +1,20 @@
-"""Benchmark: the same run colocated, on a rollout server in lock-step (k = 0), and asynchronous (k = 1).
+"""Benchmark: the same run colocated, on a rollout server in lock-step (k = 0), and asynchronous (k = 1),
+with and without partial rollouts.
 
-Three ``stapo train`` runs of one tiny recipe (same model, data, seed, sizes), one trainer rank each:
+``stapo train`` runs of one tiny recipe (same model, data, seed, sizes), one trainer rank each:
 
 * ``colocated``: the trainer's own vLLM engine (``rollout.engine=vllm``): generation, update and sync
   take turns on the same device;
 * ``server k=0``: one vLLM server (``stapo serve``) generates, the trainer waits for it, trains, syncs;
-* ``server k=1``: ``rollout.max_staleness=1``: the next batch is generated during the update.
+* ``server k=1``: ``rollout.max_staleness=1``: the next batch is generated during the update;
+* ``server k=1 partial`` (with ``--long-tail``): ``rollout.partial=true`` as well: the sync cuts the batch
+  under way instead of waiting for its longest response, which goes on with the new weights.
+
+``--long-tail`` gives each prompt's responses a heavy-tailed length (Pareto; ``bench/_long_tail.py``,
+imported into every run: vLLM's ``ignore_eos`` and ``max_tokens`` per request) — long-reasoning RL, where
+a few responses run many times the median — and runs lock-step, k = 1 and k = 1 + partial (no colocated
+run). Its table adds the step rate, the server's idle fraction (1 − generation time / step time: its
+share of the wall time it was not generating a batch) and the rollout tokens per second.
 
 Per step, from each run's metrics: the step time, the trainer's wait for its rollouts
 (``time_rollout``) and its share of the step (the trainer's idle fraction in the server modes; in the
@@ -51,6 +60,11 @@ SIZES = {
             "trainer.max_tokens_per_micro_batch=16384"],
     "smoke": ["trainer.train_batch_size=4", "trainer.mini_batch_size=2", "rollout.group_size=4",
               "rollout.max_response_length=16", "model.dtype=fp32"],
+    "long_tail_cpu": ["trainer.train_batch_size=16", "trainer.mini_batch_size=8", "rollout.group_size=4",
+                      "rollout.max_response_length=384", "model.dtype=fp32"],
+    "long_tail_gpu": ["trainer.train_batch_size=64", "trainer.mini_batch_size=16", "rollout.group_size=8",
+                      "rollout.max_response_length=8192", "model.dtype=bf16", "trainer.zero_stage=1",
+                      "trainer.max_tokens_per_micro_batch=16384"],
 }
 COMMON = ["data.eval_size=8", "trainer.eval_every=0", "trainer.save_every=0", "trainer.export_hf=false",
           "inspect.record_every=0", "logging.log_samples_every=0", "logging.tensorboard=false",
@@ -58,8 +72,13 @@ COMMON = ["data.eval_size=8", "trainer.eval_every=0", "trainer.save_every=0", "t
 MODES = {"colocated": ["rollout.engine=vllm"],
          "server k=0": ["rollout.mode=server"],
          "server k=1": ["rollout.mode=server", "rollout.max_staleness=1"]}
+LONG_TAIL_MODES = {"server k=0": ["rollout.mode=server"],
+                   "server k=1": ["rollout.mode=server", "rollout.max_staleness=1"],
+                   "server k=1 partial": ["rollout.mode=server", "rollout.max_staleness=1", "rollout.partial=true"]}
 COLUMNS = ("time_step", "time_rollout", "idle_frac", "generation_s", "time_update", "time_sync",
            "policy_staleness", "mismatch_logp_abs_max")
+LONG_TAIL_COLUMNS = ("steps_per_min", "time_step", "idle_frac", "server_idle_frac", "rollout_tokens_per_s",
+                     "time_sync", "policy_staleness", "policy_staleness_mean", "partial_interrupted")
 
 
 def build_model(out: Path, gpu: bool) -> Path:
@@ -82,7 +101,7 @@ def start_server(model: Path, out: Path, gpu: bool) -> tuple[subprocess.Popen, s
     port = _free_port()
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": "0"} if gpu else {})}
     cmd = [sys.executable, "-m", "stapo.cli", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "bfloat16" if gpu else "float32", "--max-model-len", "2048" if gpu else "512", "--seed", "0"]
+           "--dtype", "bfloat16" if gpu else "float32", "--max-model-len", "9216" if gpu else "512", "--seed", "0"]
     log = (out / "server.log").open("ab")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 900
@@ -98,11 +117,13 @@ def start_server(model: Path, out: Path, gpu: bool) -> tuple[subprocess.Popen, s
     raise SystemExit(f"the vLLM server did not start in 900 s; see {out / 'server.log'}")
 
 
-def run_mode(mode: str, model: Path, server: str, out: Path, size: str, steps: int, gpu: bool) -> list[dict]:
+def run_mode(mode: str, model: Path, server: str, out: Path, size: str, steps: int, gpu: bool,
+             long_tail: bool = False) -> list[dict]:
     run_dir = out / mode.replace(" ", "_").replace("=", "")
-    cmd = [sys.executable, "-m", "stapo.cli", "train", f"model.path={model}", f"trainer.output_dir={run_dir}",
-           f"trainer.total_steps={steps}", "trainer.resume=never", *COMMON, *SIZES[size], *MODES[mode],
-           f"rollout.servers=[{server}]"]
+    imports = ["--import", str(ROOT / "bench" / "_long_tail.py")] if long_tail else []
+    cmd = [sys.executable, "-m", "stapo.cli", "train", *imports, f"model.path={model}",
+           f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.resume=never", *COMMON,
+           *SIZES[size], *(LONG_TAIL_MODES if long_tail else MODES)[mode], f"rollout.servers=[{server}]"]
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": "0" if mode == "colocated" else "1"} if gpu else {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -110,20 +131,30 @@ def run_mode(mode: str, model: Path, server: str, out: Path, size: str, steps: i
     rows = [r for r in read_metrics(run_dir / METRICS_FILE) if "loss" in r]
     for r in rows:
         r["idle_frac"] = r["time_rollout"] / r["time_step"]
+        r["steps_per_min"] = 60.0 / r["time_step"]
+        r["server_idle_frac"] = max(0.0, 1.0 - r.get("generation_s", 0.0) / r["time_step"])
+        r["rollout_tokens_per_s"] = r["response_length_mean"] * rows_per_step(size) / r["time_step"]
     return rows
 
 
-def summarize(results: dict[str, list[dict]]) -> str:
+def rows_per_step(size: str) -> int:
+    """Responses per step of a size's settings (train_batch_size x group_size)."""
+    settings = dict(a.split("=", 1) for a in SIZES[size])
+    return int(settings["trainer.train_batch_size"]) * int(settings["rollout.group_size"])
+
+
+def summarize(results: dict[str, list[dict]], columns: tuple[str, ...] = COLUMNS) -> str:
     def median(rows, key):
         values = [r[key] for r in rows[1:] or rows if key in r]  # step 1 includes start-up work
         return statistics.median(values) if values else float("nan")
 
-    lines = ["| mode | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    lines = ["| mode | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for mode, rows in results.items():
-        lines.append(f"| {mode} | " + " | ".join(f"{median(rows, c):.3g}" for c in COLUMNS) + " |")
-    base = statistics.median(r["time_step"] for r in results["server k=0"][1:] or results["server k=0"])
-    fast = statistics.median(r["time_step"] for r in results["server k=1"][1:] or results["server k=1"])
-    lines.append(f"\nserver k=1 vs k=0: {base / fast:.2f}x the step rate (medians of steps 2+)")
+        lines.append(f"| {mode} | " + " | ".join(f"{median(rows, c):.3g}" for c in columns) + " |")
+    base = median(results["server k=0"], "time_step")
+    for mode in [m for m in results if m.startswith("server k=1")]:
+        lines.append(f"\n{mode} vs k=0: {base / median(results[mode], 'time_step'):.2f}x the step rate "
+                     "(medians of steps 2+)")
     return "\n".join(lines)
 
 
@@ -134,21 +165,28 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     ap.add_argument("--gpu", action="store_true", help="Qwen3-0.6B shape, server on GPU 0, trainer on GPU 1")
     ap.add_argument("--smoke", action="store_true", help="2 steps of a few tiny rows (the lane's check)")
     ap.add_argument("--server", help="host:port of a running `stapo serve` of the same model (else one is started)")
+    ap.add_argument("--long-tail", action="store_true",
+                    help="heavy-tailed response lengths; lock-step, k=1 and k=1 + partial rollouts")
     args = ap.parse_args(argv)
     if args.gpu and args.smoke:
         ap.error("--gpu and --smoke exclude each other")
     args.out.mkdir(parents=True, exist_ok=True)
     size, steps = ("smoke", 2) if args.smoke else ("gpu" if args.gpu else "cpu", args.steps)
+    if args.long_tail and not args.smoke:
+        size = "long_tail_gpu" if args.gpu else "long_tail_cpu"
     model = build_model(args.out, args.gpu)
     proc, server = (None, args.server) if args.server else start_server(model, args.out, args.gpu)
+    modes = LONG_TAIL_MODES if args.long_tail else MODES
     try:
-        results = {mode: run_mode(mode, model, server, args.out, size, steps, args.gpu) for mode in MODES}
+        results = {mode: run_mode(mode, model, server, args.out, size, steps, args.gpu, args.long_tail)
+                   for mode in modes}
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGKILL)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    print(f"async overlap, {size} sizes, {steps} steps, one trainer rank, one vLLM server\n")
-    print(summarize(results))
+    print(f"async overlap{', long tail' if args.long_tail else ''}, {size} sizes, {steps} steps, one trainer rank, "
+          "one vLLM server\n")
+    print(summarize(results, LONG_TAIL_COLUMNS if args.long_tail else COLUMNS))
     return results
 
 

@@ -230,6 +230,11 @@ class RolloutConfig:
     sync_retries: int = 2
     """``server`` mode: times a failed weight sync is retried (with the servers that still answer) before
     the run checkpoints and stops."""
+    partial: bool = False
+    """``server`` mode with ``max_staleness`` >= 1: partial rollouts. The weight sync does not wait for the
+    batch under way: its requests are cut, keep the tokens they produced (each labelled with the policy
+    version that sampled it), and go on after the sync from prompt + those tokens with the new weights, so
+    the long tail of long responses no longer stalls the sync (docs/rollout.md, "Partial rollouts")."""
     producer_close_timeout_s: float = 60.0
     """``server`` mode with ``max_staleness`` >= 1: how long the end of a run waits for a generation in
     flight to finish."""

@@ -105,7 +105,11 @@ class Rollout:
         prompt_text: B prompt strings, or empty; fill with `with_prompt_text`.
         pad_token_id: id used for padding (needed to re-pad in `concat`).
         policy_version: (B,) long, the policy version (optimizer iterations completed) whose weights
-            sampled each row, or None where nobody tracks it; fill with `with_policy_version`.
+            sampled each row — its OLDEST token's, when a partial rollout spans a weight sync — or None
+            where nobody tracks it; fill with `with_policy_version` or `with_token_versions`.
+        token_version: (B, T) long, the policy version that sampled each response token (0 on padding),
+            or None when every token of a row has its row's `policy_version` (``rollout.partial``:
+            a response continued after a sync carries two or more versions).
         context_mask: (B, T) bool, True on context tokens of a multi-turn episode (tool output and
             chat-template tokens between the policy's turns; `sampling_logprobs` 0 there); never True
             where `response_mask` is. None (single-turn engines) means no context token: False everywhere.
@@ -125,6 +129,7 @@ class Rollout:
     prompt_text: list[str] = field(default_factory=list)
     pad_token_id: int = 0
     policy_version: torch.Tensor | None = None
+    token_version: torch.Tensor | None = None
     context_mask: torch.Tensor | None = None
     episodes: EpisodeInfo | None = None
 
@@ -141,6 +146,8 @@ class Rollout:
         }
         if self.policy_version is not None:
             checks["policy_version"] = (self.policy_version.shape, torch.Size([b]))
+        if self.token_version is not None:
+            checks["token_version"] = (self.token_version.shape, self.response_ids.shape)
         for name, (got, want) in checks.items():
             if got != want:
                 raise ValueError(f"Rollout.{name} has shape {tuple(got)}, expected {tuple(want)}")
@@ -196,7 +203,26 @@ class Rollout:
 
     def with_policy_version(self, version: int) -> Rollout:
         """Copy with every row stamped as sampled by policy ``version``."""
-        return dataclasses.replace(self, policy_version=torch.full((len(self),), int(version), dtype=torch.long))
+        return dataclasses.replace(self, policy_version=torch.full((len(self),), int(version), dtype=torch.long),
+                                   token_version=None)
+
+    def with_token_versions(self, versions: torch.Tensor, first: Sequence[int]) -> Rollout:
+        """Copy with the version of every response token (``versions`` (B, T); padding is zeroed) and each
+        row's `policy_version` set to its oldest token's (``first[i]``: the version a row without tokens
+        started with)."""
+        versions = torch.where(self.response_mask, versions.long(), torch.zeros((), dtype=torch.long))
+        oldest = torch.where(self.response_mask, versions, torch.full_like(versions, 2**62)).min(dim=1).values
+        started = torch.as_tensor(list(first), dtype=torch.long)
+        return dataclasses.replace(self, token_version=versions,
+                                   policy_version=torch.where(self.response_mask.any(dim=1), oldest, started))
+
+    def token_versions(self) -> torch.Tensor | None:
+        """(B, T) long: each response token's policy version (`token_version`, else the row's), or None."""
+        if self.token_version is not None:
+            return self.token_version
+        if self.policy_version is None:
+            return None
+        return torch.where(self.response_mask, self.policy_version[:, None], torch.zeros((), dtype=torch.long))
 
     def _per_row(self, values: Sequence[str], what: str) -> list[str]:
         if len(values) != self.num_prompts or len(self) % self.group_size:
@@ -229,6 +255,7 @@ class Rollout:
             finish_reason=pick(self.finish_reason), response_text=pick(self.response_text),
             ground_truth=pick(self.ground_truth), prompt_text=pick(self.prompt_text),
             policy_version=None if self.policy_version is None else self.policy_version[idx],
+            token_version=None if self.token_version is None else self.token_version[i],
             context_mask=self.context_mask[i],
             episodes=None if self.episodes is None else self.episodes.select(idx))
 
@@ -269,6 +296,8 @@ class Rollout:
             prompt_text=[r for p in parts for r in p.prompt_text], pad_token_id=pad,
             policy_version=None if any(p.policy_version is None for p in parts)
             else torch.cat([p.policy_version for p in parts]),
+            token_version=None if all(p.token_version is None for p in parts) or any(p.policy_version is None for p in parts)
+            else torch.cat([_pad_columns(p.token_versions(), t, 0, False) for p in parts]),
             episodes=None if parts[0].episodes is None else EpisodeInfo.concat([p.episodes for p in parts]))
 
     def to(self, device: torch.device | str) -> Rollout:

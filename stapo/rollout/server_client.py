@@ -17,6 +17,7 @@ import http.client
 import json
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 __all__ = ["ABORTED", "DOWN", "HTTP", "MALFORMED", "TIMEOUT", "ConnectionTracker", "ServerClient", "ServerError",
@@ -57,35 +58,36 @@ def parse_address(address: str) -> str:
 
 class ConnectionTracker:
     """The connections of the requests in flight to one server, so that another thread can cut them all
-    (`cut`) when the server stops answering: each blocked read then fails at once with `ABORTED`."""
+    (`cut`) when the server stops answering or a weight sync interrupts them: each blocked read then fails
+    at once with `ABORTED`. It holds each connection's socket (http.client lets go of it once a response
+    that closes the connection has begun, a stream's among them)."""
 
     def __init__(self) -> None:
-        self._open: set[http.client.HTTPConnection] = set()
+        self._open: dict[int, socket.socket] = {}
         self._cut: set[int] = set()
         self._lock = threading.Lock()
 
     def add(self, conn: http.client.HTTPConnection) -> None:
+        """Track ``conn`` (connected: its socket is what `cut` shuts down)."""
         with self._lock:
-            self._open.add(conn)
+            self._open[id(conn)] = conn.sock
 
     def discard(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
-            self._open.discard(conn)
+            self._open.pop(id(conn), None)
             self._cut.discard(id(conn))
 
     def cut(self) -> int:
         """Shut down every open connection; returns how many."""
         with self._lock:
-            conns = list(self._open)
-            self._cut.update(id(c) for c in conns)
-        for conn in conns:
-            sock = conn.sock
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        return len(conns)
+            socks = list(self._open.values())
+            self._cut.update(self._open)
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return len(socks)
 
     def was_cut(self, conn: http.client.HTTPConnection) -> bool:
         with self._lock:
@@ -147,6 +149,56 @@ class ServerClient:
             out.append(value)
         return out
 
+    def stream(self, path: str, body: dict, timeout_s: float | None = None,
+               tracker: ConnectionTracker | None = None) -> Iterator[dict]:
+        """POST ``body`` with ``"stream": true`` and yield each server-sent event's JSON until ``[DONE]``
+        (vLLM's streaming completions: one event per chunk of new tokens). ``timeout_s`` bounds the wait for
+        each chunk, not the whole stream."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.connect()
+            if tracker is not None:
+                tracker.add(conn)
+            conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode(), headers=self._headers(True))
+            reply = conn.getresponse()
+            if reply.status >= 400:
+                detail = reply.read().decode(errors="replace")[-500:]
+                raise ServerError(self.address, f"HTTP {reply.status} on POST {path}: {detail}", status=reply.status)
+            for raw in reply:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                event = self._event(path, data)
+                yield event
+            if tracker is not None and tracker.was_cut(conn):  # a cut socket reads as the end of the stream
+                raise ServerError(self.address, f"POST {path} cut", kind=ABORTED)
+            raise ServerError(self.address, f"the stream of POST {path} ended without [DONE]", kind=MALFORMED)
+        except (TimeoutError, socket.timeout):
+            raise ServerError(self.address, f"no chunk on POST {path} within {timeout:.0f} s", kind=TIMEOUT) from None
+        except (OSError, http.client.HTTPException) as err:
+            if tracker is not None and tracker.was_cut(conn):
+                raise ServerError(self.address, f"POST {path} cut", kind=ABORTED) from None
+            raise ServerError(self.address, f"no answer on POST {path} ({type(err).__name__}: {err})",
+                              kind=DOWN) from None
+        finally:
+            if tracker is not None:
+                tracker.discard(conn)
+            conn.close()
+
+    def _event(self, path: str, data: bytes) -> dict:
+        try:
+            event = json.loads(data)
+        except ValueError:
+            raise ServerError(self.address, f"POST {path} streamed a chunk that is not JSON: {data[:200]!r}",
+                              kind=MALFORMED) from None
+        if not isinstance(event, dict) or "error" in event:
+            raise ServerError(self.address, f"POST {path} streamed an error: {str(event)[:300]}", kind=MALFORMED)
+        return event
+
     def _headers(self, has_body: bool) -> dict[str, str]:
         headers = {"Content-Type": "application/json"} if has_body else {}
         if self.token:
@@ -158,12 +210,15 @@ class ServerClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         data = None if body is None else json.dumps(body).encode()
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
-        if tracker is not None:
-            tracker.add(conn)
         try:
+            conn.connect()
+            if tracker is not None:
+                tracker.add(conn)
             conn.request(method, path, body=data, headers=self._headers(data is not None))
             reply = conn.getresponse()
             status, payload = reply.status, reply.read()
+            if tracker is not None and tracker.was_cut(conn):  # a cut socket may read as a short body
+                raise OSError("cut")
         except (TimeoutError, socket.timeout):
             raise ServerError(self.address, f"no answer on {method} {path} within {timeout:.0f} s",
                               kind=TIMEOUT) from None

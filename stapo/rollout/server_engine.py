@@ -40,8 +40,10 @@ import torch
 from stapo.rollout.batch import Rollout
 from stapo.rollout.engine import check_prompts
 from stapo.rollout.fingerprint import first_difference
+from stapo.rollout.partial import PartialBatch
 from stapo.rollout.sampling import SamplingParams
 from stapo.rollout.server_client import MALFORMED, ServerClient, ServerError, parse_address
+from stapo.rollout.server_partial import SegmentRunner
 from stapo.rollout.server_pool import NoRolloutServers, ServerPool
 from stapo.rollout.server_weights import BroadcastSession, SyncFailed
 from stapo.rollout.serve import is_loopback
@@ -173,6 +175,7 @@ class ServerEngine:
         self._session_error: str | None = None
         self._failed: tuple[str, ...] = ()  # servers a failed session step named
         self._in_session = False
+        self.segments = SegmentRunner(self.pool, limits.request_timeout_s)  # partial rollouts
         self.max_model_len = min(self._check_server(c) for c in self.pool.clients)
 
     # ---------------------------------------------------------------- start
@@ -262,6 +265,25 @@ class ServerEngine:
                             self.limits.request_retries + 1, err)
                 time.sleep(min(2.0 ** attempt, 10.0))
         raise AssertionError("unreachable")
+
+    # ---------------------------------------------------- partial rollouts
+    def generate_partial(self, batch: PartialBatch, version: int) -> bool:
+        """Advance ``batch`` by one segment per unfinished sample with the weights of policy ``version``
+        (stapo.rollout.partial); True once every sample finished, False when a sync interrupted it."""
+        if self._in_session:
+            raise RuntimeError("generate_partial() inside a weight update session: finish the update first")
+        if self.segments.interrupted:
+            return False
+        self.refresh()
+        return self.segments.advance(batch, version)
+
+    def interrupt(self) -> None:
+        """A weight sync is about to start: cut the partial segments in flight (they keep their tokens);
+        no new one starts until `resume`."""
+        self.segments.interrupt()
+
+    def resume(self) -> None:
+        self.segments.resume()
 
     def refresh(self) -> None:
         """Read the live servers' state: one that does not answer, holds another policy version than the last

@@ -62,10 +62,13 @@ tokens, subtracted from the loss; only when ``loss.entropy_coef != 0``); with ``
 groups dropped), ``groups_surplus`` (informative groups generated beyond the batch),
 ``sampling_capped`` (1 when ``rollout.max_sampling_rounds`` ended the search short); with
 ``rollout.mode: server``: ``policy_staleness`` (optimizer iterations between the policy that sampled the
-step's oldest row and the one it trains: 0 in lock-step, at most ``rollout.max_staleness``),
+step's oldest token and the one it trains: 0 in lock-step, at most ``rollout.max_staleness``),
+``policy_staleness_mean`` (the same lag averaged over the step's response tokens: with
+``rollout.partial`` a response continued after a sync has younger tokens than its first ones),
 ``generation_s`` (wall seconds the step's batch took to generate; asynchronous, it ran during earlier
-updates and ``time_rollout`` is only the trainer's wait for it); with ``rollout.tools`` (multi-turn
-episodes, docs/tir.md): ``turns_mean`` (policy turns per episode), ``tool_calls_mean``,
+updates and ``time_rollout`` is only the trainer's wait for it); with ``rollout.partial``:
+``partial_interrupted`` (response segments a weight sync cut, all ranks; they went on with the new weights);
+with ``rollout.tools`` (multi-turn episodes, docs/tir.md): ``turns_mean`` (policy turns per episode), ``tool_calls_mean``,
 ``tool_errors_mean`` (per episode), ``tool_error_frac`` (errors / calls), ``context_token_frac`` (context
 tokens / all response tokens: what the model read but did not write), ``tool_penalty_mean`` (the tool
 shaping per episode, 0 unless configured), ``time_tools`` (seconds the episode loop waited for tools, part
@@ -110,7 +113,8 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
 OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "eval_response_length_mean", "kl",
                                          "mask_gate", "entropy_bonus", "mfu_stats", "mfu_update",
                                          "sampling_rounds", "groups_kept", "groups_dropped", "groups_surplus",
-                                         "sampling_capped", "policy_staleness", "generation_s",
+                                         "sampling_capped", "policy_staleness", "policy_staleness_mean",
+                                         "generation_s", "partial_interrupted",
                                          "turns_mean", "tool_calls_mean", "tool_errors_mean", "tool_error_frac",
                                          "context_token_frac", "tool_penalty_mean", "time_tools",
                                          "eval_tool_calls_mean", "eval_no_tools_accuracy",

@@ -11,6 +11,12 @@ Only generation runs here (prompt draws, the engine's ``generate``): scoring, th
 every collective stay on the trainer's thread, so the mask statistics and ``old_logprobs`` still come
 from the current policy. The checkpoint's resume point is the prompt sampler's state before the first
 batch not yet trained (`resume_state`); batches generated ahead are regenerated after a restart.
+
+Partial rollouts (``rollout.partial``): the weight sync does not wait for the batch under way. `paused`
+first calls ``interrupt`` (the engine cuts its requests in flight; they keep their tokens), ``produce``
+then returns None instead of a batch, and once the sync is done (``resume``) the producer calls it again
+for the same batch, which goes on from where it was cut with the new weights (stapo.rollout.partial).
+A batch must be finished before its iteration trains, so it spans at most ``k + 1`` policy versions.
 """
 
 from __future__ import annotations
@@ -32,22 +38,26 @@ class ProducedBatch:
     index: int  # the iteration that trains on it (0-based)
     examples: list  # its prompts (PromptDataset examples)
     rollout: Rollout  # policy_version set on every row
-    policy_version: int  # the version that sampled it
+    policy_version: int  # the version that sampled it (its oldest token's, with partial rollouts)
     epoch: int  # the prompt sampler's epoch of its draw
     seconds: float  # wall time of its generation
+    interrupted: int = 0  # partial rollouts: segments a weight sync cut
 
 
 class RolloutProducer:
-    """The background producer; ``produce(index, version)`` draws and generates one batch, for the
-    iterations from ``first_index`` up to (not including) ``stop_index``.
+    """The background producer; ``produce(index, version)`` draws and generates one batch (or, interrupted
+    by a sync, returns None and is called again for the same batch afterwards), for the iterations from
+    ``first_index`` up to (not including) ``stop_index``. ``interrupt`` / ``resume``: how a sync stops and
+    restarts a generation under way (partial rollouts); None: the sync waits for the batch.
 
     ``sampler_state()`` returns the prompt sampler's state; it is read before each draw, so that a
     checkpoint can name the draw of the first batch not yet trained.
     """
 
-    def __init__(self, produce: Callable[[int, int], ProducedBatch], sampler_state: Callable[[], dict], *,
+    def __init__(self, produce: Callable[[int, int], ProducedBatch | None], sampler_state: Callable[[], dict], *,
                  max_staleness: int, first_index: int, version: int, stop_index: int | None = None,
-                 close_timeout_s: float = 60.0) -> None:
+                 close_timeout_s: float = 60.0, interrupt: Callable[[], None] | None = None,
+                 resume: Callable[[], None] | None = None) -> None:
         if max_staleness < 1:
             raise ValueError(f"a producer needs max_staleness >= 1, got {max_staleness}")
         self._produce, self._sampler_state = produce, sampler_state
@@ -55,6 +65,8 @@ class RolloutProducer:
         self._next, self._version = first_index, version
         self._stop_index = stop_index  # the first iteration not to generate for (the run's end)
         self.close_timeout_s = close_timeout_s
+        self._interrupt, self._resume = interrupt, resume
+        self._pausing = 0  # syncs waiting for or holding the engine (the producer waits them out)
         # _cond's lock guards every field below; _engine is held while generating (the weight sync and a
         # checkpoint's resume point take it too). Order: _engine before _cond, never the other way round.
         self._ready: dict[int, ProducedBatch] = {}
@@ -74,11 +86,9 @@ class RolloutProducer:
                     if self._stopped or (self._stop_index is not None and self._next >= self._stop_index):
                         return
                     index = self._next
-                with self._engine:  # no sync can run from here until the batch is generated
-                    with self._cond:  # the version the servers hold now (a sync in between advanced it)
-                        version = self._version
-                        self._states[index] = self._sampler_state()
-                    batch = self._produce(index, version)
+                batch = self._generate(index)
+                if batch is None:  # stopped
+                    return
                 with self._cond:
                     self._ready[index] = batch
                     self._next = index + 1
@@ -87,6 +97,22 @@ class RolloutProducer:
             with self._cond:
                 self._error = err
                 self._cond.notify_all()
+
+    def _generate(self, index: int) -> ProducedBatch | None:
+        """Batch ``index``, resumed after every sync that interrupts it; None once the producer is stopped."""
+        while True:
+            with self._cond:  # a sync waiting for the engine goes first (it interrupted this batch)
+                self._cond.wait_for(lambda: self._stopped or self._pausing == 0)
+                if self._stopped:
+                    return None
+            with self._engine:  # no sync can run from here until the batch is generated or interrupted
+                with self._cond:  # the version the servers hold now (a sync in between advanced it)
+                    version = self._version
+                    if index not in self._states:
+                        self._states[index] = self._sampler_state()
+                batch = self._produce(index, version)
+            if batch is not None:
+                return batch
 
     def take(self, index: int) -> ProducedBatch:
         """Batch ``index`` (waits for it); re-raises what stopped the producer."""
@@ -100,13 +126,33 @@ class RolloutProducer:
         if index - batch.policy_version > self.max_staleness:  # by construction never; a guard for changes
             raise RuntimeError(f"batch {index} was sampled by policy version {batch.policy_version}, more than "
                                f"rollout.max_staleness={self.max_staleness} versions old")
+        versions = batch.rollout.token_version if batch.rollout is not None else None
+        if versions is not None and versions.numel():  # partial rollouts: at most k + 1 versions per response
+            mask = batch.rollout.response_mask
+            spread = (versions.masked_fill(~mask, -1).max(dim=1).values
+                      - versions.masked_fill(~mask, 2**62).min(dim=1).values)[mask.any(dim=1)]
+            if spread.numel() and int(spread.max()) > self.max_staleness:
+                raise RuntimeError(f"a response of batch {index} mixes {int(spread.max()) + 1} policy versions, more "
+                                   f"than rollout.max_staleness + 1 = {self.max_staleness + 1}")
         return batch
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No generation starts or runs inside the block (the weight sync, a checkpoint's resume point)."""
-        with self._engine:
-            yield
+    def paused(self, interrupt: bool = False) -> Iterator[None]:
+        """No generation starts or runs inside the block (the weight sync, a checkpoint's resume point).
+        ``interrupt``: cut a partial generation under way instead of waiting for it (the weight sync)."""
+        with self._cond:
+            self._pausing += 1
+        try:
+            if interrupt and self._interrupt is not None:
+                self._interrupt()
+            with self._engine:
+                yield
+        finally:
+            if interrupt and self._resume is not None:
+                self._resume()
+            with self._cond:
+                self._pausing -= 1
+                self._cond.notify_all()
 
     def advance(self, version: int) -> None:
         """The servers now hold policy ``version``: batches up to ``version + k`` may be generated. Call it
@@ -125,8 +171,10 @@ class RolloutProducer:
         return state, ahead
 
     def close(self) -> None:
-        """Stop after the generation in flight (waits up to ``close_timeout_s``)."""
+        """Stop after the generation in flight (cut, with partial rollouts; waits up to ``close_timeout_s``)."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+        if self._interrupt is not None:
+            self._interrupt()
         self._thread.join(timeout=self.close_timeout_s)

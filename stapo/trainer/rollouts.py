@@ -31,7 +31,9 @@ from stapo.distributed.process_group import DistInfo, all_gather_object, barrier
 from stapo.distributed.training_offload import offloaded
 from stapo.rollout import Rollout, SamplingParams
 from stapo.rollout.episodes import EpisodeEngine
+from stapo.rollout.partial import PartialBatch
 from stapo.rollout.server_pool import NoRolloutServers
+from stapo.rollout.vllm_engine import vllm_sampling_kwargs
 from stapo.sync.buckets import SyncStats, sync_weights
 from stapo.trainer.producer import ProducedBatch, RolloutProducer
 from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout, score_rollout
@@ -52,14 +54,16 @@ class Rollouts:
         self.sampler, self.train_data, self.score, self.shaping = sampler, train_data, score, shaping
         self.server = cfg.rollout.mode == "server"
         self.producer: RolloutProducer | None = None
+        self._partial = None  # rollout.partial: (index, examples, PartialBatch, epoch, start) under way
 
     def start_producer(self, step: int) -> None:
         """Asynchronous training from iteration ``step`` on (the servers hold version ``step``)."""
         r = self.cfg.rollout
         if r.max_staleness > 0:
+            partial = dict(interrupt=self.engine.interrupt, resume=self.engine.resume) if r.partial else {}
             self.producer = RolloutProducer(self._produce, self.sampler.state_dict, max_staleness=r.max_staleness,
                                             first_index=step, version=step, stop_index=self.cfg.trainer.total_steps,
-                                            close_timeout_s=r.producer_close_timeout_s)
+                                            close_timeout_s=r.producer_close_timeout_s, **partial)
 
     def close(self) -> None:
         if self.producer is not None:
@@ -77,7 +81,7 @@ class Rollouts:
                 produced = self._agreed(lambda: self.producer.take(step))
             with timer("reward"):
                 scored = score_rollout(self.score, produced.rollout, produced.examples, self.shaping)
-            return self._with_server_metrics(scored, step, produced.epoch, produced.seconds)
+            return self._with_server_metrics(scored, step, produced.epoch, produced.seconds, produced.interrupted)
         start = time.perf_counter()
         scored = collect_scored_rollout(
             self.next_prompts, lambda examples, round_index: self.generate(examples, step, round_index=round_index),
@@ -86,22 +90,56 @@ class Rollouts:
             multiple_of=t.mini_batch_size // world, gather=all_gather_object)
         return self._with_server_metrics(scored, step, self.sampler.epoch, time.perf_counter() - start)
 
-    def _with_server_metrics(self, scored: ScoredRollout, step: int, epoch: int, generation_s: float) -> ScoredRollout:
-        """The draw's epoch, and in server mode the rows' staleness and the generation time (max over ranks)."""
+    def _with_server_metrics(self, scored: ScoredRollout, step: int, epoch: int, generation_s: float,
+                             interrupted: int = 0) -> ScoredRollout:
+        """The draw's epoch, and in server mode the staleness of the rows' tokens (max, and mean over response
+        tokens), the generation time (max over ranks) and the segments a sync cut (partial rollouts)."""
         sampling = dict(scored.sampling)
-        versions = scored.rollout.policy_version
+        versions = scored.rollout.token_versions()
         if self.server and versions is not None and len(versions):
-            gathered = all_gather_object((step - int(versions.min()), generation_s))
+            mask = scored.rollout.response_mask
+            lag = (step - versions)[mask].double()
+            oldest = step - int(scored.rollout.policy_version.min())
+            gathered = all_gather_object((max(oldest, int(lag.max()) if lag.numel() else 0), float(lag.sum()),
+                                          int(lag.numel()), generation_s, interrupted))
+            tokens = sum(g[2] for g in gathered)
             sampling["policy_staleness"] = float(max(g[0] for g in gathered))
-            sampling["generation_s"] = max(g[1] for g in gathered)
+            sampling["policy_staleness_mean"] = sum(g[1] for g in gathered) / tokens if tokens else 0.0
+            sampling["generation_s"] = max(g[3] for g in gathered)
+            if self.cfg.rollout.partial:
+                sampling["partial_interrupted"] = float(sum(g[4] for g in gathered))
         return dataclasses.replace(scored, sampling=sampling, epoch=epoch)
 
-    def _produce(self, index: int, version: int) -> ProducedBatch:
-        """The producer's work (its thread): draw batch ``index``'s prompts, generate with policy ``version``."""
+    def _produce(self, index: int, version: int) -> ProducedBatch | None:
+        """The producer's work (its thread): draw batch ``index``'s prompts, generate with policy ``version``
+        (partial rollouts: go on with the batch under way; None when a sync interrupted it)."""
+        if self.cfg.rollout.partial:
+            return self._produce_partial(index, version)
         start = time.perf_counter()
         examples = self.next_prompts()
         rollout = self._generate(examples, index, version=version)  # no collective on this thread
         return ProducedBatch(index, examples, rollout, version, self.sampler.epoch, time.perf_counter() - start)
+
+    def _produce_partial(self, index: int, version: int) -> ProducedBatch | None:
+        """Batch ``index`` in segments (stapo.rollout.partial): started with the weights of ``version``, cut at
+        each sync, continued with the next weights; every token keeps the version that sampled it."""
+        if self._partial is None or self._partial[0] != index:
+            examples = self.next_prompts()
+            sampling = self.sampling(index)
+            prompts = [e.prompt_ids for e in examples]
+            seeds = vllm_sampling_kwargs(sampling, self.cfg.rollout.group_size, len(prompts))[1]
+            batch = PartialBatch.start(prompts, self.cfg.rollout.group_size, sampling, seeds)
+            self._partial = (index, examples, batch, self.sampler.epoch, time.perf_counter())
+        _, examples, batch, epoch, start = self._partial
+        if not self.engine.generate_partial(batch, version):
+            log.info("batch %d: a weight sync cut %d response(s) under way (%d finished); they go on with the new "
+                     "weights", index, len(batch.unfinished()), len(batch.samples) - len(batch.unfinished()))
+            return None
+        self._partial = None
+        rollout = batch.to_rollout(self.engine.pad_token_id).with_ground_truth(
+            [e.ground_truth for e in examples]).with_prompt_text([e.prompt_text for e in examples])
+        return ProducedBatch(index, examples, rollout, int(rollout.policy_version.min()), epoch,
+                             time.perf_counter() - start, interrupted=batch.interrupted)
 
     def next_prompts(self) -> list:
         """This rank's share of the global batch, balanced by prompt tokens (every rank computes the
@@ -164,7 +202,8 @@ class Rollouts:
             return sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20)
         attempts = self.cfg.rollout.sync_retries + 1
         for attempt in range(1, attempts + 1):
-            with self.producer.paused() if self.producer is not None else contextlib.nullcontext():
+            partial = self.cfg.rollout.partial  # the batch under way is cut, not waited for
+            with self.producer.paused(interrupt=partial) if self.producer is not None else contextlib.nullcontext():
                 if self.producer is not None:
                     barrier()  # every rank's producer is idle before rank 0 opens the servers' session
                 synced = sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20, version=version)

@@ -25,6 +25,8 @@ class FakeServer:
         self.hang = threading.Event()
         self.calls: list[tuple[str, str]] = []  # (path, method or "")
         self.completion = lambda body: (200, self.good_reply(body))
+        self.stream_tokens, self.stream_delay = 6, 0.0  # streamed segments: tokens per request, seconds per token
+        self.streamed: list[dict] = []  # the bodies of streamed requests
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -68,6 +70,8 @@ class FakeServer:
             return self._reply(handler, 200, b"")
         if path == "/v1/models":
             return self._reply(handler, 200, {"data": [{"id": "m", "max_model_len": self.max_model_len}]})
+        if path == "/v1/completions" and body.get("stream"):
+            return self._stream(handler, body)
         if path == "/v1/completions":
             return self._reply(handler, *self.completion(body))
         if path == "/reset_prefix_cache":
@@ -88,6 +92,32 @@ class FakeServer:
         if method == "stapo_join_weight_group":
             return self._reply(handler, self.join_status, {"error": "join refused"})
         return self._reply(handler, 500, {"error": f"{method} refused"})
+
+    @staticmethod
+    def streamed_token(seed: int, position: int) -> int:
+        """What a streamed request of ``seed`` samples at ``position`` (so tests can check seeds)."""
+        return 10 + (seed * 7 + position) % 50
+
+    def _stream(self, handler, body: dict) -> None:
+        """One sample streamed a token per event (``stream_delay`` apart), ``finish_reason`` "length" when
+        ``max_tokens`` ran out, else "stop" after ``stream_tokens``."""
+        self.streamed.append(body)
+        count = min(body["max_tokens"], self.stream_tokens)
+        try:
+            handler.send_response(200)
+            handler.send_header("Content-Type", "text/event-stream")
+            handler.end_headers()
+            for pos in range(count):
+                time.sleep(self.stream_delay)
+                finish = None if pos < count - 1 else ("length" if count == body["max_tokens"] else "stop")
+                token = self.streamed_token(body.get("seed", 0), pos)
+                event = {"choices": [{"index": 0, "text": f"<{token}>", "token_ids": [token], "finish_reason": finish,
+                                      "logprobs": {"token_logprobs": [-0.01 * token]}}]}
+                handler.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                handler.wfile.flush()
+            handler.wfile.write(b"data: [DONE]\n\n")
+        except OSError:  # the client cut the stream
+            pass
 
     @staticmethod
     def _reply(handler, status: int, body) -> None:

@@ -123,3 +123,38 @@ def test_the_resume_points_stay_consistent_under_concurrent_takes():
             assert ahead >= 0 and isinstance(state, dict)
         producer.advance(step + 1)
     producer.close()
+
+
+class Segmented:
+    """A batch of 40 'tokens' generated 5 ms apart that a sync can cut (partial rollouts): it keeps the
+    versions of the tokens it made and goes on after the sync."""
+
+    def __init__(self) -> None:
+        self.cut = threading.Event()
+        self.versions: dict[int, list[int]] = {}
+
+    def produce(self, index, version):
+        made = self.versions.setdefault(index, [])
+        while len(made) < 40:
+            if self.cut.is_set():
+                return None
+            time.sleep(0.005)
+            made.append(version)
+        return ProducedBatch(index, [], None, min(made), 0, 0.0)
+
+
+def test_a_sync_cuts_a_partial_batch_instead_of_waiting_and_the_batch_goes_on():
+    seg = Segmented()
+    producer = RolloutProducer(seg.produce, dict, max_staleness=1, first_index=0, version=0, stop_index=3,
+                               interrupt=seg.cut.set, resume=seg.cut.clear)
+    producer.take(0)  # batch 0: version 0 throughout
+    time.sleep(0.05)  # batch 1 under way with version 0
+    start = time.monotonic()
+    with producer.paused(interrupt=True):  # the sync after step 0
+        waited = time.monotonic() - start
+        producer.advance(1)
+    batch = producer.take(1)
+    assert waited < 0.1, waited  # a whole batch takes 0.2 s: the sync did not wait for it
+    made = seg.versions[1]
+    assert made[0] == 0 and made[-1] == 1 and made == sorted(made) and batch.policy_version == 0
+    producer.close()

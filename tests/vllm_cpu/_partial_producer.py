@@ -1,0 +1,55 @@
+"""Run as a subprocess by tests/vllm_cpu/test_partial.py: the trainer's producer with partial rollouts on a
+real server, in the trainer's one-process group. A stand-in for the update (a short pause, then a small
+change of the weights) keeps the run fast and makes every sync find the next batch under way; the rest —
+`Rollouts`, its producer, the `ServerEngine`, the syncs — is the trainer's. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+
+def main(server: str, model_dir: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stapo.config import STAPOConfig
+    from stapo.data import PromptSampler
+    from stapo.distributed.process_group import init_distributed
+    from stapo.trainer.components import build_datasets
+    from stapo.trainer.rollouts import Rollouts
+    from stapo.trainer.server_setup import build_server_engine
+
+    dist = init_distributed()
+    cfg = STAPOConfig.from_yaml(None, [
+        "rollout.mode=server", f"rollout.servers=[{server}]", "rollout.max_staleness=1", "rollout.partial=true",
+        "trainer.train_batch_size=2", "trainer.mini_batch_size=2", "rollout.group_size=8",
+        "rollout.max_response_length=300", "model.dtype=fp32", "data.eval_size=4", "trainer.total_steps=4"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    engine = build_server_engine(cfg, model_dir, tokenizer, torch.float32)
+    train, _ = build_datasets(cfg, tokenizer)
+    sampler = PromptSampler(len(train), cfg.trainer.train_batch_size, seed=cfg.trainer.seed)
+    rollouts = Rollouts(cfg, dist, engine, model, sampler, train, score=None, shaping=None)
+    rollouts.sync(0)
+    rollouts.start_producer(0)
+    batches = []
+    for step in range(cfg.trainer.total_steps):
+        produced = rollouts.producer.take(step)
+        r = produced.rollout
+        batches.append({"interrupted": produced.interrupted, "policy_version": produced.policy_version,
+                        "versions": [row[m].tolist() for row, m in zip(r.token_versions(), r.response_mask)],
+                        "finish": r.finish_reason})
+        time.sleep(1.0)  # the update
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+        rollouts.sync(step + 1)
+    rollouts.close()
+    print("RESULT " + json.dumps(batches), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
