@@ -183,6 +183,11 @@ class RolloutConfig:
     sync_retries: int = 2
     """``server`` mode: times a failed weight sync is retried (with the servers that still answer) before
     the run checkpoints and stops."""
+    sync: str = "full"
+    """``server`` mode: ``full`` sends every bucket whole at each sync; ``delta`` sends a bucket's changed
+    elements (positions and values) when that is smaller, which at RL learning rates on bf16 weights is most
+    of them, and proves every sync bit-exact with a checksum per bucket. It costs rank 0 one host copy of the
+    policy in the servers' dtype and each server worker one more (docs/rollout.md, "Delta syncs")."""
     producer_close_timeout_s: float = 60.0
     """``server`` mode with ``max_staleness`` >= 1: how long the end of a run waits for a generation in
     flight to finish."""

@@ -53,7 +53,10 @@ groups dropped), ``groups_surplus`` (informative groups generated beyond the bat
 ``rollout.mode: server``: ``policy_staleness`` (optimizer iterations between the policy that sampled the
 step's oldest row and the one it trains: 0 in lock-step, at most ``rollout.max_staleness``),
 ``generation_s`` (wall seconds the step's batch took to generate; asynchronous, it ran during earlier
-updates and ``time_rollout`` is only the trainer's wait for it).
+updates and ``time_rollout`` is only the trainer's wait for it), ``sync_sent_mb`` (MiB the step's weight sync
+broadcast into the servers, each receiving it once: ``sync_mb`` with ``rollout.sync: full``, less with
+``delta``); with ``rollout.sync: delta``: ``sync_changed_frac`` (fraction of the synced elements that changed
+since the servers' copy; NaN when the sync had no copy to compare with, e.g. after a failed one).
 
 Non-finite values (a skipped step's loss) are stored as the strings ``"NaN"``, ``"Infinity"``,
 ``"-Infinity"`` so every line stays valid JSON; :func:`stapo.run_dir.read_metrics` turns them back
@@ -91,7 +94,8 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
 OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "eval_response_length_mean", "kl",
                                          "mask_gate", "entropy_bonus", "mfu_stats", "mfu_update",
                                          "sampling_rounds", "groups_kept", "groups_dropped", "groups_surplus",
-                                         "sampling_capped", "policy_staleness", "generation_s")
+                                         "sampling_capped", "policy_staleness", "generation_s", "sync_sent_mb",
+                                         "sync_changed_frac")
 #: Metrics measured from wall time: they differ between two runs of the same training.
 TIMING_METRIC_KEYS: tuple[str, ...] = (
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",
