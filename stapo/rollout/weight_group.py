@@ -72,7 +72,9 @@ class GroupSpec:
 
     Rank 0 is the trainer (the broadcast's source, hosting the TCPStore at ``host:port``); a server's
     workers take ranks ``rank_offset + worker rank``. JSON-able: it crosses vLLM's ``/collective_rpc``.
-    ``nonce``: the session's secret (module docstring).
+    ``nonce``: the session's secret (module docstring). ``form_timeout_s``: how long a member waits for the
+    others while the group forms (gloo; at most half of ``timeout_s``): below the trainer's wait for an abort,
+    so a server whose join waits for a peer that died is free again to take it. Broadcasts get ``timeout_s``.
     """
 
     host: str
@@ -82,6 +84,7 @@ class GroupSpec:
     backend: str = "gloo"  # gloo (CPU tensors) or nccl (GPU tensors)
     timeout_s: float = 300.0
     nonce: str = ""
+    form_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -110,9 +113,11 @@ class GroupSpec:
         if self.backend == "nccl":
             return dist.ProcessGroupNCCL(store, rank, self.world_size)
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
+        options._timeout = datetime.timedelta(seconds=min(self.form_timeout_s, self.timeout_s / 2))  # the rendezvous
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or route_address(self.host))]
-        return dist.ProcessGroupGloo(store, rank, self.world_size, options)
+        group = dist.ProcessGroupGloo(store, rank, self.world_size, options)
+        group._set_default_timeout(timeout)  # each broadcast
+        return group
 
 
 def _nonce_tensor(nonce: str, device) -> torch.Tensor:
