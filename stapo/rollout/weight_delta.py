@@ -1,7 +1,7 @@
 """Delta weight syncs into rollout servers (``rollout.sync: delta``; docs/rollout.md, "Delta syncs").
 
 At RL learning rates most bf16 weights do not change in a step: an AdamW step of lr 1e-6 moves a weight of
-magnitude 0.02 by ~5e-5 of its value, while bf16 can only tell apart values ~4e-3 of it apart
+magnitude 0.02 by 5e-5 of its value, while neighbouring bf16 values lie 0.4-0.8% of a value apart
 (``bench/weight_sync_delta.py`` measures the fraction that changes). So rank 0 keeps a host copy of what the
 servers hold (`SentWeights`) and, per bucket, sends only the elements that changed — their positions and new
 values, in ONE broadcast — when that is smaller than the bucket, else the bucket. A checksum of the resulting

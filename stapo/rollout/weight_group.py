@@ -73,8 +73,9 @@ class GroupSpec:
     Rank 0 is the trainer (the broadcast's source, hosting the TCPStore at ``host:port``); a server's
     workers take ranks ``rank_offset + worker rank``. JSON-able: it crosses vLLM's ``/collective_rpc``.
     ``nonce``: the session's secret (module docstring). ``form_timeout_s``: how long a member waits for the
-    others while the group forms (gloo; at most half of ``timeout_s``): below the trainer's wait for an abort,
-    so a server whose join waits for a peer that died is free again to take it. Broadcasts get ``timeout_s``.
+    others while the group forms (gloo; at most half of ``timeout_s``): a server whose join waits for a peer that
+    died (another server, the trainer) is free again before the trainer's 60 s wait for an abort, or a restarted
+    trainer's 30 s state read, ends. Broadcasts get ``timeout_s``.
     """
 
     host: str
@@ -84,7 +85,7 @@ class GroupSpec:
     backend: str = "gloo"  # gloo (CPU tensors) or nccl (GPU tensors)
     timeout_s: float = 300.0
     nonce: str = ""
-    form_timeout_s: float = 30.0
+    form_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -108,12 +109,13 @@ class GroupSpec:
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        if store is None:
-            store = dist.TCPStore(self.host, self.port, None, False, timeout=timeout)
+        forming = datetime.timedelta(seconds=min(self.form_timeout_s, self.timeout_s / 2))
+        if store is None:  # reaching the store and each wait on it (a trainer that died: no 300 s of retries)
+            store = dist.TCPStore(self.host, self.port, None, False, timeout=forming)
         if self.backend == "nccl":
             return dist.ProcessGroupNCCL(store, rank, self.world_size)
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = datetime.timedelta(seconds=min(self.form_timeout_s, self.timeout_s / 2))  # the rendezvous
+        options._timeout = forming  # the rendezvous
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or route_address(self.host))]
         group = dist.ProcessGroupGloo(store, rank, self.world_size, options)
         group._set_default_timeout(timeout)  # each broadcast
