@@ -180,6 +180,9 @@ class RolloutConfig:
     sync_timeout_s: float = 300.0
     """``server`` mode: the limit of each step of a weight sync (the weight group forming, one bucket, the
     servers loading what they received)."""
+    sync_join_timeout_s: float = 30.0
+    """``server`` mode: every server checks in for a weight sync within this, or the sync is called off and
+    retried without the ones that did not (a server lost while joining never leaves the others waiting)."""
     sync_retries: int = 2
     """``server`` mode: times a failed weight sync is retried (with the servers that still answer) before
     the run checkpoints and stops."""

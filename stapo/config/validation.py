@@ -173,7 +173,7 @@ def _check_rollout_servers(r) -> None:
         except ValueError as err:
             _check(False, f"rollout.servers: {err}")
     for name in ("request_timeout_s", "server_down_after_s", "health_interval_s", "health_timeout_s",
-                 "sync_timeout_s", "producer_close_timeout_s"):
+                 "sync_timeout_s", "sync_join_timeout_s", "producer_close_timeout_s"):
         _check(getattr(r, name) > 0, f"rollout.{name} must be > 0, got {getattr(r, name)}")
     _check(r.request_timeout_per_token_s >= 0,
            f"rollout.request_timeout_per_token_s must be >= 0, got {r.request_timeout_per_token_s}")

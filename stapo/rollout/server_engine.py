@@ -71,6 +71,7 @@ class ServerLimits:
     health_interval_s: float = 5.0  # probe period of the servers with requests in flight
     health_timeout_s: float = 5.0  # one probe's (and one state read's) limit
     sync_timeout_s: float = 300.0  # each step of a weight session (group formation, one bucket, the commit)
+    sync_join_timeout_s: float = 30.0  # every server checks in for a session within this, or it is called off
 
     def request_timeout(self, max_tokens: int) -> float:
         return self.request_timeout_s + self.request_timeout_per_token_s * max_tokens
@@ -351,7 +352,8 @@ class ServerEngine:
             self._session_error = "no rollout server answers at the weight sync"
             return
         self._session = BroadcastSession([(c, self._workers[c.address]) for c in targets], self.sync_host,
-                                         self.limits.sync_timeout_s, sent=self.sent, delta=holding)
+                                         self.limits.sync_timeout_s, join_timeout_s=self.limits.sync_join_timeout_s,
+                                         sent=self.sent, delta=holding)
         self._guarded(self._session.open)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -387,8 +389,8 @@ class ServerEngine:
                 return SyncOutcome(True, failed=tuple(sorted(failed)), live=len(self.pool.live), transfer=session.stats)
             self._session_error = "every server failed the weight commit"
         elif session is not None:
-            silent = session.abort()
-            failed = set(self._failed) | set(silent)
+            session.abort()  # a server too busy to take it (blocked until its timeout) is asked again next time
+            failed = set(self._failed)  # named by the failure (e.g. did not check in), or not answering at all
             failed |= {c.address for c, _ in session.servers if not c.healthy(self.limits.health_timeout_s)}
             for address in failed:
                 self.pool.mark_down(next(c for c in self.pool.clients if c.address == address),

@@ -33,7 +33,8 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+import threading
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -41,7 +42,8 @@ import torch
 from stapo.rollout.bucket_format import pack_bucket_tensor
 from stapo.rollout.server_client import ServerClient, ServerError
 from stapo.rollout.weight_delta import SentWeights, TransferStats
-from stapo.rollout.weight_group import GroupSpec, listening_store, new_nonce, send_nonce
+from stapo.rollout.weight_group import (GroupSpec, call_off, checked_in, let_form, listening_store, new_nonce,
+                                       send_nonce)
 
 __all__ = ["BroadcastSession", "SyncFailed", "transfer_backend"]
 
@@ -54,6 +56,22 @@ class SyncFailed(RuntimeError):
     def __init__(self, message: str, servers: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.servers = tuple(servers)
+
+
+def _in_daemon_thread(fn, *args, name: str = "stapo-sync", **kwargs) -> Future:
+    """``fn(*args, **kwargs)`` on a daemon thread, as a Future. A session's calls may outlive it (a worker
+    blocked until its timeout after a failure): unlike a ThreadPoolExecutor's, these threads never hold up
+    the interpreter's exit."""
+    future: Future = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as err:  # noqa: BLE001  (handed to whoever waits on the future)
+                future.set_exception(err)
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def transfer_backend() -> str:
@@ -70,7 +88,8 @@ class BroadcastSession:
     as their changes (every server holds ``sent``)."""
 
     def __init__(self, servers: Sequence[tuple[ServerClient, int]], sync_host: str, timeout_s: float = 300.0,
-                 backend: str | None = None, sent: SentWeights | None = None, delta: bool = False) -> None:
+                 backend: str | None = None, join_timeout_s: float = 30.0, sent: SentWeights | None = None,
+                 delta: bool = False) -> None:
         if not servers:
             raise ValueError("a weight-update session needs at least one server")
         self.servers = list(servers)
@@ -78,16 +97,22 @@ class BroadcastSession:
         self.backend = backend or transfer_backend()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.timeout_s = timeout_s
+        self.join_timeout_s = min(join_timeout_s, timeout_s)
         self.nonce = new_nonce()
         self.reached: list[ServerClient] = []  # servers asked to join (abort goes to them)
         self.sent, self.delta = sent, delta and sent is not None
         self.stats = TransferStats()
         self.mismatched: dict[str, str] = {}  # server address -> the first bucket whose checksum differed
-        self._pool = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="stapo-sync")
         self._group = self._store = None
 
     def open(self) -> None:
-        """Create this session's group (rank 0 here), send the nonce, and wait for every server to join."""
+        """Create this session's group (rank 0 here), send the nonce, and wait for every server to join.
+
+        Two steps, so that a server lost while joining never leaves the others waiting in the group's
+        formation (a collective that no abort can reach): every worker first checks in on the store
+        (`weight_group.check_in`); only when all did within ``join_timeout_s`` does the trainer let them form
+        the group — otherwise it calls the session off, the workers that checked in return at once, and
+        `SyncFailed` names the servers that did not."""
         self._store = listening_store(self.sync_host, self.timeout_s)
         world = 1 + sum(workers for _, workers in self.servers)
         offsets, offset = [], 1
@@ -95,25 +120,35 @@ class BroadcastSession:
             offsets.append(offset)
             offset += workers
         specs = [GroupSpec(self.sync_host, self._store.port, world, rank_offset=o, backend=self.backend,
-                           timeout_s=self.timeout_s, nonce=self.nonce) for o in offsets]
+                           timeout_s=self.timeout_s, nonce=self.nonce, join_timeout_s=self.join_timeout_s)
+                 for o in offsets]
         self.reached = [client for client, _ in self.servers]
         joins = self._on_every_server("stapo_join_weight_group", [s.to_json() for s in specs])
-        forming = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stapo-group")
-        group = forming.submit(specs[0].connect, 0, store=self._store, bind_host=self.sync_host)
-        forming.shutdown(wait=False)
-        pending, deadline = {group, *joins}, time.monotonic() + self.timeout_s
-        while not group.done() and time.monotonic() < deadline:  # the group forms once every worker joined
-            done, pending = wait(pending, timeout=deadline - time.monotonic(), return_when=FIRST_COMPLETED)
-            if any(f is not group and f.exception() is not None for f in done):  # a refused join ends the wait
-                raise SyncFailed(f"a server did not join the weight group: {self._failed_calls(joins)}",
-                                 self._failed_addresses(joins))
+        missing = self._await_check_ins(specs, joins)
+        if missing:
+            call_off(self._store)
+            raise SyncFailed(f"server(s) {', '.join(missing)} did not join the weight sync within "
+                             f"{self.join_timeout_s:g} s; {self._failed_calls(joins)}", missing)
+        let_form(self._store)
         try:
-            self._group = group.result(timeout=0)
+            self._group = specs[0].connect(0, store=self._store, bind_host=self.sync_host)
             send_nonce(self._group, self.nonce, self.device)
-        except (RuntimeError, FutureTimeout) as err:
-            raise SyncFailed(f"the weight group did not form ({err or 'timed out'}); {self._failed_calls(joins)}",
+        except RuntimeError as err:
+            raise SyncFailed(f"the weight group did not form ({err}); {self._failed_calls(joins)}",
                              self._failed_addresses(joins)) from None
         self._wait(joins, "join")
+
+    def _await_check_ins(self, specs: list[GroupSpec], joins: list[Future]) -> list[str]:
+        """Wait until every server's workers checked in (at most ``join_timeout_s``); the servers that did
+        not, or whose join call already failed, in their order."""
+        deadline = time.monotonic() + self.join_timeout_s
+        while True:
+            failed = {c.address for (c, _), j in zip(self.servers, joins) if j.done() and j.exception() is not None}
+            waiting = {c.address for (c, workers), spec in zip(self.servers, specs)
+                       if not checked_in(self._store, spec.rank_offset, workers)}
+            if failed or not waiting or time.monotonic() >= deadline:
+                return [c.address for c, _ in self.servers if c.address in failed | waiting]
+            time.sleep(0.02)
 
     def send(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Broadcast one bucket (or its changes) to every server (each stages it)."""
@@ -155,7 +190,7 @@ class BroadcastSession:
         reset, or were aborted, with why (the others hold the new weights)."""
         commit = json.dumps({"nonce": self.nonce, "version": version})
         committing = [(c, w) for c, w in self.servers if c.address not in self.mismatched]
-        futures = [self._pool.submit(c.rpc, "stapo_commit_weight_update", commit, timeout_s=self.timeout_s)
+        futures = [_in_daemon_thread(c.rpc, "stapo_commit_weight_update", commit, timeout_s=self.timeout_s)
                    for c, _ in committing]
         failed = []
         for (client, _), future in zip(committing, futures):
@@ -181,7 +216,7 @@ class BroadcastSession:
 
     def _abort_one(self, client: ServerClient) -> bool:
         try:
-            client.rpc("stapo_abort_weight_update", self.nonce, timeout_s=min(self.timeout_s, 60.0))
+            client.rpc("stapo_abort_weight_update", self.nonce, timeout_s=self.join_timeout_s)
             return True
         except ServerError as err:
             log.warning("weight sync: rollout server %s did not take the abort (%s)", client.address, err)
@@ -189,10 +224,9 @@ class BroadcastSession:
 
     def _release(self) -> None:
         self._group = self._store = None  # closes the group's connections and the store's socket
-        self._pool.shutdown(wait=False)
 
     def _on_every_server(self, method: str, args: list[str]) -> list:
-        return [self._pool.submit(client.rpc, method, arg, timeout_s=self.timeout_s)
+        return [_in_daemon_thread(client.rpc, method, arg, timeout_s=self.timeout_s)
                 for (client, _), arg in zip(self.servers, args)]
 
     def _wait(self, futures: list, step: str) -> list:

@@ -107,7 +107,7 @@ class ServerWorkerMixin:
         group_spec = GroupSpec.from_json(spec)
         rank = group_spec.rank_offset + int(getattr(self, "rank", 0))
         device = torch.device(self.device) if group_spec.backend == "nccl" else torch.device("cpu")
-        group = group_spec.connect(rank)
+        group = group_spec.join(rank)  # checks in; forms the group only on the trainer's go
         try:
             accept_nonce(group, group_spec.nonce, device)
         except BaseException:

@@ -26,8 +26,8 @@ import socket
 
 import torch
 
-__all__ = ["GroupSpec", "NONCE_BYTES", "accept_nonce", "listening_store", "new_nonce", "route_address",
-           "send_nonce"]
+__all__ = ["GroupSpec", "NONCE_BYTES", "accept_nonce", "call_off", "checked_in", "let_form", "listening_store",
+           "new_nonce", "route_address", "send_nonce"]
 
 NONCE_BYTES = 16
 
@@ -72,10 +72,7 @@ class GroupSpec:
 
     Rank 0 is the trainer (the broadcast's source, hosting the TCPStore at ``host:port``); a server's
     workers take ranks ``rank_offset + worker rank``. JSON-able: it crosses vLLM's ``/collective_rpc``.
-    ``nonce``: the session's secret (module docstring). ``form_timeout_s``: how long a member waits for the
-    others while the group forms (gloo; at most half of ``timeout_s``): a server whose join waits for a peer that
-    died (another server, the trainer) is free again before the trainer's 60 s wait for an abort, or a restarted
-    trainer's 30 s state read, ends. Broadcasts get ``timeout_s``.
+    ``nonce``: the session's secret (module docstring).
     """
 
     host: str
@@ -85,7 +82,7 @@ class GroupSpec:
     backend: str = "gloo"  # gloo (CPU tensors) or nccl (GPU tensors)
     timeout_s: float = 300.0
     nonce: str = ""
-    form_timeout_s: float = 10.0
+    join_timeout_s: float = 30.0  # how long a worker that checked in waits for the trainer's go
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -102,6 +99,26 @@ class GroupSpec:
             raise ValueError(f"not a weight-group spec: {text[:200]!r}")
         return cls(**data)
 
+    def store(self):
+        """A client of the session's store (a worker's side)."""
+        import torch.distributed as dist
+
+        return dist.TCPStore(self.host, self.port, None, False, timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def join(self, rank: int):
+        """A worker's side of the session's two-step join: check in on the store, wait for the trainer's
+        go (PermissionError if it called the session off, or gave none within ``join_timeout_s``), then
+        form the group."""
+        store = self.store()
+        store.set(f"{_READY}{rank}", "1")
+        try:
+            store.wait([_GO], datetime.timedelta(seconds=self.join_timeout_s))
+        except RuntimeError:  # (a timeout, or the trainer's store gone)
+            raise PermissionError("the trainer gave no go for the weight group: session called off") from None
+        if store.get(_GO) != b"form":
+            raise PermissionError("the trainer called the weight sync off before the group formed")
+        return self.connect(rank, store=store)
+
     def connect(self, rank: int, store=None, bind_host: str | None = None):
         """This process's member of the group (a torch ``ProcessGroupGloo`` / ``ProcessGroupNCCL``);
         rank 0 passes the store it hosts, the others connect to it. gloo's sockets bind ``bind_host``
@@ -109,17 +126,32 @@ class GroupSpec:
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        forming = datetime.timedelta(seconds=min(self.form_timeout_s, self.timeout_s / 2))
-        if store is None:  # reaching the store and each wait on it (a trainer that died: no 300 s of retries)
-            store = dist.TCPStore(self.host, self.port, None, False, timeout=forming)
+        if store is None:
+            store = self.store()
         if self.backend == "nccl":
             return dist.ProcessGroupNCCL(store, rank, self.world_size)
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = forming  # the rendezvous
+        options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or route_address(self.host))]
-        group = dist.ProcessGroupGloo(store, rank, self.world_size, options)
-        group._set_default_timeout(timeout)  # each broadcast
-        return group
+        return dist.ProcessGroupGloo(store, rank, self.world_size, options)
+
+
+_READY, _GO = "stapo/ready/", "stapo/go"
+
+
+def checked_in(store, first_rank: int, count: int) -> bool:
+    """The trainer's side: have ranks ``first_rank`` .. ``first_rank + count - 1`` checked in?"""
+    return store.check([f"{_READY}{r}" for r in range(first_rank, first_rank + count)])
+
+
+def let_form(store) -> None:
+    """Every worker checked in: let them form the group."""
+    store.set(_GO, "form")
+
+
+def call_off(store) -> None:
+    """Not every worker checked in: the ones waiting return at once, no group forms."""
+    store.set(_GO, "off")
 
 
 def _nonce_tensor(nonce: str, device) -> torch.Tensor:

@@ -221,7 +221,7 @@ def build_server_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank:
     limits = ServerLimits(request_timeout_s=r.request_timeout_s, request_timeout_per_token_s=r.request_timeout_per_token_s,
                           request_retries=r.request_retries, server_down_after_s=r.server_down_after_s,
                           health_interval_s=r.health_interval_s, health_timeout_s=r.health_timeout_s,
-                          sync_timeout_s=r.sync_timeout_s)
+                          sync_timeout_s=r.sync_timeout_s, sync_join_timeout_s=r.sync_join_timeout_s)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     log.info("rollout engine: vLLM servers %s", ", ".join(r.servers))
     return ServerEngine(r.servers, pad, sends_weights=dist_rank == 0, limits=limits,
