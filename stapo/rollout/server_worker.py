@@ -171,7 +171,7 @@ class ServerWorkerMixin:
         self.stapo_begin_weight_update()
         try:
             for layout, host in self._stapo_settle(session):
-                loaded += self._stapo_load(unpack_tensors(layout, host.to(self.device, copy=session.keep)))
+                loaded += self._stapo_load(unpack_tensors(layout, host.to(self.device)))
         except BaseException:
             self._stapo_version = None
             self.stapo_finish_weight_update()  # layers not loaded get their previous tensors back
@@ -181,8 +181,8 @@ class ServerWorkerMixin:
 
     def _stapo_settle(self, session: _Session) -> list[tuple[dict, torch.Tensor]]:
         """The session's buckets as host bytes, in order. A delta sync's become the kept copy here, at the
-        commit (deltas applied in place); a full sync drops the kept copy (loaded from copies: the model must
-        never alias bytes a later commit changes)."""
+        commit (deltas applied in place, and nowhere else: should a model keep a view of what it loaded, the
+        next change to it comes with the commit that loads it again); a full sync drops the kept copy."""
         kept, new, out = self._stapo_kept_copy(), {}, []
         for layout, host, delta in session.staged:
             if delta is not None:
