@@ -10,8 +10,8 @@ receiver; both receivers must end with the same bytes. Prints per policy the byt
 dense bytes, the seconds per sync, the changed fraction per step (measured, and expected once training is long
 underway) and what that fraction means for 8B / 14B / 32B bf16 policies at 25 and 100 Gb/s.
 
-    python bench/weight_sync_delta.py                 # tiny + Qwen3-0.6B shape (28 layers, ~9 GB), 5 steps
-    python bench/weight_sync_delta.py --layers 8      # 8 of the 28 layers (~4 GB)
+    python bench/weight_sync_delta.py                 # tiny + Qwen3-0.6B shape (28 layers): 5 steps, 13 GiB peak
+    python bench/weight_sync_delta.py --layers 8      # 8 of the 28 layers: less memory
     python bench/weight_sync_delta.py --smoke         # small shapes, 2 steps: checks the script runs
     python bench/weight_sync_delta.py --gpu           # two GPUs: training and rank 0 on cuda:0, receiver on cuda:1
 """
