@@ -1,9 +1,10 @@
-"""stapo command line: train, list masks, evaluate, inspect spurious tokens.
+"""stapo command line: train, list masks and tools, evaluate, inspect spurious tokens.
 
     stapo train                          # the built-in tiny CPU recipe (demo)
     stapo train recipe.yaml optim.lr=2e-6 trainer.output_dir=runs/x
     stapo train recipe.yaml --dry-run --world-size 64   # check a recipe and its batch shares; loads nothing
     stapo masks                          # registered token masks and their parameters
+    stapo tools                          # registered tools, their limits, this machine's sandbox, parsers
     stapo eval MODEL_DIR --benchmark math500
     stapo inspect RUN_DIR                # spurious-token report of a run recorded with inspect.record_every
 
@@ -130,6 +131,31 @@ def cmd_masks(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tools(args: argparse.Namespace) -> int:
+    _load_user_modules(args.imports)
+    from stapo.tools import build_tool, describe_tool_parsers, describe_tools
+    from stapo.tools.sandbox import Sandbox, SandboxStartError, isolation_summary
+
+    for info in describe_tools():
+        arguments = ", ".join(f"{k} ({v.get('type', 'any')}{', required' if k in info.arguments.get('required', ()) else ''})"
+                              for k, v in info.arguments.get("properties", {}).items())
+        params = ", ".join(f"{k}={'<required>' if v is dataclasses.MISSING else repr(v)}" for k, v in info.params.items())
+        print(f"{info.name:<16} {info.summary}")
+        print(f"{'':<16} arguments: {arguments or '(none)'}")
+        print(f"{'':<16} params: {params or '(none)'}")
+    try:  # what the python tool's sandbox gets on this machine
+        with Sandbox(build_tool("python").limits) as sandbox:
+            sandbox.start()
+            print(f"\npython sandbox on this machine: {isolation_summary(sandbox.isolation)}")
+    except SandboxStartError as exc:
+        print(f"\npython sandbox on this machine: cannot start ({exc})")
+    print("\ntool-call parsers:")
+    for name, summary, stop in describe_tool_parsers():
+        print(f"{name:<16} {summary}")
+        print(f"{'':<16} stop: {', '.join(map(repr, stop)) or '(none)'}")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     try:
         from stapo.evaluation import run_cli as run_eval
@@ -190,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     masks.add_argument("--import", dest="imports", action="append", default=[], metavar="FILE",
                        help="Python file to import first (registers user masks)")
     masks.set_defaults(func=cmd_masks)
+
+    tools = sub.add_parser("tools", help="list registered tools (their parameters and limits), what the python "
+                                         "sandbox gets on this machine, and the tool-call parsers")
+    tools.add_argument("--import", dest="imports", action="append", default=[], metavar="FILE",
+                       help="Python file to import first (registers user tools)")
+    tools.set_defaults(func=cmd_tools)
 
     evaluate = sub.add_parser("eval", help="avg@N / pass@k accuracy of a model on math benchmarks")
     _add_eval_arguments(evaluate)

@@ -104,7 +104,8 @@ class PromptDataset:
 def load_prompt_dataset(source: str | Path | None = None, *, split: str = "train", prompt_field: str = "prompt",
                         answer_field: str = "answer", preset: str | None = None, tokenizer,
                         instruction: str | None = PAPER_INSTRUCTION, max_prompt_length: int | None = None,
-                        data_files: Any = None, cache_dir: str | Path | None = None) -> PromptDataset:
+                        data_files: Any = None, cache_dir: str | Path | None = None,
+                        tools: Sequence[dict] | None = None) -> PromptDataset:
     """Load a dataset (HF hub name, local dir, or .jsonl / .json / .parquet file) into prompts.
 
     `prompt_field` / `answer_field` may be dotted paths (`reward_model.ground_truth`); a prompt is
@@ -112,6 +113,8 @@ def load_prompt_dataset(source: str | Path | None = None, *, split: str = "train
     problem). `preset` fills source and fields (explicit non-default arguments still win).
     Prompts longer than `max_prompt_length` tokens are dropped and the count is logged.
     `cache_dir` is where `datasets` keeps its Arrow cache (default: its own, ~/.cache/huggingface).
+    `tools`: the schemas of the tools the policy may call (``Tool.schema()``), rendered by the chat
+    template into each prompt (multi-turn episodes, docs/tir.md).
     """
     if source is None and preset is not None:
         source = _preset(preset).hf_name
@@ -119,13 +122,15 @@ def load_prompt_dataset(source: str | Path | None = None, *, split: str = "train
         raise ValueError("load_prompt_dataset needs a source (dataset name or file) or a preset")
     return prompt_dataset_from_records(
         _load_rows(source, split, data_files, cache_dir), prompt_field=prompt_field, answer_field=answer_field,
-        preset=preset, tokenizer=tokenizer, instruction=instruction, max_prompt_length=max_prompt_length)
+        preset=preset, tokenizer=tokenizer, instruction=instruction, max_prompt_length=max_prompt_length,
+        tools=tools)
 
 
 def prompt_dataset_from_records(records: Iterable[dict], *, prompt_field: str = "prompt",
                                 answer_field: str = "answer", preset: str | None = None, tokenizer,
                                 instruction: str | None = PAPER_INSTRUCTION,
-                                max_prompt_length: int | None = None) -> PromptDataset:
+                                max_prompt_length: int | None = None,
+                                tools: Sequence[dict] | None = None) -> PromptDataset:
     """Rows already in memory (dicts, or an HF `datasets.Dataset`) -> prompts; same rules as
     `load_prompt_dataset` (field mapping, preset cleaning, instruction, chat template, filter)."""
     prompt_field, answer_field = resolve_fields(prompt_field, answer_field, preset)
@@ -142,7 +147,7 @@ def prompt_dataset_from_records(records: Iterable[dict], *, prompt_field: str = 
         problems.append(problem)
         answers.append(str(answer).strip())
         extras.append({k: v for k, v in row.items() if k not in used})
-    texts = [_render(tokenizer, m) for m in messages]
+    texts = [_render(tokenizer, m, tools) for m in messages]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     examples = [PromptExample(i, problems[i], texts[i], list(ids[i]), answers[i], extras[i])
                 for i in range(len(texts)) if max_prompt_length is None or len(ids[i]) <= max_prompt_length]
@@ -291,10 +296,11 @@ def _prompt_messages(value: Any, i: int, field: str, clean: Callable[[str], str]
     return chat, problem
 
 
-def _render(tokenizer, messages: list[dict]) -> str:
+def _render(tokenizer, messages: list[dict], tools: Sequence[dict] | None = None) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template; set tokenizer.chat_template before loading prompts")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, tokenize=False,
+                                         add_generation_prompt=True)
 
 
 def balanced_shares(costs: Sequence[float], world_size: int) -> list[list[int]]:

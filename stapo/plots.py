@@ -22,9 +22,10 @@ from stapo.run_dir import read_metrics
 
 # One panel per entry; a tuple puts several series in one panel.
 DEFAULT_KEYS: tuple[str | tuple[str, ...], ...] = (
-    "reward_mean", "eval_accuracy", "response_length_mean", "entropy_mean", ("silenced_frac", "spurious_frac"),
+    "reward_mean", ("eval_accuracy", "eval_no_tools_accuracy"), "response_length_mean", "entropy_mean",
+    ("silenced_frac", "spurious_frac"), ("tool_calls_mean", "eval_tool_calls_mean"),  # tool keys: TIR runs only
 )
-_PERCENT_KEYS = ("silenced_frac", "spurious_frac", "keep_frac", "accuracy", "eval_accuracy",
+_PERCENT_KEYS = ("silenced_frac", "spurious_frac", "keep_frac", "accuracy", "eval_accuracy", "eval_no_tools_accuracy",
                  "response_clip_ratio", "clip_frac_low", "clip_frac_high", "zero_std_group_frac")
 
 

@@ -34,6 +34,18 @@ def tiny_model_dir(_tiny_cache):
 
 
 @pytest.fixture(scope="session")
+def tir_model_dir(_tiny_cache):
+    """The tiny TIR demo's model (stapo/tiny/tir.py) after a 60-step warm start in which every prompt that
+    offers the calculator calls it: it writes calls in Qwen3's format (not yet the right ones). ~25 s."""
+    from stapo.tiny import build_tiny_model
+    from stapo.tiny.tir import build_tir_tokenizer, tir_problems, tir_warm_start
+
+    model = build_tiny_model(seed=0, tokenizer_dir=build_tir_tokenizer())
+    return tir_warm_start(model, tir_problems(512, seed=1, easy_fraction=0.5), tool_fraction=1.0, steps=60,
+                          lr=3e-3, seed=0, batch_size=16, progress=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -53,7 +53,7 @@ def test_user_mistakes_are_one_line_errors(argv, message, capsys):
 
 
 def test_help_works_for_every_command():
-    for command in ([], ["train"], ["masks"], ["eval"], ["inspect"]):
+    for command in ([], ["train"], ["masks"], ["tools"], ["eval"], ["inspect"]):
         proc = subprocess.run([sys.executable, "-m", "stapo.cli", *command, "--help"], capture_output=True, text=True)
         assert proc.returncode == 0 and "usage: stapo" in proc.stdout, proc.stderr
 
@@ -68,7 +68,8 @@ def test_paper_recipes_differ_only_in_the_method():
     """Each paper recipe equals its size's JustRL recipe except mask / loss / output_dir."""
     method_keys = {("mask", "name"), ("mask", "params"), ("loss", "clip_high"), ("loss", "agg"),
                    ("trainer", "output_dir")}
-    paper = [p for p in RECIPES if p.stem.startswith("qwen3_") and not p.stem.endswith(("_lora", "_stare", "_clip_cov"))]
+    paper = [p for p in RECIPES
+             if p.stem.startswith("qwen3_") and not p.stem.endswith(("_lora", "_stare", "_clip_cov", "_tir"))]
     assert len(paper) == 18  # 3 sizes x (STAPO, GRPO, JustRL, 20-Entropy, 2 ablations)
     for recipe in paper:
         base_name = "_".join(recipe.stem.split("_")[:3 if "1_7b" in recipe.stem else 2]) + "_justrl.yaml"
@@ -110,8 +111,22 @@ def test_lora_recipes_are_the_stapo_recipe_on_adapters(size):
     assert lora["model"]["lora"]["enabled"] and lora["optim"]["lr"] == pytest.approx(10 * full["optim"]["lr"])
 
 
+def test_the_tir_recipe_is_the_stapo_recipe_with_tools():
+    """Tool-integrated reasoning changes the rollout, not the algorithm (docs/tir.md): the TIR recipe is
+    the 8B STAPO recipe plus ``rollout.tools`` on the post-trained Qwen3-8B (it writes tool calls)."""
+    stapo = STAPOConfig.from_yaml(ROOT / "examples" / "recipes" / "qwen3_8b_stapo.yaml").to_dict()
+    tir = STAPOConfig.from_yaml(ROOT / "examples" / "recipes" / "qwen3_8b_stapo_tir.yaml").to_dict()
+    diffs = {(s, k) for s in stapo for k in stapo[s] if stapo[s][k] != tir[s][k]}
+    assert diffs == {("model", "path"), ("rollout", "tools"), ("trainer", "output_dir")}
+    assert tir["model"]["path"] == "Qwen/Qwen3-8B" and tir["mask"]["name"] == "stapo"
+    tools = tir["rollout"]["tools"]
+    assert tools["enabled"] and tools["names"] == ["python"] and tools["parser"] == "qwen3" and tools["stateful"]
+
+
 def test_the_built_in_recipe_is_the_tiny_example():
     assert STAPOConfig.from_yaml(builtin_recipe()) == STAPOConfig.from_yaml(ROOT / "examples" / "recipes" / "tiny_cpu.yaml")
+    tir = builtin_recipe("tiny_tir.yaml")  # the TIR demo's recipe ships in the package too (docs/tir.md)
+    assert tir.read_text() == (ROOT / "examples" / "recipes" / "tiny_tir.yaml").read_text()
 
 
 def test_summary_lists_only_what_the_run_wrote(tmp_path, capsys):

@@ -13,7 +13,8 @@ valid key, and values are type-checked and validated.
     cfg = STAPOConfig.from_yaml("examples/recipes/qwen3_8b_stapo.yaml", overrides=["optim.lr=2e-6"])
 
 May import: ``stapo.rollout`` (the engine registry, for validation), ``stapo.losses`` (the mask
-registry), ``stapo.rewards``, ``stapo.data`` and the rest below them (docs/index.md, "Layout").
+registry), ``stapo.rewards``, ``stapo.data``, ``stapo.tools`` (the tool and parser registries) and the
+rest below them (docs/index.md, "Layout").
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import yaml
 from stapo.config.loading import ConfigError, apply_overrides, build_dataclass
 from stapo.config.sections import (DataConfig, InspectConfig, LoggingConfig, LoraConfig, LossConfig, MaskConfig,
                                    ModelConfig,
-                                   OptimConfig, RewardConfig, RolloutConfig, TinyConfig, TrainerConfig, ZeroConfig)
+                                   OptimConfig, RewardConfig, RolloutConfig, TinyConfig, ToolsConfig, TrainerConfig,
+                                   ZeroConfig)
 from stapo.config.validation import validate
 from stapo.data import PAPER_INSTRUCTION  # the default of data.instruction; re-exported
 
@@ -37,7 +39,7 @@ log = logging.getLogger("stapo.config")
 
 __all__ = ["STAPOConfig", "ConfigError", "PAPER_INSTRUCTION", "DataConfig", "InspectConfig", "LoggingConfig",
            "LoraConfig", "LossConfig", "MaskConfig", "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "TinyConfig",
-           "TrainerConfig", "ZeroConfig", "validate"]
+           "ToolsConfig", "TrainerConfig", "ZeroConfig", "validate"]
 
 
 @dataclass

@@ -70,6 +70,13 @@ class TinyConfig:
     warm_start_bare_fraction: float = 0.5
     """Fraction of warm-start examples whose target is the bare answer (``\\boxed{17}``) instead of
     the worked solution; RL then learns which form earns the reward (docs/demo.md)."""
+    task: str = "arithmetic"
+    """The tiny demo's task: ``arithmetic`` (the default demo, docs/demo.md) or ``tir`` (products that the
+    tiny model cannot work out in its head, with a calculator it can call: its own tokenizer, model and
+    warm start; ``builtin:arithmetic`` data then draws these problems; docs/tir.md)."""
+    warm_start_tool_fraction: float = 0.4
+    """``task: tir``: fraction of the warm-start examples whose prompt offers the calculator that call it
+    (half the examples offer it); the rest answer directly."""
 
 
 @dataclass
@@ -96,6 +103,43 @@ class DataConfig:
     draws a disjoint held-out set."""
     eval_size: int = 200
     """Number of held-out prompts evaluated (greedy decoding)."""
+
+
+@dataclass
+class ToolsConfig:
+    """Multi-turn tool-integrated episodes (docs/tir.md). Off by default: one prompt, one response."""
+
+    enabled: bool = False
+    """Run each rollout row as an episode: the policy's turns, stopped at a tool call, alternate with the
+    tools' results (context tokens: read, never trained), until a final answer, ``max_turns`` or
+    ``rollout.max_response_length`` tokens (policy + context). Prompts list the tools (chat template)."""
+    names: list = field(default_factory=lambda: ["python"])
+    """Tools the policy may call, from the registry (``stapo tools`` lists them)."""
+    parser: str = "qwen3"
+    """Tool-call format: ``qwen3`` (``<tool_call>{json}</tool_call>``, results as the chat template's tool
+    turn) or ``python_block`` (fenced python blocks, results inline; docs/tools.md)."""
+    max_turns: int = 4
+    """Policy turns per episode at most (a turn that still calls a tool at the limit ends the episode,
+    finish reason ``length``)."""
+    stateful: bool = True
+    """Tools with state (``python``): one session per episode, so variables persist across its calls."""
+    timeout_s: float = 10.0
+    """Wall-clock limit of one tool call (a call past it is a tool error)."""
+    max_output_chars: int = 2000
+    """A tool's output is cut to this many characters (cut output is a tool error)."""
+    params: dict = field(default_factory=dict)
+    """Further parameters per tool, e.g. ``{python: {memory_mb: 1024}}`` (``stapo tools`` lists them)."""
+    max_workers: int = 8
+    """Tool calls run at once (across the batch's episodes; one episode's calls run in order)."""
+    eval_without_tools: bool = False
+    """Evaluation also runs the held-out prompts without tools (prompts that offer none, one turn each):
+    ``eval_accuracy_no_tools`` next to ``eval_accuracy``."""
+    error_penalty: float = 0.0
+    """Reward shaping: subtracted once per tool error of an episode (0: off, the verifier alone)."""
+    call_budget: int = 0
+    """Reward shaping: tool calls per episode that cost nothing; each call beyond costs ``call_penalty``."""
+    call_penalty: float = 0.0
+    """Reward shaping: subtracted per tool call beyond ``call_budget`` (0: off)."""
 
 
 @dataclass
@@ -194,6 +238,8 @@ class RolloutConfig:
     producer_close_timeout_s: float = 60.0
     """``server`` mode with ``max_staleness`` >= 1: how long the end of a run waits for a generation in
     flight to finish."""
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """Tool-integrated reasoning: multi-turn episodes with tool calls (off by default; docs/tir.md)."""
     max_staleness: int = 0
     """k: asynchronous training, ``server`` mode. 0 (the default and the paper's setting): generate, train,
     sync in lock-step. k >= 1: a producer generates the next iterations' batches while the trainer updates;

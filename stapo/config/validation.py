@@ -94,6 +94,10 @@ def validate(cfg) -> None:
     rw = cfg.reward
     _check(r.max_sampling_rounds >= 1, f"rollout.max_sampling_rounds must be >= 1, got {r.max_sampling_rounds}")
     _check_rollout_servers(r)
+    _check_tools(cfg.rollout.tools, cfg.tiny)
+    _check(not (r.tools.enabled and r.tensor_parallel_size > 1),
+           f"rollout.tools needs rollout.tensor_parallel_size 1 (got {r.tensor_parallel_size}): the ranks of a "
+           "tensor-parallel group generate together, but each rank's episodes end after their own number of turns")
     _check_offload_training_state(cfg)
     _check(0 <= rw.overlong_buffer <= r.max_response_length,
            f"reward.overlong_buffer must be in [0, rollout.max_response_length={r.max_response_length}], "
@@ -142,6 +146,50 @@ def _spec_error(spec: str) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def _check_tools(tools, tiny) -> None:
+    """``rollout.tools`` (docs/tir.md) and the tiny TIR demo's knobs."""
+    _check(tiny.task in ("arithmetic", "tir"), f"tiny.task must be one of ['arithmetic', 'tir'], got {tiny.task!r}")
+    _check(0.0 <= tiny.warm_start_tool_fraction <= 1.0,
+           f"tiny.warm_start_tool_fraction must be in [0, 1], got {tiny.warm_start_tool_fraction}")
+    _check(tools.max_turns >= 1, f"rollout.tools.max_turns must be >= 1, got {tools.max_turns}")
+    _check(tools.timeout_s > 0, f"rollout.tools.timeout_s must be > 0, got {tools.timeout_s}")
+    _check(tools.max_output_chars >= 1, f"rollout.tools.max_output_chars must be >= 1, got {tools.max_output_chars}")
+    _check(tools.max_workers >= 1, f"rollout.tools.max_workers must be >= 1, got {tools.max_workers}")
+    _check(tools.call_budget >= 0, f"rollout.tools.call_budget must be >= 0, got {tools.call_budget}")
+    for name in ("error_penalty", "call_penalty"):
+        value = getattr(tools, name)
+        _check(math.isfinite(value) and value >= 0, f"rollout.tools.{name} must be finite and >= 0, got {value}")
+    _check(isinstance(tools.params, dict) and all(isinstance(v, dict) for v in tools.params.values()),
+           f"rollout.tools.params must map tool names to parameter dicts, got {tools.params!r}")
+    if not tools.enabled:
+        return
+    from stapo.tools import available_tool_parsers, available_tools  # user tools registered by now count
+
+    _check(tools.parser in available_tool_parsers(),
+           f"rollout.tools.parser: unknown parser {tools.parser!r}; available: {', '.join(available_tool_parsers())}")
+    _check(isinstance(tools.names, list) and len(tools.names) > 0,
+           f"rollout.tools.names must list at least one tool, got {tools.names!r}")
+    unlisted = sorted(set(tools.params) - set(tools.names))
+    _check(not unlisted, f"rollout.tools.params has tools that rollout.tools.names does not list: {unlisted}")
+    for name in tools.names:
+        _check(name in available_tools(), f"rollout.tools: unknown tool {name!r}; available: "
+                                          f"{', '.join(available_tools())} (stapo tools lists them)")
+        _check_tool_params(tools, name)
+
+
+def _check_tool_params(tools, name: str) -> None:
+    """The tool builds with the per-call limits and its ``params`` (as stapo.trainer.tool_setup builds it)."""
+    from stapo.tools import build_tool, tool_params
+
+    params = {"timeout_s": tools.timeout_s, "max_output_chars": tools.max_output_chars}
+    if "stateful" in tool_params(name):
+        params["stateful"] = tools.stateful
+    try:
+        build_tool(name, **{**params, **tools.params.get(name, {})})
+    except (TypeError, ValueError) as exc:
+        _check(False, f"rollout.tools.params.{name}: {exc}")
 
 
 def _check_offload_training_state(cfg) -> None:

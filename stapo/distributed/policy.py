@@ -21,6 +21,11 @@ every use (docs/distributed.md, "ZeRO-3 prefetch"; tests/trainer/test_prefetch.p
 Rows are fed either padded (:class:`PolicyInputs`) or packed into one padding-free row
 (:class:`PackedInputs`, ``trainer.packing``); both give the same statistics (to float rounding,
 tested to 1e-5 in fp32) and :func:`teacher_forced_inputs` is the one place that builds them.
+
+A multi-turn episode's response interleaves the policy's tokens with context tokens (tool output,
+chat-template tokens; ``context_mask``, docs/tir.md). Context tokens are real INPUTS (attended to,
+positioned, packed, trimmed like any token) but never TARGETS: the head runs only where
+``response_mask`` is True, so they get no logprob, no entropy and no gradient of their own.
 """
 
 from __future__ import annotations
@@ -45,13 +50,14 @@ class PolicyInputs:
     prompt_length: int  # Lp: hidden state at Lp - 1 + t predicts response token t
 
     @classmethod
-    def from_parts(cls, prompt_ids, prompt_mask, response_ids, response_mask) -> "PolicyInputs":
-        """Concatenate and trim all-padding columns (left of prompts, right of responses)."""
+    def from_parts(cls, prompt_ids, prompt_mask, response_ids, response_mask, context_mask=None) -> "PolicyInputs":
+        """Concatenate and trim all-padding columns (left of prompts, right of responses); context
+        tokens (``context_mask``) are attended to, never predicted."""
         prompt_cols = prompt_mask.any(dim=0).nonzero()
         first = int(prompt_cols[0]) if len(prompt_cols) else prompt_mask.shape[1] - 1
         prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
-        response_ids, response_mask = _trim_responses(response_ids, response_mask)
-        attention = torch.cat([prompt_mask, response_mask], dim=1).long()  # (b, Lp + T)
+        response_ids, response_mask, real = _trim_responses(response_ids, response_mask, context_mask)
+        attention = torch.cat([prompt_mask, real], dim=1).long()  # (b, Lp + T)
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)  # left padding: real tokens start at 0
         return cls(
             input_ids=torch.cat([prompt_ids, response_ids], dim=1),
@@ -96,13 +102,14 @@ class PackedInputs:
     response_mask: torch.Tensor  # (b, T) bool
 
     @classmethod
-    def from_parts(cls, prompt_ids, prompt_mask, response_ids, response_mask,
+    def from_parts(cls, prompt_ids, prompt_mask, response_ids, response_mask, context_mask=None,
                    row_width: int | None = None) -> "PackedInputs":
-        """Pack left-padded prompts and right-padded responses (real tokens of a row are contiguous)."""
+        """Pack left-padded prompts and right-padded responses (real tokens of a row, context tokens
+        included, are contiguous); targets are the ``response_mask`` tokens only."""
         if not bool(prompt_mask.any(dim=1).all()):
             raise ValueError("PackedInputs: every row needs at least one prompt token")
-        response_ids, response_mask = _trim_responses(response_ids, response_mask)
-        real = torch.cat([prompt_mask, response_mask], dim=1)  # (b, Lp + T) bool
+        response_ids, response_mask, response_real = _trim_responses(response_ids, response_mask, context_mask)
+        real = torch.cat([prompt_mask, response_real], dim=1)  # (b, Lp + T) bool
         tokens = torch.cat([prompt_ids, response_ids], dim=1)
         lengths = real.sum(dim=1).tolist()
         width = max(lengths) if row_width is None else max(row_width, max(lengths))
@@ -153,20 +160,25 @@ TeacherForcedInputs = Union[PolicyInputs, PackedInputs]
 
 
 def teacher_forced_inputs(prompt_ids, prompt_mask, response_ids, response_mask, *, packed: bool,
-                          one_row: bool = False) -> TeacherForcedInputs:
+                          one_row: bool = False, context_mask=None) -> TeacherForcedInputs:
     """THE builder of teacher-forced inputs for the rows given: padded, or packed into rows as wide as
-    the longest sequence (``one_row``: a single row, for block-sparse attention kernels)."""
+    the longest sequence (``one_row``: a single row, for block-sparse attention kernels).
+    ``context_mask`` (B, T) bool: context tokens of multi-turn episodes (None: none)."""
     if not packed:
-        return PolicyInputs.from_parts(prompt_ids, prompt_mask, response_ids, response_mask)
-    width = None if one_row else int((prompt_mask.sum(dim=1) + response_mask.sum(dim=1)).max())
-    return PackedInputs.from_parts(prompt_ids, prompt_mask, response_ids, response_mask, row_width=width)
+        return PolicyInputs.from_parts(prompt_ids, prompt_mask, response_ids, response_mask, context_mask)
+    real = response_mask if context_mask is None else response_mask | context_mask
+    width = None if one_row else int((prompt_mask.sum(dim=1) + real.sum(dim=1)).max())
+    return PackedInputs.from_parts(prompt_ids, prompt_mask, response_ids, response_mask, context_mask,
+                                   row_width=width)
 
 
-def _trim_responses(response_ids, response_mask):
-    """Drop response columns that are padding in every row (keep at least one)."""
-    cols = response_mask.any(dim=0).nonzero()
+def _trim_responses(response_ids, response_mask, context_mask=None):
+    """``(ids, response_mask, real)`` without the response columns that are padding in every row
+    (keep at least one); ``real`` = response and context tokens."""
+    real = response_mask if context_mask is None else response_mask | context_mask
+    cols = real.any(dim=0).nonzero()
     t_len = int(cols[-1]) + 1 if len(cols) else 1
-    return response_ids[:, :t_len], response_mask[:, :t_len]
+    return response_ids[:, :t_len], response_mask[:, :t_len], real[:, :t_len]
 
 
 def _run_as_forward(module: torch.nn.Module, fn, *args, caller=None):

@@ -30,6 +30,7 @@ def build_token_record(
     rewards: Sequence[float] | torch.Tensor,
     weights: torch.Tensor | None = None,  # (B, T) float, the mask's token weights (None: keep as 1 / 0)
     row_texts: Callable[[list[int]], list[str]] | None = None,
+    context_segments: Sequence[list] | None = None,  # per row: [[position, text], ...] of an episode's tool turns
 ) -> TokenRecord:
     """Flatten the valid tokens (row-major) of one mini-batch into a record; rows are 0..B-1.
 
@@ -57,7 +58,8 @@ def build_token_record(
     rewards_list = [float(r) for r in rewards]
     seq_adv = adv_bt.masked_fill(~valid, 0).sum(1) / valid.sum(1).clamp(min=1)  # (B,)
     rows = [RecordRow(row=i, prompt_text=prompt_texts[i], response_text=response_texts[i],
-                      reward=rewards_list[i], advantage=float(seq_adv[i])) for i in range(b)]
+                      reward=rewards_list[i], advantage=float(seq_adv[i]),
+                      context=list(context_segments[i]) if context_segments else []) for i in range(b)]
     return TokenRecord(
         step=step, minibatch=minibatch, mask_name=mask_name,
         thresholds={k: float(v) for k, v in thresholds.items()}, rows=rows,

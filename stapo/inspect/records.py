@@ -5,7 +5,7 @@ mini-batch K > 0; :func:`stapo.run_dir.token_record_path`), written by :func:`wr
 A :class:`TokenRecord` holds::
 
     step: int, minibatch: int, mask_name: str, thresholds: {"tau_p": float, "tau_h": float}
-    rows: list of {row, prompt_text, response_text, reward, advantage}
+    rows: list of {row, prompt_text, response_text, reward, advantage, context}
     # one entry per VALID response token of the mini-batch (flattened, row-major):
     row (N,) long, position (N,) long, token_id (N,) long, token_text list[str] (N),
     logprob (N,) f32, entropy (N,) f32, advantage (N,) f32, kept (N,) bool, silenced (N,) bool,
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +52,16 @@ _TENSORS = {  # field -> (dtype, ndim)
 
 @dataclass
 class RecordRow:
-    """One response of the recorded mini-batch."""
+    """One response of the recorded mini-batch. ``context``: a multi-turn episode's context segments
+    (tool output and template tokens, docs/tir.md) as ``[position of its first token, text]``; they hold
+    no record entries (never trained) but belong in the text around the policy's tokens."""
 
     row: int
     prompt_text: str
     response_text: str
     reward: float
     advantage: float
+    context: list = field(default_factory=list)
 
 
 @dataclass

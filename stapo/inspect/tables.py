@@ -35,11 +35,18 @@ class SilencedToken:
 
 
 def _row_texts(record: TokenRecord) -> dict[int, tuple[str, dict[int, int]]]:
-    """row -> (concatenated token texts in position order, token index -> char offset)."""
+    """row -> (concatenated token texts in position order, an episode's tool turns in their places;
+    token index -> char offset)."""
     rows, positions = record.row.tolist(), record.position.tolist()
+    segments = {r.row: sorted((int(pos), str(text)) for pos, text in r.context) for r in record.rows}
     out: dict[int, tuple[list[str], dict[int, int], list[int]]] = {}
     for i in sorted(range(record.num_tokens), key=lambda i: (rows[i], positions[i])):
         parts, offsets, length = out.setdefault(rows[i], ([], {}, [0]))
+        pending = segments.get(rows[i], [])
+        while pending and pending[0][0] < positions[i]:  # a tool turn the policy read before this token
+            text = pending.pop(0)[1]
+            parts.append(text)
+            length[0] += len(text)
         offsets[i] = length[0]
         parts.append(record.token_text[i])
         length[0] += len(record.token_text[i])

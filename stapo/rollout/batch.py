@@ -3,8 +3,14 @@
 P prompts × G samples give B = P·G rows; row i answers prompt i // G and is its sample i % G, so the
 groups are consecutive (the group advantages of paper §2.1 rely on that). Prompts are LEFT-padded
 and responses RIGHT-padded, so `cat(prompt_ids, response_ids)` puts every response right after its
-prompt at column Lp; the trainer builds its teacher-forced inputs (padded or packed) from these four
+prompt at column Lp; the trainer builds its teacher-forced inputs (padded or packed) from these
 tensors in `stapo.distributed.policy.teacher_forced_inputs`.
+
+A multi-turn episode (docs/tir.md) is ONE row: its response holds the policy's turns interleaved with
+context tokens (tool output and chat-template tokens). Two masks say which is which:
+``response_mask`` (the policy's sampled tokens: they train) and ``context_mask`` (read by the model,
+never sampled, silenced, counted or given gradient); ``real_mask`` is their union, what attention,
+positions, packing, lengths and token budgets see. A single-turn row has no context token.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Rollout", "left_pad", "right_pad", "row_lengths"]
+__all__ = ["EpisodeInfo", "Rollout", "left_pad", "right_pad", "row_lengths"]
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +54,35 @@ def _pad_columns(x: torch.Tensor, width: int, value: float | bool, left: bool) -
     return torch.cat([fill, x] if left else [x, fill], dim=1)
 
 
+@dataclass(frozen=True)
+class EpisodeInfo:
+    """What each row's multi-turn episode did besides its tokens (docs/tir.md); B entries each."""
+
+    turns: torch.Tensor  # (B,) long: policy turns (one `generate` each)
+    tool_calls: torch.Tensor  # (B,) long: tool calls parsed from its turns (each ran, or failed to parse)
+    tool_errors: torch.Tensor  # (B,) long: calls that ended in a tool error (bad call, failure, a limit)
+    tool_seconds: torch.Tensor  # (B,) float64: seconds its tool calls ran (summed over calls)
+    final_text: list[str]  # its last policy turn: the text the verifier scores
+    tool_wait_s: float = 0.0  # wall seconds the episode loop waited for tools (all rows together)
+
+    def __post_init__(self) -> None:
+        b = len(self.final_text)
+        for name in ("turns", "tool_calls", "tool_errors", "tool_seconds"):
+            if tuple(getattr(self, name).shape) != (b,):
+                raise ValueError(f"EpisodeInfo.{name} has shape {tuple(getattr(self, name).shape)}, expected ({b},)")
+
+    def select(self, idx: torch.Tensor) -> EpisodeInfo:
+        picked = idx.tolist()
+        return EpisodeInfo(self.turns[idx], self.tool_calls[idx], self.tool_errors[idx], self.tool_seconds[idx],
+                           [self.final_text[i] for i in picked], self.tool_wait_s)
+
+    @classmethod
+    def concat(cls, parts: Sequence[EpisodeInfo]) -> EpisodeInfo:
+        return cls(*(torch.cat([getattr(p, name) for p in parts])
+                     for name in ("turns", "tool_calls", "tool_errors", "tool_seconds")),
+                   [t for p in parts for t in p.final_text], sum(p.tool_wait_s for p in parts))
+
+
 @dataclass
 class Rollout:
     """Sampled responses for P prompts × G samples (B = P·G rows, row i: prompt i // G, sample i % G).
@@ -71,6 +106,10 @@ class Rollout:
         pad_token_id: id used for padding (needed to re-pad in `concat`).
         policy_version: (B,) long, the policy version (optimizer iterations completed) whose weights
             sampled each row, or None where nobody tracks it; fill with `with_policy_version`.
+        context_mask: (B, T) bool, True on context tokens of a multi-turn episode (tool output and
+            chat-template tokens between the policy's turns; `sampling_logprobs` 0 there); never True
+            where `response_mask` is. None (single-turn engines) means no context token: False everywhere.
+        episodes: per-row facts of multi-turn episodes (turns, tool calls, the final turn's text), or None.
     """
 
     prompt_ids: torch.Tensor
@@ -86,13 +125,18 @@ class Rollout:
     prompt_text: list[str] = field(default_factory=list)
     pad_token_id: int = 0
     policy_version: torch.Tensor | None = None
+    context_mask: torch.Tensor | None = None
+    episodes: EpisodeInfo | None = None
 
     def __post_init__(self) -> None:
+        if self.context_mask is None:
+            self.context_mask = torch.zeros_like(self.response_mask, dtype=torch.bool)
         b = self.prompt_ids.shape[0]
         checks = {
             "prompt_mask": (self.prompt_mask.shape, self.prompt_ids.shape),
             "response_mask": (self.response_mask.shape, self.response_ids.shape),
             "sampling_logprobs": (self.sampling_logprobs.shape, self.response_ids.shape),
+            "context_mask": (self.context_mask.shape, self.response_ids.shape),
             "group_index": (self.group_index.shape, torch.Size([b])),
         }
         if self.policy_version is not None:
@@ -102,8 +146,12 @@ class Rollout:
                 raise ValueError(f"Rollout.{name} has shape {tuple(got)}, expected {tuple(want)}")
         if self.response_ids.shape[0] != b:
             raise ValueError(f"Rollout.response_ids has {self.response_ids.shape[0]} rows, prompt_ids has {b}")
-        if self.prompt_mask.dtype != torch.bool or self.response_mask.dtype != torch.bool:
-            raise ValueError("Rollout.prompt_mask and Rollout.response_mask must be bool tensors")
+        if any(m.dtype != torch.bool for m in (self.prompt_mask, self.response_mask, self.context_mask)):
+            raise ValueError("Rollout.prompt_mask, response_mask and context_mask must be bool tensors")
+        if bool((self.response_mask & self.context_mask).any()):
+            raise ValueError("Rollout.context_mask is True on tokens response_mask marks as sampled")
+        if self.episodes is not None and len(self.episodes.final_text) != b:
+            raise ValueError(f"Rollout.episodes has {len(self.episodes.final_text)} rows, expected {b}")
         if self.group_size < 1:
             raise ValueError(f"Rollout.group_size must be >= 1, got {self.group_size}")
         for name in ("finish_reason", "response_text"):
@@ -124,8 +172,18 @@ class Rollout:
 
     @property
     def response_lengths(self) -> torch.Tensor:
-        """(B,) long, number of generated tokens per row (EOS included)."""
+        """(B,) long, number of generated tokens per row (EOS included; context tokens not)."""
         return self.response_mask.sum(dim=1)
+
+    @property
+    def real_mask(self) -> torch.Tensor:
+        """(B, T) bool: every real token of the response part, the policy's and context."""
+        return self.response_mask | self.context_mask
+
+    @property
+    def answer_text(self) -> list[str]:
+        """What the verifier scores: an episode's last policy turn, else the whole response."""
+        return self.episodes.final_text if self.episodes is not None else self.response_text
 
     # ----------------------------------------------------------- annotation
     def with_ground_truth(self, answers_per_prompt: Sequence[str]) -> Rollout:
@@ -170,7 +228,9 @@ class Rollout:
             sampling_logprobs=self.sampling_logprobs[i], group_index=self.group_index[i],
             finish_reason=pick(self.finish_reason), response_text=pick(self.response_text),
             ground_truth=pick(self.ground_truth), prompt_text=pick(self.prompt_text),
-            policy_version=None if self.policy_version is None else self.policy_version[idx])
+            policy_version=None if self.policy_version is None else self.policy_version[idx],
+            context_mask=self.context_mask[i],
+            episodes=None if self.episodes is None else self.episodes.select(idx))
 
     @classmethod
     def concat(cls, parts: Sequence[Rollout]) -> Rollout:
@@ -184,6 +244,8 @@ class Rollout:
         for name in ("ground_truth", "prompt_text"):
             if len({bool(getattr(p, name)) for p in parts}) > 1:
                 raise ValueError(f"Rollout.concat: {name} is set on some parts only")
+        if len({p.episodes is None for p in parts}) > 1:
+            raise ValueError("Rollout.concat: episodes is set on some parts only")
         lp = max(p.prompt_ids.shape[1] for p in parts)
         t = max(p.response_ids.shape[1] for p in parts)
         group_index, offset = [], 0
@@ -198,6 +260,7 @@ class Rollout:
             prompt_ids=cat("prompt_ids", lp, pad, True), prompt_mask=cat("prompt_mask", lp, False, True),
             response_ids=cat("response_ids", t, pad, False),
             response_mask=cat("response_mask", t, False, False),
+            context_mask=cat("context_mask", t, False, False),
             sampling_logprobs=cat("sampling_logprobs", t, 0.0, False),
             finish_reason=[r for p in parts for r in p.finish_reason],
             response_text=[r for p in parts for r in p.response_text],
@@ -205,7 +268,8 @@ class Rollout:
             ground_truth=[r for p in parts for r in p.ground_truth],
             prompt_text=[r for p in parts for r in p.prompt_text], pad_token_id=pad,
             policy_version=None if any(p.policy_version is None for p in parts)
-            else torch.cat([p.policy_version for p in parts]))
+            else torch.cat([p.policy_version for p in parts]),
+            episodes=None if parts[0].episodes is None else EpisodeInfo.concat([p.episodes for p in parts]))
 
     def to(self, device: torch.device | str) -> Rollout:
         """Copy with every tensor on `device`."""
@@ -215,5 +279,9 @@ class Rollout:
 
 
 def row_lengths(seqs) -> list[int]:
-    """Real tokens (prompt + response) of each row of a Rollout / TrainBatch."""
-    return (seqs.prompt_mask.sum(dim=1) + seqs.response_mask.sum(dim=1)).tolist()
+    """Real tokens (prompt + response, context tokens included) of each row of a Rollout / TrainBatch."""
+    lengths = seqs.prompt_mask.sum(dim=1) + seqs.response_mask.sum(dim=1)
+    context = getattr(seqs, "context_mask", None)  # None: a single-turn batch
+    if context is not None:
+        lengths = lengths + context.sum(dim=1)
+    return lengths.tolist()

@@ -24,7 +24,7 @@ import torch
 
 from stapo.rollout.batch import Rollout, left_pad
 from stapo.rollout.engine import check_prompts
-from stapo.rollout.sampling import SamplingParams, processed_logprobs, sample_from_logprobs
+from stapo.rollout.sampling import SamplingParams, processed_logprobs, sample_from_logprobs, sample_rows
 
 __all__ = ["HFEngine"]
 
@@ -77,19 +77,32 @@ class HFEngine:
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> Rollout:
         """Sample `n` responses per prompt; see `Rollout` for the layout (rows grouped per prompt)."""
         prompts = check_prompts(prompt_ids, n)
-        generator = torch.Generator(device=self.device)
-        if sampling.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(sampling.seed)
+        generator = self._generators(sampling, n, len(prompts))
         stop_ids = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
         per_chunk = max(1, self.max_batch_size // n)
-        parts = [self._generate_chunk(prompts[i: i + per_chunk], n, sampling, stop_ids, generator)
+        rows = lambda i: generator[i * n: (i + per_chunk) * n] if isinstance(generator, list) else generator  # noqa: E731
+        parts = [self._generate_chunk(prompts[i: i + per_chunk], n, sampling, stop_ids, rows(i))
                  for i in range(0, len(prompts), per_chunk)]
         return parts[0] if len(parts) == 1 else Rollout.concat(parts)
 
+    def _generators(self, sampling: SamplingParams, n: int, num_prompts: int):
+        """One generator for the call (``seed``), or one per row (``request_seeds``: prompt p's sample i
+        draws from ``request_seeds[p] + i``, as vLLM seeds its n samples)."""
+        if sampling.request_seeds is None:
+            generator = torch.Generator(device=self.device)
+            if sampling.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(sampling.seed)
+            return generator
+        if len(sampling.request_seeds) != num_prompts:
+            raise ValueError(f"SamplingParams.request_seeds has {len(sampling.request_seeds)} seeds for "
+                             f"{num_prompts} prompts")
+        return [torch.Generator(device=self.device).manual_seed(seed + i)
+                for seed in sampling.request_seeds for i in range(n)]
+
     def _generate_chunk(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
-                        stop_ids: list[int], generator: torch.Generator) -> Rollout:
+                        stop_ids: list[int], generator: torch.Generator | list[torch.Generator]) -> Rollout:
         from transformers import DynamicCache
 
         dev, pad = self.device, self.pad_token_id
@@ -117,10 +130,15 @@ class HFEngine:
         steps = 0
         for step in range(t_max):
             dist = processed_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (A, V)
-            tokens, token_lp = sample_from_logprobs(dist, generator, greedy=sampling.greedy)  # (A,)
+            if isinstance(generator, list):  # per-request seeds
+                tokens, token_lp = sample_rows(dist, [generator[r] for r in rows.tolist()], sampling.greedy)
+            else:
+                tokens, token_lp = sample_from_logprobs(dist, generator, greedy=sampling.greedy)  # (A,)
             response[rows, step], logprobs[rows, step], valid[rows, step] = tokens, token_lp, True
             steps = step + 1
             done = torch.isin(tokens, stop)  # (A,)
+            if sampling.stop:
+                done |= self._stop_strings_hit(response, rows, step, sampling.stop)
             stopped[rows[done]] = True
             if step + 1 == t_max or bool(done.all()):
                 break
@@ -140,6 +158,17 @@ class HFEngine:
             response_ids=response, response_mask=valid, sampling_logprobs=logprobs,
             finish_reason=["stop" if s else "length" for s in stopped.tolist()], response_text=texts,
             group_index=torch.arange(len(prompts)).repeat_interleave(n), group_size=n, pad_token_id=pad)
+
+    def _stop_strings_hit(self, response: torch.Tensor, rows: torch.Tensor, step: int,
+                          stop: tuple[str, ...]) -> torch.Tensor:
+        """(A,) bool: rows whose decoded text (special tokens skipped, as vLLM checks ``stop``) now holds
+        a stop string. Checked after every token, so the first hit is the token that completed it; the
+        window of recent tokens is wide enough for the longest string (each token adds >= 1 character
+        unless it is special or an incomplete UTF-8 byte)."""
+        window = max(len(t) for t in stop) + 4
+        tails = response[rows, max(0, step + 1 - window): step + 1].tolist()
+        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
+        return torch.tensor([any(t in text for t in stop) for text in texts], dtype=torch.bool, device=rows.device)
 
     # ------------------------------------------------------------ weight sync
     def weight_update(self) -> contextlib.AbstractContextManager:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["SamplingParams", "processed_logprobs", "sample_from_logprobs"]
+__all__ = ["SamplingParams", "derived_seed", "processed_logprobs", "sample_from_logprobs", "sample_rows"]
 
 
 @dataclass
@@ -32,6 +32,12 @@ class SamplingParams:
         max_new_tokens: response length limit; a row that hits it finishes with reason "length".
         stop_token_ids: extra ids that end a row (the tokenizer's EOS ids always do).
         seed: seeds the engine's own `torch.Generator`; None draws a fresh random seed.
+        stop: strings that end a row once its decoded text (special tokens skipped) contains one, as
+            vLLM's ``stop``: the row keeps every token up to and including the one that completed it
+            (a tool call's closing tag ends a turn; docs/tir.md).
+        request_seeds: one seed per prompt of the call, overriding `seed`: sample i of prompt p draws
+            from ``request_seeds[p] + i`` (vLLM's rule for n samples) on every engine, whatever else is
+            in the batch. Multi-turn episodes seed each (episode, turn) this way.
     """
 
     temperature: float = 1.0
@@ -40,6 +46,8 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    request_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -55,6 +63,14 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop_token_ids must be >= 0, got {self.stop_token_ids}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+        self.stop = tuple(self.stop)
+        if any(not isinstance(t, str) or not t for t in self.stop):
+            raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
+        if self.request_seeds is not None:
+            self.request_seeds = tuple(self.request_seeds)
+            if any(not isinstance(x, int) or not 0 <= x < 2**31 - 1 for x in self.request_seeds):
+                raise ValueError("SamplingParams.request_seeds must be ints in [0, 2**31 - 1), got "
+                                 f"{self.request_seeds[:5]!r}")
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +109,17 @@ def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator | No
         tokens = logprobs.argmax(dim=-1)  # (N,)
     else:
         tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # (N,)
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sample_rows(logprobs: torch.Tensor, generators: list[torch.Generator],
+                greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_from_logprobs` with one generator per row: row r's draw depends only on
+    ``generators[r]``, not on which other rows share the batch (per-request seeds)."""
+    if greedy:
+        return sample_from_logprobs(logprobs, None, greedy=True)
+    tokens = torch.cat([torch.multinomial(row.exp(), 1, generator=g)
+                        for row, g in zip(logprobs, generators, strict=True)])  # (N,)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 

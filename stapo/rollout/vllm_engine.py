@@ -156,11 +156,19 @@ def request_seeds(seed: int, num_prompts: int) -> list[int]:
 def vllm_sampling_kwargs(sampling: SamplingParams, n: int, num_prompts: int) -> tuple[dict, list[int] | None]:
     """``(kwargs of vllm.SamplingParams, per-prompt seeds or None)`` for one `generate` call.
 
-    With ``sampling.seed`` set every prompt gets its own seed (`request_seeds`); without one, vLLM
-    draws from its engine-seeded RNG (not reproducible across runs)."""
+    With ``sampling.seed`` set every prompt gets its own seed (`request_seeds`), or the caller's own
+    ``sampling.request_seeds``; without either, vLLM draws from its engine-seeded RNG (not reproducible
+    across runs). ``sampling.stop`` becomes vLLM's ``stop`` (its token ids are kept, as the HF engine does)."""
     base = dict(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
                 stop_token_ids=list(sampling.stop_token_ids), logprobs=0, skip_special_tokens=True)
+    if sampling.stop:
+        base["stop"] = list(sampling.stop)
+    if sampling.request_seeds is not None:
+        if len(sampling.request_seeds) != num_prompts:
+            raise ValueError(f"SamplingParams.request_seeds has {len(sampling.request_seeds)} seeds for "
+                             f"{num_prompts} prompts")
+        return base, list(sampling.request_seeds)
     if sampling.seed is None:
         return base, None
     return base, request_seeds(sampling.seed, num_prompts)

@@ -56,7 +56,15 @@ step's oldest row and the one it trains: 0 in lock-step, at most ``rollout.max_s
 updates and ``time_rollout`` is only the trainer's wait for it), ``sync_sent_mb`` (MiB the step's weight sync
 broadcast into the servers, each receiving it once: ``sync_mb`` with ``rollout.sync: full``, less with
 ``delta``); with ``rollout.sync: delta``: ``sync_changed_frac`` (fraction of the synced elements that changed
-since the servers' copy; NaN when the sync had no copy to compare with, e.g. after a failed one).
+since the servers' copy; NaN when the sync had no copy to compare with, e.g. after a failed one); with
+``rollout.tools`` (multi-turn
+episodes, docs/tir.md): ``turns_mean`` (policy turns per episode), ``tool_calls_mean``,
+``tool_errors_mean`` (per episode), ``tool_error_frac`` (errors / calls), ``context_token_frac`` (context
+tokens / all response tokens: what the model read but did not write), ``tool_penalty_mean`` (the tool
+shaping per episode, 0 unless configured), ``time_tools`` (seconds the episode loop waited for tools, part
+of ``time_rollout``, mean over ranks), and at evaluation ``eval_tool_calls_mean``; with
+``rollout.tools.eval_without_tools``: ``eval_no_tools_accuracy``, ``eval_no_tools_reward_mean``,
+``eval_no_tools_response_length_mean`` (the held-out prompts offering no tools, one turn each).
 
 Non-finite values (a skipped step's loss) are stored as the strings ``"NaN"``, ``"Infinity"``,
 ``"-Infinity"`` so every line stays valid JSON; :func:`stapo.run_dir.read_metrics` turns them back
@@ -95,13 +103,17 @@ OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "e
                                          "mask_gate", "entropy_bonus", "mfu_stats", "mfu_update",
                                          "sampling_rounds", "groups_kept", "groups_dropped", "groups_surplus",
                                          "sampling_capped", "policy_staleness", "generation_s", "sync_sent_mb",
-                                         "sync_changed_frac")
+                                         "sync_changed_frac",
+                                         "turns_mean", "tool_calls_mean", "tool_errors_mean", "tool_error_frac",
+                                         "context_token_frac", "tool_penalty_mean", "time_tools",
+                                         "eval_tool_calls_mean", "eval_no_tools_accuracy",
+                                         "eval_no_tools_reward_mean", "eval_no_tools_response_length_mean")
 #: Metrics measured from wall time: they differ between two runs of the same training.
 TIMING_METRIC_KEYS: tuple[str, ...] = (
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",
     "time_rollout_max", "time_rollout_min",
     "tokens_per_s_rollout", "tokens_per_s_stats", "tokens_per_s_update", "tokens_per_s", "mfu_stats", "mfu_update",
-    "generation_s",
+    "generation_s", "time_tools",
 )
 
 

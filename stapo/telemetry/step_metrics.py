@@ -81,7 +81,17 @@ def _rollout_sums(rollout, rewards: torch.Tensor, scores: torch.Tensor, group_si
         "groups": float(groups.shape[0]),
         "zero_std_groups": float(zero_std.sum()),
         "prompt_tokens": float(rollout.prompt_mask.sum()),
+        "context_tokens": float(rollout.context_mask.sum()),  # episodes' tool/template tokens: read, not trained
+        **_episode_sums(rollout.episodes),
     }
+
+
+def _episode_sums(episodes) -> dict[str, float]:
+    """Tool-integrated episodes (docs/tir.md): turns, calls, errors, seconds in tools; nothing otherwise."""
+    if episodes is None:
+        return {}
+    return {"turns_sum": float(episodes.turns.sum()), "tool_calls_sum": float(episodes.tool_calls.sum()),
+            "tool_errors_sum": float(episodes.tool_errors.sum()), "tool_wait_s": float(episodes.tool_wait_s)}
 
 
 def mask_sums(stats: TokenStats, masked: MaskResult, probe: MaskResult) -> dict[str, torch.Tensor]:
@@ -188,6 +198,8 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
     if "entropy_bonus_sum" in s:  # only with loss.entropy_coef != 0
         optional["entropy_bonus"] = entropy_coef * s["entropy_bonus_sum"] / kept
     optional.update(sync_metrics(s))
+    if "tool_calls_sum" in s:  # only with rollout.tools: multi-turn episodes
+        optional.update(_episode_metrics(s, n, world_size))
     return {
         "step": float(step),
         "epoch": float(epoch),
@@ -225,29 +237,45 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "time_rollout_max": slowest,
         "time_rollout_min": fastest,
         "sync_mb": s["sync_mb"] / world_size,
-        "tokens_per_s": (s["length_sum"] + s["prompt_tokens"]) / step_time,
+        "tokens_per_s": (s["length_sum"] + s["prompt_tokens"] + s["context_tokens"]) / step_time,
         **_throughput(s, timer, model_config, peak_flops, world_size),
         **optional,
     }
 
 
-def evaluation_metrics(rewards: list[float], response_lengths: list[int] | None = None) -> dict[str, float]:
-    """Held-out accuracy, mean reward and (with ``response_lengths``) mean response length, all ranks."""
+def _episode_metrics(s: dict, n: float, world_size: int) -> dict[str, float]:
+    """Per-episode means of the tool-integrated episodes, from the step's global sums."""
+    calls = s["tool_calls_sum"]
+    return {"turns_mean": s["turns_sum"] / n, "tool_calls_mean": calls / n,
+            "tool_errors_mean": s["tool_errors_sum"] / n,
+            "tool_error_frac": s["tool_errors_sum"] / max(calls, 1.0),
+            "context_token_frac": s["context_tokens"] / max(s["context_tokens"] + s["length_sum"], 1.0),
+            "tool_penalty_mean": s.get("tool_penalty_sum", 0.0) / n, "time_tools": s["tool_wait_s"] / world_size}
+
+
+def evaluation_metrics(rewards: list[float], response_lengths: list[int] | None = None,
+                       tool_calls: list[int] | None = None, prefix: str = "eval_") -> dict[str, float]:
+    """Held-out accuracy, mean reward and (with ``response_lengths``) mean response length, all ranks;
+    with ``tool_calls`` (tool-integrated episodes) the mean calls per episode. Keys start with ``prefix``."""
     lengths = [] if response_lengths is None else response_lengths
     s = reduce_metrics({"n": float(len(rewards)), "correct": float(sum(r > 0 for r in rewards)),
-                        "reward_sum": float(sum(rewards)), "length_sum": float(sum(lengths))})
+                        "reward_sum": float(sum(rewards)), "length_sum": float(sum(lengths)),
+                        "calls": float(sum(tool_calls or []))})
     n = max(s["n"], 1.0)
-    row = {"eval_accuracy": s["correct"] / n, "eval_reward_mean": s["reward_sum"] / n}
+    row = {f"{prefix}accuracy": s["correct"] / n, f"{prefix}reward_mean": s["reward_sum"] / n}
     if response_lengths is not None:
-        row["eval_response_length_mean"] = s["length_sum"] / n
+        row[f"{prefix}response_length_mean"] = s["length_sum"] / n
+    if tool_calls is not None:
+        row[f"{prefix}tool_calls_mean"] = s["calls"] / n
     return row
 
 
 def sample_completions(rollout, rewards: torch.Tensor, silenced: torch.Tensor, tokenizer, count: int = 2) -> list[dict]:
-    """A few completions with their tokens and which were silenced, for ``MetricsLogger.log_samples``."""
+    """A few completions with their tokens and which were silenced, for ``MetricsLogger.log_samples`` (an
+    episode's tool turns included: context tokens, never silenced)."""
     samples = []
     for row in range(min(count, len(rollout))):
-        valid = rollout.response_mask[row]
+        valid = rollout.real_mask[row]
         ids = rollout.response_ids[row][valid].tolist()
         samples.append({
             "prompt": rollout.prompt_text[row] if rollout.prompt_text else "",

@@ -76,11 +76,11 @@ def qwen3_config(spec: TinySpec, tokenizer):
     )
 
 
-def _write_model(out_dir: Path, spec: TinySpec, seed: int) -> None:
+def _write_model(out_dir: Path, spec: TinySpec, seed: int, tokenizer_dir: Path | None = None) -> None:
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(str(build_tiny_tokenizer()))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or build_tiny_tokenizer()))
     config = qwen3_config(spec, tokenizer)
     # A private generator state: seed the global RNG only inside a fork so callers' RNG is untouched.
     with torch.random.fork_rng(devices=[]):
@@ -93,24 +93,28 @@ def _write_model(out_dir: Path, spec: TinySpec, seed: int) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-def build_tiny_model(out_dir: Path | None = None, *, spec: TinySpec = TinySpec(), seed: int = 0) -> Path:
+def build_tiny_model(out_dir: Path | None = None, *, spec: TinySpec = TinySpec(), seed: int = 0,
+                     tokenizer_dir: Path | None = None) -> Path:
     """Build a random-init tiny Qwen3 model dir (config, safetensors, generation config, tokenizer).
 
     Deterministic for ``(spec, seed)``. ``out_dir=None`` uses the cache
     (``$STAPO_CACHE/tiny/model-<key>``, else ``~/.cache/stapo/tiny``) keyed by spec, seed and the
     format version, and reuses a complete entry; an explicit ``out_dir`` is (re)written. Writes are
     atomic (temp dir + rename). Load with ``AutoModelForCausalLM.from_pretrained(path)``.
+    ``tokenizer_dir``: another tokenizer than the default tiny one (a demo variant's; keyed by its files).
     """
     if not isinstance(spec, TinySpec):
         raise TypeError(f"spec must be a TinySpec, got {type(spec).__name__}")
 
     def build(tmp: Path) -> None:
-        _write_model(tmp, spec, seed)
+        _write_model(tmp, spec, seed, tokenizer_dir)
 
     if out_dir is None:
-        final = cache_root() / cache_key(
-            "model", {"spec": dataclasses.asdict(spec), "seed": seed, "tokenizer_vocab": VOCAB_SIZE}
-        )
+        payload = {"spec": dataclasses.asdict(spec), "seed": seed, "tokenizer_vocab": VOCAB_SIZE}
+        if tokenizer_dir is not None:
+            tok = Path(tokenizer_dir)
+            payload["tokenizer"] = hash_files(tok, sorted(f.name for f in tok.iterdir() if f.is_file()))
+        final = cache_root() / cache_key("model", payload)
         return build_atomically(final, build, reuse=True)
     return build_atomically(Path(out_dir), build, reuse=False)
 

@@ -44,8 +44,10 @@ def _training_corpus() -> list[str]:
     return texts
 
 
-def _train_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _train_tokenizer(corpus: list[str] | None = None, vocab_size: int = VOCAB_SIZE, added: tuple[str, ...] = ()):
+    """BPE over ``corpus`` (default: the arithmetic task's); ``added``: extra whole tokens that are not
+    special (a variant's tags, e.g. the TIR demo's ``<tool_call>``: they stay in decoded text)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -56,20 +58,22 @@ def _train_tokenizer():
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_training_corpus(), trainer=trainer)
+    tok.train_from_iterator(_training_corpus() if corpus is None else corpus, trainer=trainer)
+    if added:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     return tok
 
 
-def _write_tokenizer(out_dir: Path) -> None:
+def _write_tokenizer(out_dir: Path, tokenizer=None, chat_template: str = CHAT_TEMPLATE) -> None:
     from transformers import PreTrainedTokenizerFast
 
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=_train_tokenizer(),
+        tokenizer_object=_train_tokenizer() if tokenizer is None else tokenizer,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         additional_special_tokens=[IM_START],
@@ -77,7 +81,7 @@ def _write_tokenizer(out_dir: Path) -> None:
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.chat_template = chat_template
     hf_tok.save_pretrained(str(out_dir))
 
 

@@ -35,10 +35,13 @@ BARE_ANSWER_SEED = 7
 
 @dataclass(frozen=True)
 class SFTExample:
-    """Token ids of one warm-start example: ``prompt_ids`` then ``response_ids`` (ends with EOS)."""
+    """Token ids of one warm-start example: ``prompt_ids`` then ``response_ids`` (ends with EOS).
+    ``context``: per response token, True where it is context (a tool turn of a multi-turn example,
+    docs/tir.md): an input the model reads, never a target."""
 
     prompt_ids: list[int]
     response_ids: list[int]
+    context: tuple[bool, ...] = ()
 
 
 def with_bare_answers(problems: Sequence[ArithmeticProblem], fraction: float) -> list[ArithmeticProblem]:
@@ -76,7 +79,8 @@ def encode_examples(tokenizer, problems: Sequence[ArithmeticProblem]) -> list[SF
 
 
 def collate(examples: Sequence[SFTExample], pad_id: int):
-    """Right-pad ``prompt + response`` rows; labels are -100 except on response tokens.
+    """Right-pad ``prompt + response`` rows; labels are -100 except on response tokens (context
+    tokens of a multi-turn example included: -100 there too).
 
     Returns ``input_ids (B, L)``, ``attention_mask (B, L)``, ``labels (B, L)`` (already aligned
     with the inputs: HF causal-LM losses shift internally, but we shift ourselves in ``sft_loss``).
@@ -91,7 +95,10 @@ def collate(examples: Sequence[SFTExample], pad_id: int):
         row = e.prompt_ids + e.response_ids
         input_ids[i, : len(row)] = torch.tensor(row)
         attention_mask[i, : len(row)] = 1
-        labels[i, len(e.prompt_ids) : len(row)] = torch.tensor(e.response_ids)
+        targets = torch.tensor(e.response_ids)
+        if e.context:
+            targets = targets.masked_fill(torch.tensor(e.context), -100)
+        labels[i, len(e.prompt_ids) : len(row)] = targets
     return input_ids, attention_mask, labels
 
 
@@ -118,12 +125,12 @@ def _problems_digest(problems: Sequence[ArithmeticProblem]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _train(model_dir: Path, out: Path, problems, steps, lr, batch_size, seed, weight_decay, progress) -> None:
+def _train(model_dir: Path, out: Path, encode, steps, lr, batch_size, seed, weight_decay, progress) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    examples = encode_examples(tokenizer, problems)
+    examples = encode(tokenizer)
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -152,7 +159,7 @@ def _train(model_dir: Path, out: Path, problems, steps, lr, batch_size, seed, we
     model.eval()
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    meta = {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "num_problems": len(problems),
+    meta = {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "num_problems": len(examples),
             "losses": losses, "seconds": time.perf_counter() - start}
     (out / "warm_start.json").write_text(json.dumps(meta, indent=1))
 
@@ -215,15 +222,23 @@ def warm_start(
     problems = with_bare_answers(problems, bare_fraction) if bare_fraction else list(problems)
     if not problems:
         raise ValueError("warm_start needs at least one problem")
+    return train_sft(model_dir, lambda tokenizer: encode_examples(tokenizer, problems), _problems_digest(problems),
+                     out_dir, steps=steps, lr=lr, batch_size=batch_size, seed=seed, weight_decay=weight_decay,
+                     progress=progress)
 
+
+def train_sft(model_dir: Path, encode, data_digest: str, out_dir: Path | None = None, *, steps: int, lr: float,
+              batch_size: int, seed: int, weight_decay: float, progress: bool) -> Path:
+    """Fine-tune ``model_dir`` on ``encode(tokenizer)`` (a list of `SFTExample`); the schedule, cache and
+    determinism of `warm_start`. ``data_digest`` keys the cache entry with the examples' content."""
     def build(tmp: Path) -> None:
-        _train(model_dir, tmp, problems, steps, lr, batch_size, seed, weight_decay, progress)
+        _train(model_dir, tmp, encode, steps, lr, batch_size, seed, weight_decay, progress)
 
     if out_dir is not None:
         return build_atomically(Path(out_dir), build, reuse=False)
     key = cache_key(
         "warm",
-        {"model": model_fingerprint(model_dir), "problems": _problems_digest(problems), "steps": steps,
+        {"model": model_fingerprint(model_dir), "problems": data_digest, "steps": steps,
          "lr": lr, "batch_size": batch_size, "seed": seed, "weight_decay": weight_decay},
     )
     return build_atomically(cache_root() / key, build, reuse=True)

@@ -20,6 +20,8 @@ import torch
 from stapo.config import STAPOConfig
 from stapo.distributed.process_group import DistInfo, barrier, broadcast_object
 from stapo.distributed.deepspeed_engine import ZeroTuning
+from stapo.trainer import tool_setup
+from stapo.trainer import server_setup
 from stapo.trainer.model_source import BUILTIN_MODEL, require_model
 from stapo.trainer.update import UpdateOptions
 
@@ -45,6 +47,8 @@ def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
     from stapo.tiny.warmstart import DEFAULT_TRAIN_SEED
 
     def build() -> str:
+        if cfg.tiny.task == "tir":  # tools demo: its own tokenizer, model and warm start (docs/tir.md)
+            return tool_setup.build_tiny_tir_model(cfg, progress=dist.is_main)
         path = build_tiny_model(seed=cfg.tiny.seed)
         if cfg.tiny.warm_start_steps > 0:
             problems = arithmetic_problems(4000, seed=DEFAULT_TRAIN_SEED, terms=cfg.tiny.terms)
@@ -190,7 +194,8 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
 
     r = cfg.rollout
     if r.mode == "server":
-        return build_server_engine(cfg, model_path, tokenizer, dist_rank)
+        engine = server_setup.build_server_engine(cfg, model_path, tokenizer, policy_dtype(cfg), dist_rank)
+        return tool_setup.episode_engine(cfg, engine, tokenizer)  # rollout.tools: multi-turn episodes
     opts = EngineOptions(dtype=policy_dtype(cfg), max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                          seed=cfg.trainer.seed + dist_rank, max_batch_size=r.max_batch_size,
                          gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
@@ -201,50 +206,7 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
         from stapo.distributed.tensor_parallel import TensorParallelRollout, tensor_parallel_group
 
         engine = TensorParallelRollout(engine, tensor_parallel_group(r.tensor_parallel_size))
-    return engine
-
-
-def build_server_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank: int = 0):
-    """``rollout.mode: server``: the listed servers, checked against this model and tokenizer (docs/rollout.md)."""
-    import os
-
-    from stapo.rollout.fingerprint import model_fingerprint, tokenizer_fingerprint
-    from stapo.rollout.server_engine import ServerEngine, ServerLimits
-    from stapo.rollout.server_guard import TOKEN_ENV
-    from transformers import AutoConfig, AutoTokenizer
-
-    r = cfg.rollout
-    trust = cfg.model.trust_remote_code
-    fingerprint = {"model": model_fingerprint(AutoConfig.from_pretrained(model_path, trust_remote_code=trust),
-                                              policy_dtype(cfg)),
-                   "tokenizer": tokenizer_fingerprint(AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust))}
-    limits = ServerLimits(request_timeout_s=r.request_timeout_s, request_timeout_per_token_s=r.request_timeout_per_token_s,
-                          request_retries=r.request_retries, server_down_after_s=r.server_down_after_s,
-                          health_interval_s=r.health_interval_s, health_timeout_s=r.health_timeout_s,
-                          sync_timeout_s=r.sync_timeout_s, sync_join_timeout_s=r.sync_join_timeout_s)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    log.info("rollout engine: vLLM servers %s", ", ".join(r.servers))
-    return ServerEngine(r.servers, pad, sends_weights=dist_rank == 0, limits=limits,
-                        token=r.server_token or os.environ.get(TOKEN_ENV) or None, sync_host=r.sync_host,
-                        fingerprint=fingerprint, sync=r.sync)
-
-
-def prompt_length_limit(cfg: STAPOConfig, rollout_engine) -> int:
-    """The longest prompt the run keeps: ``data.max_prompt_length``, or less when a rollout server's
-    ``max_model_len`` leaves less room beside ``rollout.max_response_length`` (a warning says so; longer
-    prompts are filtered with a count, as for the colocated engine, whose length is set from the config)."""
-    limit = cfg.data.max_prompt_length
-    served = getattr(rollout_engine, "max_model_len", None)
-    if served is None or served >= limit + cfg.rollout.max_response_length:
-        return limit
-    room = served - cfg.rollout.max_response_length
-    if room < 1:
-        raise ValueError(f"a rollout server's max_model_len ({served}) leaves no room for a prompt beside "
-                         f"rollout.max_response_length ({cfg.rollout.max_response_length}): start the servers with a "
-                         "larger --max-model-len or lower rollout.max_response_length")
-    log.warning("a rollout server's max_model_len is %d: prompts longer than %d tokens (max_model_len - "
-                "rollout.max_response_length) are filtered, not data.max_prompt_length=%d", served, room, limit)
-    return room
+    return tool_setup.episode_engine(cfg, engine, tokenizer)  # rollout.tools: rows become multi-turn episodes
 
 
 # Attention kernels whose cost follows the real packed sequences (no dense block-diagonal mask):
@@ -302,10 +264,9 @@ def builtin_rows(n: int, seed: int, terms: int) -> list[dict]:
     return [{"prompt": p.question, "answer": p.answer} for p in arithmetic_problems(n, seed=seed, terms=terms)]
 
 
-def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset=None,
-                   max_prompt_length: int | None = None):
-    """``(train, eval or None)`` as :class:`stapo.data.PromptDataset`s; prompts longer than
-    ``max_prompt_length`` (default ``data.max_prompt_length``; `prompt_length_limit`) are filtered."""
+def _dataset_loader(cfg: STAPOConfig, tokenizer, tools: list[dict] | None, max_prompt_length: int | None = None):
+    """``load(source, override, n_builtin, seed, split) -> PromptDataset | None``, prompts listing ``tools``;
+    prompts longer than ``max_prompt_length`` (default ``data.max_prompt_length``) are filtered."""
     from stapo.data import PromptDataset
 
     d = cfg.data
@@ -315,11 +276,13 @@ def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset
         if isinstance(override, PromptDataset):
             return override
         if override is not None:
-            return prompt_dataset_from_rows(override, cfg, tokenizer, longest)
+            return prompt_dataset_from_rows(override, cfg, tokenizer, tools, longest)
         if source is None:
             return None
         if source == BUILTIN_DATA:
-            return prompt_dataset_from_rows(builtin_rows(n_builtin, seed, cfg.tiny.terms), cfg, tokenizer, longest)
+            rows = (tool_setup.tiny_tir_rows(n_builtin, seed) if cfg.tiny.task == "tir"
+                    else builtin_rows(n_builtin, seed, cfg.tiny.terms))
+            return prompt_dataset_from_rows(rows, cfg, tokenizer, tools, longest)
         from stapo.data import load_prompt_dataset
 
         try:
@@ -327,21 +290,47 @@ def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset
                 source, split=split, prompt_field=d.prompt_field, answer_field=d.answer_field, preset=d.preset,
                 tokenizer=tokenizer, instruction=d.instruction, max_prompt_length=longest,
                 cache_dir=Path(cfg.trainer.output_dir) / "cache" / "datasets",  # nothing written elsewhere
-            )
+                tools=tools)
         except KeyError as exc:  # a column a hub dataset lacks (local files are checked by plan_run)
             raise ValueError(f"{source}: {exc.args[0]} (data.prompt_field={d.prompt_field}, "
                              f"data.answer_field={d.answer_field})") from None
 
+    return load
+
+
+def _eval_source(cfg: STAPOConfig) -> str | None:
+    d = cfg.data
+    return d.eval_source if d.eval_source is not None else (BUILTIN_DATA if d.source == BUILTIN_DATA else None)
+
+
+def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset=None,
+                   max_prompt_length: int | None = None):
+    """``(train, eval or None)`` as :class:`stapo.data.PromptDataset`s (prompts list ``rollout.tools``);
+    prompts longer than ``max_prompt_length`` (default ``data.max_prompt_length``; `prompt_length_limit`)
+    are filtered."""
+    d = cfg.data
+    load = _dataset_loader(cfg, tokenizer, tool_setup.tool_schemas(cfg), max_prompt_length)
     train = load(d.source, train_dataset, d.num_builtin_problems, TRAIN_DATA_SEED, d.split)
-    eval_source = d.eval_source if d.eval_source is not None else (BUILTIN_DATA if d.source == BUILTIN_DATA else None)
-    evaluation = load(eval_source, eval_dataset, d.eval_size, EVAL_DATA_SEED, "test")
+    evaluation = load(_eval_source(cfg), eval_dataset, d.eval_size, EVAL_DATA_SEED, "test")
     if len(train) < cfg.trainer.train_batch_size:
         raise ValueError(f"the training set has {len(train)} prompts, fewer than trainer.train_batch_size "
                          f"({cfg.trainer.train_batch_size})")
     return train, evaluation
 
 
-def prompt_dataset_from_rows(rows, cfg: STAPOConfig, tokenizer, max_prompt_length: int | None = None):
+def build_eval_without_tools(cfg: STAPOConfig, tokenizer, eval_dataset=None, max_prompt_length: int | None = None):
+    """The held-out prompts offering no tools (``rollout.tools.eval_without_tools``), or None."""
+    if not (cfg.rollout.tools.enabled and cfg.rollout.tools.eval_without_tools):
+        return None
+    if eval_dataset is not None and not isinstance(eval_dataset, list) and hasattr(eval_dataset, "examples"):
+        raise ValueError("rollout.tools.eval_without_tools needs eval_dataset as rows (a list of dicts or an HF "
+                         "dataset), not prompts already rendered with the tools")
+    return _dataset_loader(cfg, tokenizer, None, max_prompt_length)(_eval_source(cfg), eval_dataset,
+                                                                    cfg.data.eval_size, EVAL_DATA_SEED, "test")
+
+
+def prompt_dataset_from_rows(rows, cfg: STAPOConfig, tokenizer, tools: list[dict] | None = None,
+                             max_prompt_length: int | None = None):
     """A list of dicts (or an HF ``datasets.Dataset``) with the configured fields → PromptDataset."""
     from stapo.data import prompt_dataset_from_records
 
@@ -350,6 +339,6 @@ def prompt_dataset_from_rows(rows, cfg: STAPOConfig, tokenizer, max_prompt_lengt
     return prompt_dataset_from_records(
         rows, prompt_field="prompt" if builtin else d.prompt_field,
         answer_field="answer" if builtin else d.answer_field, preset=None if builtin else d.preset,
-        tokenizer=tokenizer, instruction=d.instruction,
+        tokenizer=tokenizer, instruction=d.instruction, tools=tools,
         max_prompt_length=d.max_prompt_length if max_prompt_length is None else max_prompt_length,
     )

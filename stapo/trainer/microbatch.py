@@ -6,7 +6,8 @@ token recorder (one loop, :class:`MicroBatches`):
 * **rows** (``max_tokens=None``): consecutive runs of ``max_rows`` rows, in order — the classic
   ``micro_batch_size``;
 * **token budget** (``max_tokens``): rows are placed by length so that every micro-batch holds at
-  most ``max_tokens`` real tokens (prompt + response; a longer row gets a micro-batch of its own)
+  most ``max_tokens`` real tokens (prompt + response, an episode's context tokens included; a longer
+  row gets a micro-batch of its own)
   and the micro-batches are balanced: longest-first into the least-loaded micro-batch
   (the LPT rule). With packed rows (``stapo.distributed.policy.PackedInputs``) the cost of a micro-batch
   is its real tokens, so the budget is what the GPU actually computes.
@@ -114,7 +115,9 @@ class MicroBatches:
         s = self.seqs
         for rows in self.plan:
             index = torch.tensor(rows, dtype=torch.long)
+            context = getattr(s, "context_mask", None)  # None: single-turn rows
+            context = None if context is None else context[index]
             inputs = teacher_forced_inputs(s.prompt_ids[index], s.prompt_mask[index], s.response_ids[index],
                                            s.response_mask[index], packed=self.opts.packing,
-                                           one_row=self.opts.pack_one_row)
+                                           one_row=self.opts.pack_one_row, context_mask=context)
             yield index, inputs.to(self.device)

@@ -60,6 +60,24 @@ class TokenRecorder:
             decode_token=lambda i: piece_text(tokenizer, i),  # a byte piece as \xNN, never U+FFFD
             row_texts=lambda ids: row_token_texts(tokenizer, ids, alone),  # pieces completed by neighbours
             prompt_texts=rollout.prompt_text, response_texts=rollout.response_text, rewards=rewards,
-            weights=masked.weights,
+            weights=masked.weights, context_segments=context_segments(rollout, tokenizer),
         )
         write_token_record(token_record_path(self.output_dir, step, minibatch), record)
+
+
+def context_segments(rollout, tokenizer) -> list[list] | None:
+    """Per row, each run of context tokens (a tool turn of an episode) as ``[first position, text]``
+    (special tokens shown: they are the chat template's); None for single-turn rows."""
+    if rollout.episodes is None:
+        return None
+    out = []
+    for ids, context in zip(rollout.response_ids.tolist(), rollout.context_mask.tolist()):
+        runs, start = [], None
+        for t, flag in enumerate([*context, False]):
+            if flag and start is None:
+                start = t
+            elif not flag and start is not None:
+                runs.append([start, tokenizer.decode(ids[start:t], skip_special_tokens=False)])
+                start = None
+        out.append(runs)
+    return out

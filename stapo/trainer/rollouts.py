@@ -30,6 +30,7 @@ from stapo.data import PromptSampler, balanced_shares
 from stapo.distributed.process_group import DistInfo, all_gather_object, barrier, broadcast_object
 from stapo.distributed.training_offload import offloaded
 from stapo.rollout import Rollout, SamplingParams
+from stapo.rollout.episodes import EpisodeEngine
 from stapo.rollout.server_pool import NoRolloutServers
 from stapo.sync.buckets import SyncStats, sync_weights
 from stapo.trainer.producer import ProducedBatch, RolloutProducer
@@ -117,10 +118,12 @@ class Rollouts:
         return SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
                               top_k=-1 if greedy else r.top_k, max_new_tokens=r.max_response_length, seed=seed)
 
-    def generate(self, examples: list, step: int, greedy: bool = False, round_index: int = 0) -> Rollout:
+    def generate(self, examples: list, step: int, greedy: bool = False, round_index: int = 0,
+                 plain: bool = False) -> Rollout:
         """Rows for ``examples`` (the iteration ``step``'s seed), on the trainer's thread: with rollout
-        servers every rank learns whether any rank lost its last server (`_agreed`)."""
-        return self._agreed(lambda: self._generate(examples, step, greedy, round_index))
+        servers every rank learns whether any rank lost its last server (`_agreed`). ``plain``: one turn
+        each, on the engine under the tool episodes (evaluation without tools)."""
+        return self._agreed(lambda: self._generate(examples, step, greedy, round_index, plain=plain))
 
     def _agreed(self, work: Callable[[], T]) -> T:
         """``work()``, then, in server mode, one collective: when any rank ran out of rollout servers, every
@@ -138,15 +141,16 @@ class Rollouts:
         return result
 
     def _generate(self, examples: list, step: int, greedy: bool = False, round_index: int = 0,
-                  version: int | None = None) -> Rollout:
+                  version: int | None = None, plain: bool = False) -> Rollout:
         """Rows for ``examples`` (the iteration ``step``'s seed), stamped with the policy ``version`` that
         sampled them (default: ``step``'s, the weights of the last sync). No collective."""
         n = 1 if greedy else self.cfg.rollout.group_size
+        engine = self.engine.engine if plain and isinstance(self.engine, EpisodeEngine) else self.engine
         if getattr(self.engine, "needs_weights", False):  # rollout.sleep_level 2 discarded them
             sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20)
         with offloaded(self.training_offload):  # after any sync: that gathers from the ZeRO shards
             self.engine.wake()
-            rollout = self.engine.generate([e.prompt_ids for e in examples], n, self.sampling(step, greedy, round_index))
+            rollout = engine.generate([e.prompt_ids for e in examples], n, self.sampling(step, greedy, round_index))
             self.engine.sleep()
         rollout = rollout.with_policy_version(step if version is None else version)
         return rollout.with_ground_truth([e.ground_truth for e in examples]).with_prompt_text(

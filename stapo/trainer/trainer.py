@@ -39,6 +39,7 @@ from stapo.distributed.deepspeed_engine import current_lr
 from stapo.distributed.lora import reference_scope
 from stapo.distributed.zero3_trace import REFERENCE
 from stapo.trainer.rollouts import Rollouts
+from stapo.trainer.server_setup import prompt_length_limit
 from stapo.trainer.scored_rollout import RewardShaping
 from stapo.telemetry.mfu import device_peak_flops
 from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
@@ -95,11 +96,15 @@ class STAPOTrainer:
             self.rollout_engine = build.build_rollout_engine(cfg, self.model_path, self.tokenizer, self.dist.rank)
         self.mask = mask if mask is not None else build_mask(cfg.mask.name, **cfg.mask.params)
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
+        tools = cfg.rollout.tools
         self.shaping = RewardShaping(cfg.rollout.max_response_length, cfg.reward.overlong_buffer,
-                                     cfg.reward.overlong_penalty)
-        longest_prompt = build.prompt_length_limit(cfg, self.rollout_engine)  # servers may hold fewer tokens
+                                     cfg.reward.overlong_penalty, tools.error_penalty, tools.call_budget,
+                                     tools.call_penalty)
+        longest_prompt = prompt_length_limit(cfg, self.rollout_engine)  # servers may hold fewer tokens
         self.train_data, self.eval_data = build.main_rank_first(  # rank 0 fills the datasets cache first
             self.dist, lambda: build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset, longest_prompt))
+        self.eval_data_without_tools = build.build_eval_without_tools(cfg, self.tokenizer, eval_dataset,
+                                                                      longest_prompt)
         from stapo.data import PromptSampler
 
         self.sampler = PromptSampler(len(self.train_data), cfg.trainer.train_batch_size, seed=cfg.trainer.seed)
@@ -189,7 +194,7 @@ class STAPOTrainer:
             loss_mask = truncated_keep(rollout.response_mask, truncated_rows(rollout.finish_reason))
         return TrainBatch(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask,
                           advantages, old_logprobs, old_entropy, sampling_logprobs=rollout.sampling_logprobs,
-                          ref_logprobs=ref_logprobs, loss_mask=loss_mask)
+                          ref_logprobs=ref_logprobs, loss_mask=loss_mask, context_mask=rollout.context_mask)
 
     def _mask_stats(self, mini: TrainBatch, first: bool, batch_entropy: float, seed: int) -> TokenStats:
         """Exact stats for the first mini-batch (theta = theta_old); later ones need a fresh pass
@@ -217,10 +222,18 @@ class STAPOTrainer:
         """Greedy accuracy on the held-out set (each rank scores its share)."""
         if self.eval_data is None:
             return {}
-        examples = [self.eval_data[i] for i in range(self.dist.rank, len(self.eval_data), self.dist.world_size)]
-        rollout = self.rollouts.generate(examples, self.step_count, greedy=True)
-        rewards = self.score(rollout.response_text, rollout.ground_truth, [dict(e.fields) for e in examples])
-        return evaluation_metrics(rewards, rollout.response_mask.sum(dim=1).tolist())
+        metrics = self._evaluate_on(self.eval_data, "eval_")
+        if self.eval_data_without_tools is not None:  # rollout.tools.eval_without_tools: one turn, no tools
+            metrics.update(self._evaluate_on(self.eval_data_without_tools, "eval_no_tools_", plain=True))
+        return metrics
+
+    def _evaluate_on(self, data, prefix: str, plain: bool = False) -> dict[str, float]:
+        examples = [data[i] for i in range(self.dist.rank, len(data), self.dist.world_size)]
+        rollout = self.rollouts.generate(examples, self.step_count, greedy=True, plain=plain)
+        rewards = self.score(rollout.answer_text, rollout.ground_truth, [dict(e.fields) for e in examples])
+        calls = None if rollout.episodes is None else rollout.episodes.tool_calls.tolist()
+        return evaluation_metrics(rewards, rollout.response_mask.sum(dim=1).tolist(), tool_calls=calls,
+                                  prefix=prefix)
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, float]:

@@ -41,6 +41,7 @@ class TrainBatch:
     sampling_logprobs: torch.Tensor | None = None  # (B, T) fp32, the rollout engine's (for TIS)
     ref_logprobs: torch.Tensor | None = None  # (B, T) fp32, frozen reference policy (for the KL term)
     loss_mask: torch.Tensor | None = None  # (B, T) bool: tokens allowed in the loss (None: response_mask)
+    context_mask: torch.Tensor | None = None  # (B, T) bool: episodes' context tokens, inputs only (None: none)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

@@ -22,6 +22,22 @@ def test_rows_and_context_by_hand(record):
     assert silenced_token_table([record], context_chars=5)[1].context == "… is 4"
 
 
+def test_an_episodes_tool_turns_are_in_the_context(record, tmp_path):
+    # row 0 as an episode whose tool turn (positions 2-3, not in the record: context tokens are not
+    # trained) came after " answer": the policy's tokens are then at positions 0, 1, 4, 5, 6
+    from stapo.inspect.records import read_token_record, write_token_record
+
+    data = record.to_dict()
+    data["position"] = torch.tensor([0, 1, 4, 5, 6, 0, 1, 2])
+    data["rows"][0]["context"] = [[2, "<tool_response>\n4\n</tool_response>"]]
+    episode = TokenRecord(**data)
+    rows = silenced_token_table([episode])
+    assert rows[1].context == "The answer<tool_response>\n4\n</tool_response> is 4"
+    assert rows[0].context == "The"  # the tool turn came after " answer"
+    write_token_record(tmp_path / "r.pt", episode)  # the segments survive the file format
+    assert read_token_record(tmp_path / "r.pt").rows[0].context == [[2, "<tool_response>\n4\n</tool_response>"]]
+
+
 def test_context_uses_position_order_not_storage_order(record):
     data = record.to_dict()
     perm = [4, 3, 2, 1, 0, 7, 6, 5]  # reverse each row's tokens in storage

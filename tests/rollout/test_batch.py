@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stapo.rollout import Rollout
-from stapo.rollout.batch import left_pad, right_pad
+from stapo.rollout.batch import EpisodeInfo, left_pad, right_pad, row_lengths
 
 PAD = 0
 
@@ -88,3 +88,37 @@ def test_concat_repads_and_offsets_groups(rollout):
 def test_to_moves_tensors(rollout):
     moved = rollout.to("cpu")
     assert moved.prompt_ids.device.type == "cpu" and moved.finish_reason == rollout.finish_reason
+
+
+def _episode(rollout: Rollout) -> Rollout:
+    """Row 0 as an episode: policy token 11, one context token 30, policy token 2 (EOS)."""
+    ids = torch.nn.functional.pad(rollout.response_ids, (0, 1))
+    ids[0, :3] = torch.tensor([11, 30, 2])
+    response_mask = torch.nn.functional.pad(rollout.response_mask, (0, 1))
+    response_mask[0, :3] = torch.tensor([True, False, True])
+    context = torch.zeros_like(response_mask)
+    context[0, 1] = True
+    info = EpisodeInfo(turns=torch.tensor([2, 1, 1, 1]), tool_calls=torch.tensor([1, 0, 0, 0]),
+                       tool_errors=torch.tensor([0, 0, 0, 0]), tool_seconds=torch.zeros(4, dtype=torch.float64),
+                       final_text=["a", "b", "c", "d"], tool_wait_s=0.5)
+    return Rollout(**{**rollout.__dict__, "response_ids": ids, "response_mask": response_mask,
+                      "sampling_logprobs": torch.where(response_mask, -1.0, 0.0), "context_mask": context,
+                      "episodes": info})
+
+
+def test_context_tokens_are_real_but_not_generated(rollout):
+    assert not rollout.context_mask.any() and rollout.context_mask.shape == rollout.response_mask.shape
+    ep = _episode(rollout)
+    assert ep.response_lengths.tolist() == [2, 1, 3, 1]  # the policy's tokens
+    assert ep.real_mask.sum(dim=1).tolist() == [3, 1, 3, 1]
+    assert row_lengths(ep) == [2 + 3, 2 + 1, 3 + 3, 3 + 1]  # prompt + policy + context
+    assert ep.answer_text == ["a", "b", "c", "d"] and rollout.answer_text == rollout.response_text
+    sub = ep.select([2, 0])
+    assert sub.context_mask[1].tolist() == [False, True, False, False] and sub.episodes.turns.tolist() == [1, 2]
+    both = Rollout.concat([ep, ep])
+    assert both.context_mask.sum() == 2 and both.episodes.final_text[4] == "a"
+    assert both.episodes.tool_wait_s == 1.0
+    with pytest.raises(ValueError, match="episodes is set on some parts only"):
+        Rollout.concat([ep, rollout])
+    with pytest.raises(ValueError, match="context_mask is True on tokens"):
+        Rollout(**{**ep.__dict__, "context_mask": ep.response_mask.clone()})

@@ -173,3 +173,32 @@ def test_bad_inputs(engine, prompts):
         engine.generate([{"input_ids": [1, 2]}], G, SamplingParams())
     with pytest.raises(TypeError, match="PreTrainedModel"):
         HFEngine(torch.nn.Linear(2, 2))
+
+
+def test_request_seeds_give_each_row_its_own_stream(engine, prompts):
+    # prompt p's sample i draws from request_seeds[p] + i, whatever else shares the batch
+    both = engine.generate(prompts[:2], G, SamplingParams(max_new_tokens=6, request_seeds=(11, 40)))
+    alone = engine.generate(prompts[1:2], G, SamplingParams(max_new_tokens=6, request_seeds=(40,)))
+    shifted = engine.generate(prompts[1:2], 1, SamplingParams(max_new_tokens=6, request_seeds=(41,)))
+    n = alone.response_lengths
+    assert torch.equal(both.response_ids[2:, : int(n.max())], alone.response_ids)
+    torch.testing.assert_close(both.sampling_logprobs[2:, : int(n.max())], alone.sampling_logprobs, rtol=0, atol=1e-5)
+    assert torch.equal(shifted.response_ids[0], alone.response_ids[1, : shifted.response_ids.shape[1]])
+    assert not torch.equal(both.response_ids[0], both.response_ids[1])  # seeds 11 and 12 differ
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        engine.generate(prompts, 1, SamplingParams(request_seeds=(1, 2)))
+
+
+def test_stop_strings_end_a_row_at_the_token_that_completes_them(engine, prompts):
+    free = engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=12, temperature=0.0))
+    ids = free.response_ids[0][free.response_mask[0]].tolist()
+    text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+    cut = next(k for k in range(3, len(ids)) if len(engine.tokenizer.decode(ids[:k], skip_special_tokens=True)) >= 3)
+    target = engine.tokenizer.decode(ids[:cut], skip_special_tokens=True)[-3:]  # 3 characters ending in token cut-1
+    first = text.find(target)  # where the string first appears decides the stop
+    stopped = engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=12, temperature=0.0, stop=(target,)))
+    kept = stopped.response_ids[0][stopped.response_mask[0]].tolist()
+    assert stopped.finish_reason == ["stop"] and kept == ids[: len(kept)]
+    assert target in engine.tokenizer.decode(kept, skip_special_tokens=True)  # the completing token is kept
+    assert target not in engine.tokenizer.decode(kept[:-1], skip_special_tokens=True)
+    assert len(engine.tokenizer.decode(kept, skip_special_tokens=True)) >= first + len(target)

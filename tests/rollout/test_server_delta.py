@@ -136,7 +136,7 @@ def test_rollout_sync_reaches_the_server_engine(mode, tiny_model_dir):
 
     from stapo.config import STAPOConfig
     from stapo.rollout.fingerprint import model_fingerprint, tokenizer_fingerprint
-    from stapo.trainer.components import build_server_engine
+    from stapo.trainer.server_setup import build_server_engine
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     server = FakeServer(fingerprint={"model": model_fingerprint(AutoConfig.from_pretrained(tiny_model_dir),
@@ -145,9 +145,9 @@ def test_rollout_sync_reaches_the_server_engine(mode, tiny_model_dir):
     try:
         cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", f"rollout.servers=[{server.address}]",
                                            "model.dtype=fp32", f"rollout.sync={mode}"])
-        engine = build_server_engine(cfg, str(tiny_model_dir), tokenizer)
+        engine = build_server_engine(cfg, str(tiny_model_dir), tokenizer, torch.float32)
         assert (engine.sent is not None) == (mode == "delta")
-        assert build_server_engine(cfg, str(tiny_model_dir), tokenizer, dist_rank=1).sent is None  # rank 0 only
+        assert build_server_engine(cfg, str(tiny_model_dir), tokenizer, torch.float32, dist_rank=1).sent is None
     finally:
         server.close()
     with pytest.raises(ValueError, match="rollout.sync must be one of"):

@@ -111,6 +111,11 @@ def test_every_request_carries_its_own_seed():
     assert request_seeds(11, 5)[:3] == seeds  # a prompt's seed does not depend on the batch size
     assert set(request_seeds(12, 3)).isdisjoint(seeds)  # another step / rank / round: other streams
     assert vllm_sampling_kwargs(SamplingParams(seed=None), 1, 3)[1] is None  # vLLM's engine-seeded RNG
+    # a multi-turn episode's own seeds and a tool call's stop string pass through as given
+    base, seeds = vllm_sampling_kwargs(SamplingParams(seed=5, request_seeds=(7, 9), stop=("</tool_call>",)), 1, 2)
+    assert seeds == [7, 9] and base["stop"] == ["</tool_call>"]
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        vllm_sampling_kwargs(SamplingParams(request_seeds=(7, 9)), 1, 3)
 
 
 def test_cpu_engine_settings():

@@ -332,11 +332,11 @@ def test_a_server_with_another_dtype_or_tokenizer_is_one_clear_error_at_start(bo
         with pytest.raises(ValueError, match=f"rollout server {server.address} does not serve the trainer's model: "
                                              "tokenizer vocab_size"):
             from stapo.config import STAPOConfig
-            from stapo.trainer.components import build_server_engine
+            from stapo.trainer.server_setup import build_server_engine
 
             cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", f"rollout.servers=[{server.address}]",
                                                "model.dtype=fp32", f"rollout.server_token={LANE_TOKEN}"])
-            build_server_engine(cfg, str(warm_model_dir), AutoTokenizer.from_pretrained(warm_model_dir))
+            build_server_engine(cfg, str(warm_model_dir), AutoTokenizer.from_pretrained(warm_model_dir), torch.float32)
     finally:
         server.kill()
     figure("another dtype (a run) / another tokenizer (a server started for it): one error at start",

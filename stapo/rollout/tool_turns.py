@@ -1,0 +1,68 @@
+"""The context an episode reads after a turn with tool calls: the tool results as the model was trained
+to see them (docs/tir.md, "Context tokens").
+
+Two ways, chosen by the call format:
+
+* **chat template** (``qwen3`` and any parser without an inline format): the results are ``tool``
+  messages rendered by the tokenizer's own chat template. Qwen3's template closes the assistant turn
+  (``<|im_end|>``), opens a user turn holding one ``<tool_response>...</tool_response>`` per result,
+  and the generation prompt opens the next assistant turn. The text is what the template puts after the
+  assistant's content: rendered once with a marker as that content and cut after the marker, so the
+  template's own rules (role names, thinking blocks, separators) decide it, not a copy of them here.
+* **inline** (``python_block``, the ToRA format): the policy stopped at `````output``; the result and
+  the closing fence follow inside the same assistant turn. A parser of another inline format says how
+  with a method ``render_results(texts) -> str``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from stapo.tools import PythonBlockParser, ToolCallParser
+
+__all__ = ["ToolTurnRenderer"]
+
+_MARK = "\x00stapo-turn-end\x00"
+
+
+class ToolTurnRenderer:
+    """Tool results -> the context tokens that follow a policy turn.
+
+    Args:
+        tokenizer: the policy's tokenizer (its chat template renders ``tool`` messages).
+        parser: the call format; `PythonBlockParser` results are inline.
+        template_kwargs: extra arguments of the chat template, the same as the prompts' (e.g.
+            ``enable_thinking``), so the next assistant turn opens as the first one did.
+    """
+
+    def __init__(self, tokenizer, parser: ToolCallParser, template_kwargs: dict | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.inline = getattr(parser, "render_results", None)
+        if self.inline is None and isinstance(parser, PythonBlockParser):
+            self.inline = lambda texts: "".join(f"\n{t}\n```\n" for t in texts)
+        self.template_kwargs = dict(template_kwargs or {})
+        if self.inline is None:
+            self.text(["probe"])  # a template that cannot render tool messages fails here, once
+
+    def text(self, results: Sequence[str], after_eos: str = "") -> str:
+        """The context text for one turn's results (in call order). ``after_eos``: the text of the EOS
+        token that ended the turn, if any; the template's own copy of it is then left out."""
+        if self.inline is not None:
+            return self.inline(list(results))
+        messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+        messages += [{"role": "tool", "content": r} for r in results]
+        try:
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                          **self.template_kwargs)
+        except Exception as exc:  # jinja's TemplateError and the template's own raise_exception
+            raise ValueError(f"the tokenizer's chat template cannot render tool results ({exc}); use a model "
+                             "whose template has a `tool` role (Qwen3) or rollout.tools.parser=python_block") from None
+        if rendered.count(_MARK) != 1:
+            raise ValueError("the tokenizer's chat template does not render the assistant's content verbatim; "
+                             "its tool turns cannot be appended to a generated turn")
+        text = rendered.split(_MARK)[1]
+        return text[len(after_eos):] if after_eos and text.startswith(after_eos) else text
+
+    def token_ids(self, results: Sequence[str], after_eos: str = "") -> list[int]:
+        """`text` as token ids (no BOS or other added special tokens)."""
+        return self.tokenizer(self.text(results, after_eos), add_special_tokens=False)["input_ids"]

@@ -1,0 +1,217 @@
+"""The tool contract: what a call and its result are, the ``Tool`` base class and the tool registry.
+
+A tool is a small dataclass whose fields are its parameters and limits (like a token mask,
+``stapo.losses.masks``). It implements ONE method, ``run(arguments, session) -> str``, and raises
+``ToolError(text)`` when the call failed in a way the policy should read (a traceback, a division
+by zero). The base class turns that into a ``ToolResult``: it checks the arguments against the
+tool's JSON schema first, times the call, turns any other exception into an error result (a tool
+never raises for bad input: hostile or malformed calls are the policy's mistakes, not the
+trainer's), and caps the text at ``max_output_chars`` (its start and end are kept) — output that
+had to be cut is an error (docs/tools.md, "Limits").
+
+A stateful tool (the ``python`` tool with ``stateful=True``) returns a session from
+``open_session()``: the episode loop opens one per episode, passes it to every call of that
+episode and closes it at the end, so variables persist across the episode's calls and no two
+episodes share state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Protocol
+
+from stapo.registry import Registry
+
+__all__ = ["ToolCall", "ToolResult", "ToolError", "ToolSession", "Tool", "ToolInfo", "register_tool",
+           "build_tool", "available_tools", "tool_params", "describe_tools", "cap_text"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call as the parser read it from the policy's turn."""
+
+    name: str  # the tool's registered name
+    arguments: dict  # JSON object of the arguments
+    text: str  # the call exactly as the policy wrote it (e.g. "<tool_call>...</tool_call>")
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What one call returns to the policy."""
+
+    text: str  # the tool's output (or error message), already capped at the tool's max_output_chars
+    error: bool  # True: the call failed (bad arguments, exception, a limit hit, output cut)
+    seconds: float  # wall time of the call
+
+
+class ToolError(Exception):
+    """Raised by ``Tool.run``: the message is returned to the policy as an error result.
+    ``total_chars``: the length of the whole output when the message holds only its start and end."""
+
+    def __init__(self, message: str, total_chars: Optional[int] = None):
+        super().__init__(message)
+        self.total_chars = total_chars
+
+
+class ToolSession(Protocol):
+    """State of a stateful tool across the calls of one episode; ``close()`` releases it."""
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Tool:
+    """Base class of tools. Subclasses set ``description`` and ``parameters`` (class attributes,
+    unannotated) and implement ``run``; their dataclass fields are their parameters and limits."""
+
+    description: ClassVar[str] = ""
+    parameters: ClassVar[dict] = {"type": "object", "properties": {}}  # JSON schema of the arguments
+    name: ClassVar[str] = ""  # set by @register_tool
+
+    timeout_s: float = 10.0  # wall-clock limit of one call
+    max_output_chars: int = 2000  # longer output is cut (and the call is an error)
+
+    def __post_init__(self):
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"{type(self).__name__}.timeout_s must be > 0, got {self.timeout_s!r}")
+        if not (isinstance(self.max_output_chars, int) and self.max_output_chars >= 1):
+            raise ValueError(f"{type(self).__name__}.max_output_chars must be an int >= 1, got "
+                             f"{self.max_output_chars!r}")
+
+    def schema(self) -> dict:
+        """The entry a chat template renders in its tool list (OpenAI's function format)."""
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+    def open_session(self) -> Optional[ToolSession]:
+        """A session holding state across one episode's calls; None for a stateless tool."""
+        return None
+
+    @property
+    def deadline_s(self) -> float:
+        """How long ``run_tool_calls`` waits for one call before it reports a timeout (a tool that
+        kills its own work, like ``python``, allows for its start-up on top of ``timeout_s``)."""
+        return self.timeout_s + 1.0
+
+    def run(self, arguments: dict, session: Optional[ToolSession]) -> str:
+        raise NotImplementedError(f"{type(self).__name__} must implement run(arguments, session)")
+
+    def __call__(self, arguments: Any, session: Optional[ToolSession] = None) -> ToolResult:
+        start = time.monotonic()
+        problem = check_arguments(self.name or type(self).__name__, self.parameters, arguments)
+        if problem is not None:
+            return ToolResult(problem, True, time.monotonic() - start)
+        error, total = False, None
+        try:
+            text = self.run(arguments, session)
+        except ToolError as exc:
+            text, error, total = str(exc), True, exc.total_chars
+        except Exception as exc:  # noqa: BLE001 - a tool's bug or a hostile input: an error result, never a crash
+            text, error = f"{self.name} failed: {type(exc).__name__}: {exc}", True
+        text, cut = cap_text(str(text), self.max_output_chars, total)
+        return ToolResult(text, error or cut, time.monotonic() - start)
+
+
+def cap_text(text: str, limit: int, total: Optional[int] = None) -> tuple[str, bool]:
+    """``(text, False)``, or, when it is longer than ``limit`` (or ``total``, the length of an output
+    of which ``text`` holds the start and the end, is), its first and last ``limit / 2``
+    characters around a note, and True. The end is kept: that is where a traceback says what went wrong."""
+    total = max(len(text), total or 0)
+    if total <= limit:
+        return text, False
+    head, tail = text[:limit // 2], text[len(text) - (limit - limit // 2):]
+    return f"{head}\n[output cut: {total} characters, the limit is {limit}; the middle is left out]\n{tail}", True
+
+
+_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict,
+               "array": list, "null": type(None)}
+
+
+def check_arguments(tool: str, schema: dict, arguments: Any) -> Optional[str]:
+    """None, or the message telling the policy what is wrong with ``arguments`` (the schema's
+    object, required, property types and additionalProperties; no deeper JSON-schema rules)."""
+    if not isinstance(arguments, dict):
+        return f"{tool}: arguments must be a JSON object, got {type(arguments).__name__}"
+    properties = schema.get("properties", {})
+    missing = [k for k in schema.get("required", []) if k not in arguments]
+    if missing:
+        return f"{tool}: missing required argument(s) {missing}; arguments: {sorted(properties)}"
+    if schema.get("additionalProperties", True) is False:
+        unknown = sorted(set(arguments) - set(properties))
+        if unknown:
+            return f"{tool}: unknown argument(s) {unknown}; arguments: {sorted(properties)}"
+    for key, value in arguments.items():
+        kind = properties.get(key, {}).get("type")
+        ok = kind not in _JSON_TYPES or (isinstance(value, _JSON_TYPES[kind])
+                                         and not (kind in ("integer", "number") and isinstance(value, bool)))
+        if not ok:
+            return f"{tool}: argument {key!r} must be of type {kind}, got {type(value).__name__}"
+    return None
+
+
+# ---- the registry -------------------------------------------------------------------------------
+
+_TOOLS: Registry = Registry("tool")
+
+
+def register_tool(name: str):
+    """Class decorator: make a ``Tool`` subclass buildable as ``build_tool(name, ...)`` and callable
+    by the policy under ``name`` (the class becomes a dataclass if it is not one already)."""
+    register = _TOOLS.register(name)
+
+    def decorate(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Tool)):
+            raise TypeError(f"@register_tool({name!r}) needs a Tool subclass, got {cls!r}")
+        if "__dataclass_fields__" not in cls.__dict__:
+            cls = dataclass(cls)
+        cls = register(cls)
+        cls.name = name
+        return cls
+
+    return decorate
+
+
+def available_tools() -> list[str]:
+    """Sorted names accepted by ``build_tool``."""
+    return sorted(_TOOLS)
+
+
+def tool_params(name: str) -> dict[str, Any]:
+    """Parameters of tool ``name`` with their defaults (``dataclasses.MISSING`` if required)."""
+    out = {}
+    for f in dataclasses.fields(_TOOLS.lookup(name)):
+        if f.init:
+            out[f.name] = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return out
+
+
+def build_tool(name: str, **params: Any) -> Tool:
+    """Instantiate the tool registered as ``name`` with ``params`` (validated by the tool)."""
+    cls, valid = _TOOLS.lookup(name), tool_params(name)
+    unknown = sorted(set(params) - set(valid))
+    if unknown:
+        listed = ", ".join(f"{k}={v!r}" for k, v in valid.items())
+        raise ValueError(f"unknown parameter(s) {unknown} for tool {name!r}; valid parameters: {listed}")
+    return cls(**params)
+
+
+@dataclass(frozen=True)
+class ToolInfo:
+    """One registry entry, for listings such as ``stapo tools``."""
+
+    name: str
+    summary: str  # first line of the class docstring
+    params: dict[str, Any]  # name -> default
+    arguments: dict  # the JSON schema the policy fills
+
+
+def describe_tools() -> list[ToolInfo]:
+    """Every registered tool with its one-line summary, parameters and argument schema, by name."""
+    infos = []
+    for name in available_tools():
+        cls = _TOOLS[name]
+        doc = (cls.__doc__ or "").strip()
+        infos.append(ToolInfo(name, doc.splitlines()[0] if doc else "", tool_params(name), cls.parameters))
+    return infos

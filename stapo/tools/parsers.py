@@ -1,0 +1,204 @@
+"""Tool-call parsers: the calls in one policy turn, or the error to return to the policy.
+
+One parser per format, registered by name (``build_tool_parser("qwen3")``):
+
+* ``qwen3`` — Qwen3's format, as its chat template renders an assistant's ``tool_calls``:
+  ``<tool_call>\\n{"name": "python", "arguments": {"code": "..."}}\\n</tool_call>``, several
+  separated by a newline; the results go back as ``tool`` messages, which the template renders
+  as ``<tool_response>\\n...\\n</tool_response>`` inside one user turn. ``arguments`` may also be
+  a JSON string holding the object (the template writes a string as is).
+* ``python_block`` — a fenced `````python`` block is a call of the ``python`` tool (ToRA /
+  Qwen2.5-Math TIR style): the policy writes the block and then `````output``, where the turn
+  stops; the episode loop appends the result and the closing fence.
+
+``parse`` expects the turn's text including the stop string that ended it (vLLM:
+``include_stop_str_in_output``). It never raises: an unclosed or nested tag, bad JSON, JSON nested
+deeper than Python's recursion limit, a non-object ``arguments``, an unknown tool or too many
+calls make ``ParsedTurn.error`` the message the policy reads as its tool result. A turn with no
+call is a final answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from stapo.registry import Registry
+from stapo.tools.base import ToolCall
+
+__all__ = ["ParsedTurn", "ToolCallParser", "Qwen3Parser", "PythonBlockParser", "register_tool_parser",
+           "build_tool_parser", "available_tool_parsers", "describe_tool_parsers"]
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """The calls of one turn in order, or ``error`` (then ``calls`` is empty and the episode
+    loop returns ``error`` to the policy as a failed tool result)."""
+
+    calls: list[ToolCall]
+    error: Optional[str] = None
+
+    @property
+    def final(self) -> bool:
+        """True for a turn without calls and without a malformed one: the policy's answer."""
+        return not self.calls and self.error is None
+
+
+@dataclass
+class ToolCallParser:
+    """Base class of parsers; fields are their parameters."""
+
+    tools: tuple[str, ...] = ()  # names the policy may call; () = any (the episode loop checks)
+    max_calls: int = 8  # more calls in one turn is an error
+    max_chars: int = 100_000  # a call's text longer than this is an error (before decoding its JSON)
+
+    stop = ()  # strings that end a turn holding a call (a class attribute, overridden per format)
+
+    def parse(self, text: str) -> ParsedTurn:
+        raise NotImplementedError(f"{type(self).__name__} must implement parse(text)")
+
+    def _checked(self, calls: list[ToolCall]) -> ParsedTurn:
+        """The turn, or an error for too many calls or a name outside ``tools``."""
+        if len(calls) > self.max_calls:
+            return ParsedTurn([], f"too many tool calls in one turn: {len(calls)} (the limit is {self.max_calls})")
+        for call in calls:
+            if self.tools and call.name not in self.tools:
+                return ParsedTurn([], f"unknown tool {call.name!r}; available tools: {', '.join(self.tools)}")
+        return ParsedTurn(calls)
+
+
+_PARSERS: Registry = Registry("tool parser")
+
+
+def register_tool_parser(name: str):
+    """Class decorator: make a ``ToolCallParser`` subclass buildable as ``build_tool_parser(name)``."""
+    register = _PARSERS.register(name)
+
+    def decorate(cls):
+        if not (isinstance(cls, type) and issubclass(cls, ToolCallParser)):
+            raise TypeError(f"@register_tool_parser({name!r}) needs a ToolCallParser subclass, got {cls!r}")
+        return register(cls if "__dataclass_fields__" in cls.__dict__ else dataclass(cls))
+
+    return decorate
+
+
+def available_tool_parsers() -> list[str]:
+    """Sorted names accepted by ``build_tool_parser``."""
+    return sorted(_PARSERS)
+
+
+def describe_tool_parsers() -> list[tuple[str, str, tuple[str, ...]]]:
+    """``(name, one-line summary, stop strings)`` of every registered parser, by name."""
+    out = []
+    for name in available_tool_parsers():
+        cls = _PARSERS[name]
+        out.append((name, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "", tuple(cls.stop)))
+    return out
+
+
+def build_tool_parser(name: str, **params: Any) -> ToolCallParser:
+    """Instantiate the parser registered as ``name`` (``tools=("python",)`` restricts the names)."""
+    cls = _PARSERS.lookup(name)
+    valid = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(params) - valid)
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {unknown} for tool parser {name!r}; valid: {sorted(valid)}")
+    if "tools" in params:
+        params["tools"] = tuple(params["tools"])
+    return cls(**params)
+
+
+# ---- Qwen3 ---------------------------------------------------------------------------------------
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@register_tool_parser("qwen3")
+class Qwen3Parser(ToolCallParser):
+    """Qwen3's <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (its chat template)."""
+
+    stop = (CLOSE,)
+
+    def parse(self, text: str) -> ParsedTurn:
+        calls, pos = [], 0
+        while True:
+            start, close = text.find(OPEN, pos), text.find(CLOSE, pos)
+            if start < 0:
+                if close >= 0:
+                    return ParsedTurn([], f"{CLOSE} without a {OPEN} before it")
+                return self._checked(calls)
+            if 0 <= close < start:
+                return ParsedTurn([], f"{CLOSE} without a {OPEN} before it")
+            if close < 0:
+                return ParsedTurn([], f"unclosed {OPEN}: the call must end with {CLOSE}")
+            body = text[start + len(OPEN):close]
+            if OPEN in body:
+                return ParsedTurn([], f"nested {OPEN}: each call is one {OPEN}...{CLOSE} block")
+            call, error = self._call(body, text[start:close + len(CLOSE)])
+            if error is not None:
+                return ParsedTurn([], error)
+            calls.append(call)
+            if len(calls) > self.max_calls:
+                return self._checked(calls)
+            pos = close + len(CLOSE)
+
+    def _call(self, body: str, raw: str) -> tuple[Optional[ToolCall], Optional[str]]:
+        if len(body) > self.max_chars:
+            return None, f"tool call too long: {len(body)} characters (the limit is {self.max_chars})"
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested thousands deep
+            return None, f"tool call is not valid JSON ({_reason(exc)}); write {{\"name\": ..., \"arguments\": {{...}}}}"
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None, 'tool call must be a JSON object with a string "name" and an object "arguments"'
+        arguments = obj.get("arguments", {})
+        if isinstance(arguments, str):  # the template writes string arguments verbatim
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError) as exc:
+                return None, f'"arguments" of {obj["name"]!r} is a string that is not a JSON object ({_reason(exc)})'
+        if not isinstance(arguments, dict):
+            return None, f'"arguments" of {obj["name"]!r} must be a JSON object, got {type(arguments).__name__}'
+        return ToolCall(obj["name"], arguments, raw), None
+
+
+def _reason(exc: Exception) -> str:
+    return "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(":")[0]
+
+
+# ---- fenced python blocks ----------------------------------------------------------------------------
+
+FENCE, PY_OPEN, OUTPUT = "```", "```python", "```output"
+
+
+@register_tool_parser("python_block")
+class PythonBlockParser(ToolCallParser):
+    """Fenced ```python blocks, each a call of the python tool; the turn stops at ```output (ToRA)."""
+
+    stop = (OUTPUT,)
+
+    def parse(self, text: str) -> ParsedTurn:
+        calls, pos = [], 0
+        while True:
+            start = text.find(PY_OPEN, pos)
+            if start < 0:
+                return self._checked(calls)
+            line_end = text.find("\n", start)
+            if line_end < 0 or text[start + len(PY_OPEN):line_end].strip():  # "```python3", "```pythonic"
+                if line_end < 0:
+                    return ParsedTurn([], "unclosed ```python block: the code starts on the next line")
+                pos = line_end
+                continue
+            close = text.find("\n" + FENCE, line_end)
+            if close < 0:
+                return ParsedTurn([], "unclosed ```python block: end the code with ``` on its own line")
+            code = text[line_end + 1:close]
+            end = close + 1 + len(FENCE)
+            if len(code) > self.max_chars:
+                return ParsedTurn([], f"python block too long: {len(code)} characters (the limit is {self.max_chars})")
+            calls.append(ToolCall("python", {"code": code}, text[start:end]))
+            if len(calls) > self.max_calls:
+                return self._checked(calls)
+            pos = end

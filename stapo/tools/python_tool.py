@@ -1,0 +1,142 @@
+"""``python``: run the policy's code in a sandbox and return what it printed (docs/tools.md).
+
+Locally (``backend="local"``, the default) each call is a fresh interpreter process with CPU
+time, memory, process-count, file-size and output limits, an empty temporary working directory,
+a clean environment and, where the OS allows, no network, a read-only file system and no view of
+other processes (``sandbox.py``); with ``stateful=True`` one interpreter serves all the calls of an
+episode (its session), so variables persist, and a call that kills it (a timeout, a limit) starts
+the next one afresh. ``backend="sandbox_fusion"`` sends each call to a SandboxFusion service at
+``url`` instead (``sandbox_fusion.py``; stateless).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from stapo.tools.base import Tool, ToolError, ToolSession, register_tool
+from stapo.tools.sandbox import Sandbox, SandboxLimits, SandboxStartError
+from stapo.tools.sandbox_fusion import run_code
+
+__all__ = ["PythonTool", "PythonSession"]
+
+BACKENDS = ("local", "sandbox_fusion")
+ISOLATION = ("auto", "required", "off")
+_RESTARTED = "the interpreter was stopped: the next call starts a new one, without the variables of earlier calls"
+
+
+class PythonSession:
+    """One episode's interpreter (started at its first call); ``close()`` ends it."""
+
+    def __init__(self, tool: "PythonTool"):
+        self.tool, self.sandbox = tool, Sandbox(tool.limits, stateful=True)
+        self._lock = threading.Lock()
+
+    def run(self, code: str) -> str:
+        with self._lock:
+            return self.tool._run_local(self.sandbox, code, restarts=True)
+
+    def close(self) -> None:
+        self.sandbox.close()
+
+    def __enter__(self) -> "PythonSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@register_tool("python")
+@dataclass
+class PythonTool(Tool):
+    """Run Python code in a sandboxed process (limits, clean env, no network); returns its output."""
+
+    description = ("Run Python code and return what it prints (stdout and stderr; the value of a final "
+                   "expression is printed too). No network; files may be written in the working directory only.")
+    parameters = {"type": "object", "properties": {"code": {"type": "string", "description": "Python source to run"}},
+                  "required": ["code"], "additionalProperties": False}
+
+    timeout_s: float = 10.0  # wall clock per call; past it the code and everything it started are killed
+    max_output_chars: int = 2000  # printed characters returned; more is cut and the call is an error
+    cpu_time_s: float = 10.0  # CPU seconds per call (RLIMIT_CPU, whole seconds)
+    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
+    max_processes: int = 16  # processes + threads the code may run at once (RLIMIT_NPROC, see docs)
+    file_size_mb: int = 16  # largest file and total size of the working directory
+    stateful: bool = False  # one interpreter per episode (open_session), variables kept across calls
+    isolation: str = "auto"  # namespaces where the OS allows them; "required": refuse without; "off"
+    startup_timeout_s: float = 30.0  # for the interpreter to start (not counted in timeout_s)
+    backend: str = "local"  # "local" or "sandbox_fusion" (a SandboxFusion service at url)
+    url: str = ""  # SandboxFusion's base URL, e.g. http://sandbox:8080
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.backend not in BACKENDS:
+            raise ValueError(f"python tool: backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.isolation not in ISOLATION:
+            raise ValueError(f"python tool: isolation must be one of {ISOLATION}, got {self.isolation!r}")
+        if self.backend == "sandbox_fusion" and not self.url:
+            raise ValueError("python tool: backend='sandbox_fusion' needs url (the service's base URL)")
+        if self.backend == "sandbox_fusion" and self.stateful:
+            raise ValueError("python tool: SandboxFusion's /run_code keeps no state between calls; "
+                             "use stateful=False with backend='sandbox_fusion'")
+        for name in ("cpu_time_s", "memory_mb", "max_processes", "file_size_mb", "startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"python tool: {name} must be > 0, got {getattr(self, name)!r}")
+
+    @property
+    def limits(self) -> SandboxLimits:
+        return SandboxLimits(self.timeout_s, self.cpu_time_s, self.memory_mb, self.max_processes,
+                             self.file_size_mb, self.max_output_chars, self.startup_timeout_s,
+                             isolate=self.isolation != "off")
+
+    @property
+    def deadline_s(self) -> float:
+        return self.timeout_s + self.startup_timeout_s + 5.0
+
+    def schema(self) -> dict:
+        entry = super().schema()
+        if self.stateful:
+            entry["function"]["description"] += " Variables and imports persist across calls in this conversation."
+        return entry
+
+    def open_session(self) -> Optional[ToolSession]:
+        return PythonSession(self) if self.stateful else None
+
+    def run(self, arguments: dict, session: Optional[ToolSession]) -> str:
+        code = arguments["code"]
+        if self.backend == "sandbox_fusion":
+            output, failed = run_code(self.url, code, self.timeout_s, self.memory_mb, self.limits.max_output_bytes)
+            if failed:
+                raise ToolError(output or "the code failed")
+            return output
+        if isinstance(session, PythonSession):
+            return session.run(code)
+        with Sandbox(self.limits) as sandbox:
+            return self._run_local(sandbox, code, restarts=False)
+
+    def _run_local(self, sandbox: Sandbox, code: str, restarts: bool) -> str:
+        try:
+            if not sandbox.alive:
+                sandbox.start()
+        except SandboxStartError as exc:
+            raise ToolError(str(exc)) from None
+        missing = self._missing_isolation(sandbox.isolation)
+        if missing:
+            sandbox.close()
+            raise ToolError(f"python tool: isolation='required' but this system gives no {missing}; "
+                            "see docs/tools.md (isolation='auto' runs with the resource limits only)")
+        result = sandbox.run(code)
+        text = result.text
+        if result.ended:
+            text += f"{chr(10) if text else ''}{result.ended}" + (f"; {_RESTARTED}" if restarts else "")
+        if result.error or result.ended or result.total_chars > self.max_output_chars:
+            raise ToolError(text, total_chars=result.total_chars + len(text) - len(result.text))
+        return text
+
+    def _missing_isolation(self, isolation: dict) -> str:
+        """What ``isolation='required'`` asks for and this sandbox lacks ('' when nothing)."""
+        if self.isolation != "required":
+            return ""
+        wanted = {"network": "network namespace", "pid": "PID namespace", "read_only": "read-only file system"}
+        return ", ".join(what for key, what in wanted.items() if not isolation.get(key))

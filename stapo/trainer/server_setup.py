@@ -1,0 +1,61 @@
+"""``rollout.mode: server``: the `ServerEngine` a config asks for, and what the servers allow the data.
+
+Where the rollout servers' settings become components (the server-mode part of
+`stapo.trainer.components`): the secret (``rollout.server_token`` or ``STAPO_SERVER_TOKEN``), every limit
+(`ServerLimits`), the fingerprint of the trainer's model and tokenizer the servers are checked against,
+and the longest prompt the servers' ``max_model_len`` leaves room for. docs/rollout.md, "Rollout servers".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from stapo.config import STAPOConfig
+from stapo.rollout.fingerprint import model_fingerprint, tokenizer_fingerprint
+from stapo.rollout.server_engine import ServerEngine, ServerLimits
+from stapo.rollout.server_guard import TOKEN_ENV
+
+__all__ = ["build_server_engine", "prompt_length_limit"]
+
+log = logging.getLogger("stapo.trainer")
+
+
+def build_server_engine(cfg: STAPOConfig, model_path: str, tokenizer, dtype: torch.dtype, dist_rank: int = 0):
+    """The listed servers, checked against this model (held in ``dtype``) and tokenizer (docs/rollout.md)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    r = cfg.rollout
+    trust = cfg.model.trust_remote_code
+    fingerprint = {"model": model_fingerprint(AutoConfig.from_pretrained(model_path, trust_remote_code=trust),
+                                              dtype),
+                   "tokenizer": tokenizer_fingerprint(AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust))}
+    limits = ServerLimits(request_timeout_s=r.request_timeout_s, request_timeout_per_token_s=r.request_timeout_per_token_s,
+                          request_retries=r.request_retries, server_down_after_s=r.server_down_after_s,
+                          health_interval_s=r.health_interval_s, health_timeout_s=r.health_timeout_s,
+                          sync_timeout_s=r.sync_timeout_s, sync_join_timeout_s=r.sync_join_timeout_s)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    log.info("rollout engine: vLLM servers %s", ", ".join(r.servers))
+    return ServerEngine(r.servers, pad, sends_weights=dist_rank == 0, limits=limits,
+                        token=r.server_token or os.environ.get(TOKEN_ENV) or None, sync_host=r.sync_host,
+                        fingerprint=fingerprint, sync=r.sync)
+
+
+def prompt_length_limit(cfg: STAPOConfig, rollout_engine) -> int:
+    """The longest prompt the run keeps: ``data.max_prompt_length``, or less when a rollout server's
+    ``max_model_len`` leaves less room beside ``rollout.max_response_length`` (a warning says so; longer
+    prompts are filtered with a count, as for the colocated engine, whose length is set from the config)."""
+    limit = cfg.data.max_prompt_length
+    served = getattr(rollout_engine, "max_model_len", None)
+    if served is None or served >= limit + cfg.rollout.max_response_length:
+        return limit
+    room = served - cfg.rollout.max_response_length
+    if room < 1:
+        raise ValueError(f"a rollout server's max_model_len ({served}) leaves no room for a prompt beside "
+                         f"rollout.max_response_length ({cfg.rollout.max_response_length}): start the servers with a "
+                         "larger --max-model-len or lower rollout.max_response_length")
+    log.warning("a rollout server's max_model_len is %d: prompts longer than %d tokens (max_model_len - "
+                "rollout.max_response_length) are filtered, not data.max_prompt_length=%d", served, room, limit)
+    return room

@@ -1,0 +1,70 @@
+"""``rollout.tools`` and ``tiny.task: tir`` as components (docs/tir.md); called by
+:mod:`stapo.trainer.components`, the one place that reads the rest of the config.
+
+* the tools the policy may call, built from the registry with the per-call limits (``timeout_s``,
+  ``max_output_chars``), ``stateful`` for the tools that have state, and each tool's own ``params``;
+* the rollout engine wrapped in :class:`~stapo.rollout.episodes.EpisodeEngine`, so every rollout row is
+  a multi-turn episode;
+* the tiny TIR demo's tokenizer, model and warm start, and its problems.
+"""
+
+from __future__ import annotations
+
+from stapo.config import STAPOConfig
+
+__all__ = ["build_tools", "tool_schemas", "episode_engine", "build_tiny_tir_model", "tiny_tir_rows"]
+
+
+def build_tools(cfg: STAPOConfig) -> dict:
+    """``{name: Tool}`` of ``rollout.tools.names`` (empty when tools are off)."""
+    from stapo.tools import build_tool, tool_params
+
+    t = cfg.rollout.tools
+    if not t.enabled:
+        return {}
+    tools = {}
+    for name in t.names:
+        params = {"timeout_s": t.timeout_s, "max_output_chars": t.max_output_chars}
+        if "stateful" in tool_params(name):
+            params["stateful"] = t.stateful
+        tools[name] = build_tool(name, **{**params, **t.params.get(name, {})})
+    return tools
+
+
+def tool_schemas(cfg: STAPOConfig) -> list[dict] | None:
+    """The schemas the prompts' chat template lists (None when tools are off)."""
+    tools = build_tools(cfg)
+    return [tool.schema() for tool in tools.values()] or None
+
+
+def episode_engine(cfg: STAPOConfig, engine, tokenizer):
+    """``engine`` wrapped so that its rows are episodes with ``rollout.tools``; ``engine`` itself when off."""
+    t = cfg.rollout.tools
+    if not t.enabled:
+        return engine
+    from stapo.rollout.episodes import EpisodeEngine
+    from stapo.tools import build_tool_parser
+
+    return EpisodeEngine(engine, tokenizer, build_tool_parser(t.parser, tools=tuple(t.names)), build_tools(cfg),
+                         max_turns=t.max_turns, max_tokens=cfg.rollout.max_response_length, max_workers=t.max_workers)
+
+
+def build_tiny_tir_model(cfg: STAPOConfig, progress: bool) -> str:
+    """The TIR demo's model: its own tokenizer, a random-init tiny Qwen3 on it, its warm start."""
+    from stapo.tiny import build_tiny_model
+    from stapo.tiny.tir import build_tir_tokenizer, tir_problems, tir_warm_start
+    from stapo.tiny.warmstart import DEFAULT_TRAIN_SEED
+
+    path = build_tiny_model(seed=cfg.tiny.seed, tokenizer_dir=build_tir_tokenizer())
+    if cfg.tiny.warm_start_steps > 0:
+        path = tir_warm_start(path, tir_problems(4000, seed=DEFAULT_TRAIN_SEED),
+                              tool_fraction=cfg.tiny.warm_start_tool_fraction, steps=cfg.tiny.warm_start_steps,
+                              lr=cfg.tiny.warm_start_lr, seed=cfg.tiny.seed, progress=progress)
+    return str(path)
+
+
+def tiny_tir_rows(n: int, seed: int) -> list[dict]:
+    """``builtin:arithmetic`` rows of the TIR task."""
+    from stapo.tiny.tir import tir_problems
+
+    return [{"prompt": p.question, "answer": p.answer} for p in tir_problems(n, seed=seed)]
