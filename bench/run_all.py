@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "verifier_speed": ["bench/verifier_speed.py"],
     "verifier_conformance": ["bench/verifier_conformance.py"],
     "weight_sync": ["bench/weight_sync.py", "--interleave"],
+    "weight_sync_delta": ["bench/weight_sync_delta.py"],
     "zero_tuning": ["bench/zero_tuning.py"],
     "lora_memory": ["bench/lora_memory.py"],
     "vs_trl": ["bench/vs_trl.py"],

@@ -235,6 +235,11 @@ class RolloutConfig:
     batch under way: its requests are cut, keep the tokens they produced (each labelled with the policy
     version that sampled it), and go on after the sync from prompt + those tokens with the new weights, so
     the long tail of long responses no longer stalls the sync (docs/rollout.md, "Partial rollouts")."""
+    sync: str = "full"
+    """``server`` mode: ``full`` sends every bucket whole at each sync; ``delta`` sends a bucket's changed
+    elements (positions and values) when that is smaller, which at RL learning rates on bf16 weights is most
+    of them, and proves every sync bit-exact with a checksum per bucket. It costs rank 0 one host copy of the
+    policy in the servers' dtype and each server worker one more (docs/rollout.md, "Delta syncs")."""
     producer_close_timeout_s: float = 60.0
     """``server`` mode with ``max_staleness`` >= 1: how long the end of a run waits for a generation in
     flight to finish."""

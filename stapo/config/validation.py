@@ -248,6 +248,10 @@ def _check_rollout_servers(r) -> None:
         _check(getattr(r, name) >= 0, f"rollout.{name} must be >= 0, got {getattr(r, name)}")
     _check(r.server_token is None or (isinstance(r.server_token, str) and r.server_token.strip() != ""),
            "rollout.server_token must be a non-empty string (or unset: STAPO_SERVER_TOKEN is read)")
+    _check(r.sync in ("full", "delta"), f"rollout.sync must be one of ['full', 'delta'], got {r.sync!r}")
+    _check(r.sync == "full" or r.mode == "server",
+           "rollout.sync=delta needs rollout.mode=server: a colocated engine loads the weights from the trainer's "
+           "own memory, nothing crosses a network")
     _check(r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}")
     _check(r.max_staleness == 0 or r.mode == "server",
            f"rollout.max_staleness={r.max_staleness} (asynchronous training) needs rollout.mode=server: a "

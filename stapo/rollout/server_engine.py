@@ -22,7 +22,10 @@ It is the same `RolloutEngine`:
   (`BroadcastSession`). A failing session never raises mid-sync — the trainer's ZeRO-3 gathers are
   collective, so every bucket still comes by and is dropped — it is aborted on every server it reached
   (each keeps its weights), the servers that failed are marked down, and ``last_sync`` says what
-  happened: the trainer retries with the rest (`stapo.trainer.rollouts`).
+  happened: the trainer retries with the rest (`stapo.trainer.rollouts`);
+- ``sync="delta"`` (``rollout.sync``): rank 0 keeps a copy of what the servers hold (`SentWeights`) and sends
+  each bucket's changed words when that is smaller; a sync is full when any server does not hold the copy
+  (restarted, or it missed a sync or failed a checksum). ``last_sync.transfer`` says what was sent.
 """
 
 from __future__ import annotations
@@ -48,10 +51,13 @@ from stapo.rollout.server_pool import NoRolloutServers, ServerPool
 from stapo.rollout.server_weights import BroadcastSession, SyncFailed
 from stapo.rollout.serve import is_loopback
 from stapo.rollout.vllm_engine import rollout_from_vllm_outputs, vllm_sampling_kwargs
+from stapo.rollout.weight_delta import SentWeights, TransferStats
 from stapo.rollout.weight_group import route_address
 
-__all__ = ["NoRolloutServers", "ServerEngine", "ServerLimits", "ServerPool", "SyncOutcome", "completion_request",
-           "outputs_from_completion", "sync_address"]
+__all__ = ["NoRolloutServers", "SYNC_MODES", "ServerEngine", "ServerLimits", "ServerPool", "SyncOutcome",
+           "completion_request", "outputs_from_completion", "sync_address"]
+
+SYNC_MODES = ("full", "delta")  # rollout.sync
 
 log = logging.getLogger("stapo.rollout")
 
@@ -76,12 +82,13 @@ class ServerLimits:
 @dataclass(frozen=True)
 class SyncOutcome:
     """What the last weight sync did: ``ok`` when at least one server holds the new weights;
-    ``failed``: the servers marked down by it; ``error``: why it failed."""
+    ``failed``: the servers marked down by it; ``error``: why it failed; ``transfer``: the bytes rank 0 sent."""
 
     ok: bool
     error: str | None = None
     failed: tuple[str, ...] = ()
     live: int = 0  # servers live after it
+    transfer: TransferStats | None = None
 
 
 def sync_address(addresses: Sequence[str], configured: str | None) -> str:
@@ -150,13 +157,17 @@ class ServerEngine:
         token: the shared secret the servers were started with (``STAPO_SERVER_TOKEN``), or None.
         sync_host: the trainer's address the servers reach for the weight group (`sync_address`).
         fingerprint: the trainer's `stapo.rollout.fingerprint` (``{"model", "tokenizer"}``); None: not checked.
+        sync: ``full`` (every bucket whole) or ``delta`` (changed words where smaller; module docstring).
     """
 
     def __init__(self, servers: Sequence[str], pad_token_id: int, *, sends_weights: bool = True,
                  limits: ServerLimits = ServerLimits(), token: str | None = None, sync_host: str | None = None,
-                 fingerprint: dict | None = None) -> None:
+                 fingerprint: dict | None = None, sync: str = "full") -> None:
         if not servers:
             raise ValueError("rollout.mode=server needs rollout.servers (host:port of each `stapo serve`)")
+        if sync not in SYNC_MODES:
+            raise ValueError(f"rollout.sync must be one of {list(SYNC_MODES)}, got {sync!r}")
+        self.sent = SentWeights() if sync == "delta" and sends_weights else None  # rank 0's copy of the servers'
         self.limits = limits
         addresses = [parse_address(a) for a in servers]
         self.pool = ServerPool([ServerClient(a, limits.request_timeout_s, token) for a in addresses],
@@ -331,6 +342,10 @@ class ServerEngine:
                 self._open_session()
             yield
             outcome = self._close_session(version) if self.sends_weights else SyncOutcome(True)
+        except BaseException:
+            if self.sent is not None:  # the copy may hold buckets no server committed
+                self.sent.invalidate()
+            raise
         finally:
             self._in_session = False
         self.last_sync = outcome
@@ -338,7 +353,7 @@ class ServerEngine:
             self.policy_version = version
 
     def _open_session(self) -> None:
-        targets = []
+        targets, holding = [], self.sent is not None
         for client in self.pool.clients:
             try:
                 states = self._states(client)
@@ -349,11 +364,18 @@ class ServerEngine:
                 if any(s.get("session_open") for s in states):
                     client.rpc("stapo_abort_weight_update", "", timeout_s=self.limits.health_timeout_s)
                 targets.append(client)
+                if holding and not self.sent.holds(client.address, self._instances[client.address],
+                                                   [s.get("version") for s in states]):
+                    holding = False
+                    if self.sent.version is not None:
+                        log.info("weight sync: rollout server %s does not hold the weights last sent (restarted or "
+                                 "missed a sync): this sync sends every bucket whole", client.address)
         if not targets:
             self._session_error = "no rollout server answers at the weight sync"
             return
         self._session = BroadcastSession([(c, self._workers[c.address]) for c in targets], self.sync_host,
-                                         self.limits.sync_timeout_s, join_timeout_s=self.limits.sync_join_timeout_s)
+                                         self.limits.sync_timeout_s, join_timeout_s=self.limits.sync_join_timeout_s,
+                                         sent=self.sent, delta=holding)
         self._guarded(self._session.open)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -382,8 +404,11 @@ class ServerEngine:
             for client, _ in session.servers:
                 if client.address not in failed:
                     self.pool.mark_live(client)
-            if len(failed) < len(session.servers):
-                return SyncOutcome(True, failed=tuple(sorted(failed)), live=len(self.pool.live))
+            committed = {c.address: self._instances[c.address] for c, _ in session.servers if c.address not in failed}
+            if committed:
+                if self.sent is not None:
+                    self.sent.commit(version, committed)
+                return SyncOutcome(True, failed=tuple(sorted(failed)), live=len(self.pool.live), transfer=session.stats)
             self._session_error = "every server failed the weight commit"
         elif session is not None:
             session.abort()  # a server too busy to take it (blocked until its timeout) is asked again next time
@@ -392,7 +417,10 @@ class ServerEngine:
             for address in failed:
                 self.pool.mark_down(next(c for c in self.pool.clients if c.address == address),
                                     f"failed the weight sync: {self._session_error}")
-        return SyncOutcome(False, self._session_error, tuple(sorted(failed)), live=len(self.pool.live))
+        if self.sent is not None and session is not None and session.stats.dense_bytes:
+            self.sent.invalidate()  # updated by the buckets sent, committed nowhere: the next sync is full
+        return SyncOutcome(False, self._session_error, tuple(sorted(failed)), live=len(self.pool.live),
+                           transfer=None if session is None else session.stats)
 
     def policy_versions(self) -> dict[str, list[int | None]]:
         """What each live server reports: the policy version of each of its workers."""

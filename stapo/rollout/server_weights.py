@@ -15,6 +15,11 @@ session — begin, one load per bucket, finish — over the network:
 3. ``close``: every server loads what it staged and records the policy version; then its prefix cache is
    dropped (its KV entries came from the old weights).
 
+With ``rollout.sync: delta`` the session takes rank 0's copy of what the servers hold
+(`stapo.rollout.weight_delta.SentWeights`): a bucket may go as its changed words only, each server returns the
+checksum of the bucket it now stages, and a server whose checksum differs from rank 0's is not committed (it is
+aborted, reported as failed and gets a full sync next time).
+
 Any failure raises `SyncFailed`; ``abort`` then drops the group (which releases a worker blocked in a
 broadcast) and asks every server the session reached to abort too: each keeps the weights it had.
 
@@ -36,6 +41,7 @@ import torch
 
 from stapo.rollout.bucket_format import pack_bucket_tensor
 from stapo.rollout.server_client import ServerClient, ServerError
+from stapo.rollout.weight_delta import SentWeights, TransferStats
 from stapo.rollout.weight_group import (GroupSpec, call_off, checked_in, let_form, listening_store, new_nonce,
                                        send_nonce)
 
@@ -77,10 +83,13 @@ class BroadcastSession:
     """One weight-update session from the trainer into ``servers`` (each: a client and its worker count).
 
     ``sync_host``: the address the servers reach the trainer at (the store and gloo bind it);
-    ``timeout_s``: the limit of each step (the group's formation, one bucket, the commit)."""
+    ``timeout_s``: the limit of each step (the group's formation, one bucket, the commit); ``sent``: rank 0's
+    copy of the servers' weights (``rollout.sync: delta``; None: full syncs as before); ``delta``: buckets may go
+    as their changes (every server holds ``sent``)."""
 
     def __init__(self, servers: Sequence[tuple[ServerClient, int]], sync_host: str, timeout_s: float = 300.0,
-                 backend: str | None = None, join_timeout_s: float = 30.0) -> None:
+                 backend: str | None = None, join_timeout_s: float = 30.0, sent: SentWeights | None = None,
+                 delta: bool = False) -> None:
         if not servers:
             raise ValueError("a weight-update session needs at least one server")
         self.servers = list(servers)
@@ -91,6 +100,9 @@ class BroadcastSession:
         self.join_timeout_s = min(join_timeout_s, timeout_s)
         self.nonce = new_nonce()
         self.reached: list[ServerClient] = []  # servers asked to join (abort goes to them)
+        self.sent, self.delta = sent, delta and sent is not None
+        self.stats = TransferStats()
+        self.mismatched: dict[str, str] = {}  # server address -> the first bucket whose checksum differed
         self._group = self._store = None
 
     def open(self) -> None:
@@ -139,33 +151,58 @@ class BroadcastSession:
             time.sleep(0.02)
 
     def send(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Broadcast one bucket to every server (each stages it)."""
+        """Broadcast one bucket (or its changes) to every server (each stages it)."""
         layout, flat = pack_bucket_tensor(list(bucket))
-        receives = self._on_every_server("stapo_receive_bucket",
-                                         [json.dumps({**layout, "nonce": self.nonce})] * len(self.servers))
+        if self.sent is None:
+            header, payload = {}, flat
+            self.stats.sent_bytes += flat.numel()
+            self.stats.dense_bytes += flat.numel()
+        else:
+            encoded = self.sent.encode(layout, flat, self.delta)
+            header, payload = encoded.header, encoded.payload
+            self.stats.add(encoded)
+        message = json.dumps({**layout, **header, "nonce": self.nonce})
+        receives = self._on_every_server("stapo_receive_bucket", [message] * len(self.servers))
         try:
-            self._group.broadcast(flat.to(self.device), 0).wait()
+            if payload.numel():  # an unchanged bucket of a delta sync sends nothing
+                self._group.broadcast(payload.to(self.device), 0).wait()
         except RuntimeError as err:
             raise SyncFailed(f"the broadcast of a bucket failed ({err})") from None
-        counts = self._wait(receives, "bucket")
-        expected = len(layout["names"])
-        for (client, _), results in zip(self.servers, counts):
-            if any(int(r) != expected for r in results):
-                raise SyncFailed(f"rollout server {client.address} staged {results} tensors of a {expected}-tensor "
-                                 "bucket", [client.address])
+        self._check(self._wait(receives, "bucket"), len(layout["names"]), header.get("checksum"), layout["names"][0])
+
+    def _check(self, replies: list, expected: int, checksum: str | None, first: str) -> None:
+        """Every server staged the bucket's ``expected`` tensors, with rank 0's ``checksum`` (delta syncs)."""
+        for (client, _), results in zip(self.servers, replies):
+            answers = [json.loads(r) if isinstance(r, str) else r for r in results]
+            if any(not isinstance(a, dict) or a.get("tensors") != expected for a in answers):
+                raise SyncFailed(f"rollout server {client.address} staged {results} of a {expected}-tensor bucket",
+                                 [client.address])
+            theirs = {a.get("checksum") for a in answers}
+            if checksum is not None and theirs != {checksum} and client.address not in self.mismatched:
+                self.mismatched[client.address] = f"bucket {first}...: checksum {sorted(theirs)} != rank 0's {checksum}"
+                log.warning("weight sync: rollout server %s holds other bytes than the trainer sent (%s); it keeps "
+                            "its weights this time and gets a full sync next", client.address,
+                            self.mismatched[client.address])
 
     def close(self, version: int | None) -> list[tuple[ServerClient, str]]:
-        """Commit on every server (it then holds policy ``version``) and drop their prefix caches. Returns
-        the servers that failed the commit or the cache reset, with why (the others hold the new weights)."""
+        """Commit on every server (it then holds policy ``version``) and drop their prefix caches; a server
+        whose checksum differed is aborted instead. Returns the servers that failed the commit or the cache
+        reset, or were aborted, with why (the others hold the new weights)."""
         commit = json.dumps({"nonce": self.nonce, "version": version})
-        futures = self._on_every_server("stapo_commit_weight_update", [commit] * len(self.servers))
+        committing = [(c, w) for c, w in self.servers if c.address not in self.mismatched]
+        futures = [_in_daemon_thread(c.rpc, "stapo_commit_weight_update", commit, timeout_s=self.timeout_s)
+                   for c, _ in committing]
         failed = []
-        for (client, _), future in zip(self.servers, futures):
+        for (client, _), future in zip(committing, futures):
             try:
                 future.result(timeout=self.timeout_s + 5)
                 client.post("/reset_prefix_cache", {}, self.timeout_s)
             except (ServerError, FutureTimeout) as err:
                 failed.append((client, f"weight commit or prefix-cache reset failed: {err}"))
+        for client, _ in self.servers:
+            if client.address in self.mismatched:
+                self._abort_one(client)
+                failed.append((client, f"not committed, checksum mismatch: {self.mismatched[client.address]}"))
         self._release()
         return failed
 
@@ -173,15 +210,17 @@ class BroadcastSession:
         """Drop the group (a worker blocked in a broadcast gets an error and returns) and abort the session on
         every server it reached; returns the addresses that did not answer the abort."""
         self._release()
-        silent = []
-        for client in self.reached:
-            try:
-                client.rpc("stapo_abort_weight_update", self.nonce, timeout_s=self.join_timeout_s)
-            except ServerError as err:
-                silent.append(client.address)
-                log.warning("weight sync: rollout server %s did not take the abort (%s)", client.address, err)
+        silent = [client.address for client in self.reached if not self._abort_one(client)]
         self.reached = []
         return silent
+
+    def _abort_one(self, client: ServerClient) -> bool:
+        try:
+            client.rpc("stapo_abort_weight_update", self.nonce, timeout_s=self.join_timeout_s)
+            return True
+        except ServerError as err:
+            log.warning("weight sync: rollout server %s did not take the abort (%s)", client.address, err)
+            return False
 
     def _release(self) -> None:
         self._group = self._store = None  # closes the group's connections and the store's socket

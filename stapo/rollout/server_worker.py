@@ -16,12 +16,20 @@ staged bytes go, the served weights and the policy version stay what they were. 
 memory of one copy of the weights per worker (what a sync sends) and keeps an aborted sync — a server
 or the trainer dying mid-way — from ever leaving a mix of two policies in a server.
 
+Delta syncs (``rollout.sync: delta``, `stapo.rollout.weight_delta`): each worker keeps a host copy of the
+buckets it last committed (``_stapo_kept``: one more copy of the weights per worker). A bucket may then come
+as its changed words only; the worker applies them to a copy of its kept bucket, checks the checksum of the
+result against the trainer's, and stages only the change. The kept copy changes at the commit and never
+before, so an aborted session leaves it as it was; a session with a checksum that differs cannot commit.
+``stapo_weight_checksums`` reports the checksums of the kept copy and of the served weights.
+
 Every method takes and returns JSON strings or plain values: vLLM's route passes strings only. Needs
 torch (and transformers for the fingerprint) only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -30,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stapo.rollout.bucket_format import unpack_tensors
+from stapo.rollout.weight_delta import apply_delta, checksum, decode_delta, layout_key
 from stapo.rollout.weight_group import GroupSpec, accept_nonce
 
 __all__ = ["SERVER_RPC_METHODS", "ServerWorkerMixin"]
@@ -37,7 +46,7 @@ __all__ = ["SERVER_RPC_METHODS", "ServerWorkerMixin"]
 # The only worker methods a server's /collective_rpc route accepts (stapo.rollout.server_guard).
 SERVER_RPC_METHODS = frozenset({
     "stapo_policy_version", "stapo_server_state", "stapo_fingerprint", "stapo_join_weight_group",
-    "stapo_receive_bucket", "stapo_commit_weight_update", "stapo_abort_weight_update",
+    "stapo_receive_bucket", "stapo_commit_weight_update", "stapo_abort_weight_update", "stapo_weight_checksums",
 })
 
 
@@ -47,7 +56,9 @@ class _Session:
     group: object  # torch ProcessGroupGloo / ProcessGroupNCCL
     device: torch.device  # where the broadcast lands (the GPU for NCCL)
     opened: float = field(default_factory=time.time)
-    staged: list = field(default_factory=list)  # [(layout, host uint8 tensor)] in arrival order
+    staged: list = field(default_factory=list)  # [(layout, host uint8 bytes | None, delta | None)] in order
+    keep: bool = False  # rollout.sync: delta — the committed buckets become the worker's kept copy
+    mismatched: list = field(default_factory=list)  # buckets whose checksum differs from the trainer's
 
 
 class ServerWorkerMixin:
@@ -105,30 +116,61 @@ class ServerWorkerMixin:
         self._stapo_session = _Session(group_spec.nonce, group, device)
         return rank
 
-    def stapo_receive_bucket(self, layout: str) -> int:
-        """Receive one bucket by broadcast (its layout and the session nonce as JSON) and stage it on the
-        host; returns the number of tensors in it."""
+    def stapo_receive_bucket(self, layout: str) -> str:
+        """Receive one bucket by broadcast (its layout, encoding and the session nonce as JSON) and stage it on
+        the host; returns JSON ``{"tensors": count, "checksum": of the resulting bytes (delta syncs) or null}``."""
         spec = json.loads(layout)
         session = self._stapo_session_for(spec.get("nonce", ""))
-        raw = torch.empty(int(spec["nbytes"]), dtype=torch.uint8, device=session.device)
-        session.group.broadcast(raw, 0).wait()
-        host = raw if raw.device.type == "cpu" else raw.cpu()
-        count = len(unpack_tensors(spec, host))  # validates the layout against the bytes
-        session.staged.append((spec, host))
-        return count
+        raw = torch.empty(int(spec.get("payload_nbytes", spec["nbytes"])), dtype=torch.uint8, device=session.device)
+        if raw.numel():  # an unchanged bucket of a delta sync sends nothing
+            session.group.broadcast(raw, 0).wait()
+        if "checksum" not in spec:  # rollout.sync: full
+            host = raw if raw.device.type == "cpu" else raw.cpu()
+            session.staged.append((spec, host, None))
+            return json.dumps({"tensors": len(unpack_tensors(spec, host)), "checksum": None})
+        session.keep = True
+        result, staged = self._stapo_decode(spec, raw, session.device)
+        count = len(unpack_tensors(spec, result))  # validates the layout against the bytes
+        mine = checksum(result)
+        if mine != spec["checksum"]:
+            session.mismatched.append(f"{spec['names'][0]}...: {mine} != {spec['checksum']}")
+        session.staged.append(staged)
+        return json.dumps({"tensors": count, "checksum": mine})
+
+    def _stapo_decode(self, spec: dict, raw: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, tuple]:
+        """A delta sync's bucket: ``(the resulting bytes on device, what to stage)``; a delta is applied to a
+        COPY of the kept bucket, which stays untouched until the commit."""
+        encoding, word = spec.get("encoding"), int(spec["word"])
+        if encoding == "dense":
+            return raw, (spec, raw if raw.device.type == "cpu" else raw.cpu(), None)
+        if encoding != "delta":
+            raise ValueError(f"unknown bucket encoding {encoding!r}")
+        base = self._stapo_kept_copy().get(layout_key(spec))
+        if base is None:
+            raise RuntimeError("a delta of a bucket this server holds no copy of (the trainer must send it whole)")
+        positions, values = decode_delta(raw, int(spec["changed"]), int(spec["nbytes"]) // word, word)
+        result = base.to(device, copy=True)
+        apply_delta(result, positions, values, word)
+        return result, (spec, None, (positions.cpu(), values.cpu()))
+
+    def _stapo_kept_copy(self) -> dict:
+        return getattr(self, "_stapo_kept", {})
 
     def stapo_commit_weight_update(self, commit: str) -> int:
         """Load every staged bucket into the served model in one layerwise reload and record the policy
         version (``commit``: JSON ``{"nonce", "version"}``); the session ends either way. A failure while
         loading leaves the version unknown (None), so the trainer syncs this server before it serves again.
-        Returns the number of tensors loaded."""
+        Refused, the weights kept, when a bucket's checksum differed. Returns the number of tensors loaded."""
         spec = json.loads(commit)
         session = self._stapo_session_for(spec.get("nonce", ""))
         self._stapo_session = None  # the group and the staged bytes go with this call
+        if session.mismatched:
+            raise RuntimeError(f"weights not committed: {len(session.mismatched)} bucket(s) differ from the "
+                               f"trainer's checksum ({session.mismatched[0]}); this server keeps its weights")
         loaded = 0
         self.stapo_begin_weight_update()
         try:
-            for layout, host in session.staged:
+            for layout, host in self._stapo_settle(session):
                 loaded += self._stapo_load(unpack_tensors(layout, host.to(self.device)))
         except BaseException:
             self._stapo_version = None
@@ -136,6 +178,21 @@ class ServerWorkerMixin:
             raise
         self.stapo_finish_weight_update(spec.get("version"))
         return loaded
+
+    def _stapo_settle(self, session: _Session) -> list[tuple[dict, torch.Tensor]]:
+        """The session's buckets as host bytes, in order. A delta sync's become the kept copy here, at the
+        commit (deltas applied in place, and nowhere else: should a model keep a view of what it loaded, the
+        next change to it comes with the commit that loads it again); a full sync drops the kept copy."""
+        kept, new, out = self._stapo_kept_copy(), {}, []
+        for layout, host, delta in session.staged:
+            if delta is not None:
+                host = kept[layout_key(layout)]
+                apply_delta(host, *delta, int(layout["word"]))
+            if session.keep:
+                new[layout_key(layout)] = host
+            out.append((layout, host))
+        self._stapo_kept = new
+        return out
 
     def stapo_abort_weight_update(self, nonce: str = "") -> bool:
         """Drop the open session (this session's, or with no nonce whichever is open: a trainer restarted
@@ -147,3 +204,14 @@ class ServerWorkerMixin:
             raise PermissionError("the abort names another weight update session than the open one")
         self._stapo_session = None
         return True
+
+    def stapo_weight_checksums(self) -> str:
+        """JSON: this worker's policy version, the checksum of each bucket of its kept copy (delta syncs; by
+        layout key) and one of the weights it serves (every tensor of its model's state dict, in order): two
+        servers serving the same bytes report the same ``served``."""
+        served = hashlib.sha1()
+        for name, tensor in self._stapo_model().state_dict().items():
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            served.update(f"{name}={checksum(flat)};".encode())
+        return json.dumps({"version": getattr(self, "_stapo_version", None), "served": served.hexdigest(),
+                           "kept": {key: checksum(b) for key, b in self._stapo_kept_copy().items()}})

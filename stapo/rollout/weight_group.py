@@ -100,10 +100,12 @@ class GroupSpec:
         return cls(**data)
 
     def store(self):
-        """A client of the session's store (a worker's side)."""
+        """A client of the session's store (a worker's side). It connects within ``join_timeout_s``: a
+        trainer gone before the worker got there must not keep the worker (and its server) waiting longer."""
         import torch.distributed as dist
 
-        return dist.TCPStore(self.host, self.port, None, False, timeout=datetime.timedelta(seconds=self.timeout_s))
+        return dist.TCPStore(self.host, self.port, None, False,
+                             timeout=datetime.timedelta(seconds=min(self.join_timeout_s, self.timeout_s)))
 
     def join(self, rank: int):
         """A worker's side of the session's two-step join: check in on the store, wait for the trainer's

@@ -38,6 +38,7 @@ import torch
 from stapo.distributed.flat_gather import GatherBuffers, gather_partitioned
 from stapo.distributed.lora import AdapterMerge
 from stapo.distributed.names import hf_name
+from stapo.rollout.weight_delta import TransferStats
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20  # 256 MiB
 
@@ -54,12 +55,14 @@ class WeightConsumer(Protocol):
 
 @dataclass(frozen=True)
 class SyncStats:
-    """What one :func:`sync_weights` moved: buckets, tensors, bytes and wall time."""
+    """What one :func:`sync_weights` moved: buckets, tensors, bytes (dense) and wall time; ``transfer``: what
+    the engine put on the wire, when it says (rollout servers, on rank 0: `stapo.rollout.weight_delta`)."""
 
     num_buckets: int
     num_tensors: int
     num_bytes: int
     seconds: float
+    transfer: TransferStats | None = None
 
 
 def full_numel(param: torch.Tensor) -> int:
@@ -204,7 +207,8 @@ def sync_weights(
             num_tensors += len(bucket)
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             del bucket  # let the next gather reuse its memory
-    return SyncStats(num_buckets, num_tensors, num_bytes, time.perf_counter() - start)
+    transfer = getattr(getattr(engine_like, "last_sync", None), "transfer", None)
+    return SyncStats(num_buckets, num_tensors, num_bytes, time.perf_counter() - start, transfer)
 
 
 class StateDictConsumer:

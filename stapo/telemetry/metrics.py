@@ -66,9 +66,13 @@ step's oldest token and the one it trains: 0 in lock-step, at most ``rollout.max
 ``policy_staleness_mean`` (the same lag averaged over the step's response tokens: with
 ``rollout.partial`` a response continued after a sync has younger tokens than its first ones),
 ``generation_s`` (wall seconds the step's batch took to generate; asynchronous, it ran during earlier
-updates and ``time_rollout`` is only the trainer's wait for it); with ``rollout.partial``:
-``partial_interrupted`` (response segments a weight sync cut, all ranks; they went on with the new weights);
-with ``rollout.tools`` (multi-turn episodes, docs/tir.md): ``turns_mean`` (policy turns per episode), ``tool_calls_mean``,
+updates and ``time_rollout`` is only the trainer's wait for it), ``sync_sent_mb`` (MiB the step's weight sync
+broadcast into the servers, each receiving it once: ``sync_mb`` with ``rollout.sync: full``, less with
+``delta``); with ``rollout.sync: delta``: ``sync_changed_frac`` (fraction of the synced elements that changed
+since the servers' copy; NaN when the sync had no copy to compare with, e.g. after a failed one); with
+``rollout.partial``: ``partial_interrupted`` (response segments a weight sync cut, all ranks; they went on
+with the new weights); with ``rollout.tools`` (multi-turn episodes, docs/tir.md): ``turns_mean`` (policy
+turns per episode), ``tool_calls_mean``,
 ``tool_errors_mean`` (per episode), ``tool_error_frac`` (errors / calls), ``context_token_frac`` (context
 tokens / all response tokens: what the model read but did not write), ``tool_penalty_mean`` (the tool
 shaping per episode, 0 unless configured), ``time_tools`` (seconds the episode loop waited for tools, part
@@ -114,7 +118,7 @@ OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "e
                                          "mask_gate", "entropy_bonus", "mfu_stats", "mfu_update",
                                          "sampling_rounds", "groups_kept", "groups_dropped", "groups_surplus",
                                          "sampling_capped", "policy_staleness", "policy_staleness_mean",
-                                         "generation_s", "partial_interrupted",
+                                         "generation_s", "partial_interrupted", "sync_sent_mb", "sync_changed_frac",
                                          "turns_mean", "tool_calls_mean", "tool_errors_mean", "tool_error_frac",
                                          "context_token_frac", "tool_penalty_mean", "time_tools",
                                          "eval_tool_calls_mean", "eval_no_tools_accuracy",

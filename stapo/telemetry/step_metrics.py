@@ -60,6 +60,17 @@ class StepSums(dict):
         else:
             self[key] = self.get(key, 0.0) + value
 
+    def add_sync(self, synced=None, *, server: bool = False, delta: bool = False) -> None:
+        """The step's weight sync (a `stapo.sync.buckets.SyncStats`; None: it failed). Every rank adds the same
+        keys; with rollout servers only rank 0 sends, so their sums over ranks are rank 0's figures."""
+        self.add_value("sync_mb", 0.0 if synced is None else synced.num_bytes / 2**20)
+        transfer = None if synced is None else synced.transfer
+        if server:
+            self.add_value("sync_sent_mb", 0.0 if transfer is None else transfer.sent_bytes / 2**20)
+        if server and delta:
+            self.add_value("sync_changed_words", 0.0 if transfer is None else float(transfer.changed_words))
+            self.add_value("sync_compared_words", 0.0 if transfer is None else float(transfer.compared_words))
+
 
 def _rollout_sums(rollout, rewards: torch.Tensor, scores: torch.Tensor, group_size: int) -> dict[str, float]:
     lengths = rollout.response_mask.sum(dim=1).float()  # (B,)
@@ -148,6 +159,19 @@ def _throughput(s: dict, timer: PhaseTimer, model_config, peak_flops: float | No
             **phase_throughput("update", s["real_tokens"], seconds("update"), update, peak_flops, True, world_size)}
 
 
+def sync_metrics(s: dict) -> dict[str, float]:
+    """The weight sync's optional keys from the step's sums over ranks (`StepSums.add_sync`): ``sync_sent_mb``
+    with rollout servers, ``sync_changed_frac`` with ``rollout.sync: delta`` (NaN: the sync had no copy to
+    compare with)."""
+    out = {}
+    if "sync_sent_mb" in s:
+        out["sync_sent_mb"] = s["sync_sent_mb"]
+    if "sync_compared_words" in s:
+        compared = s["sync_compared_words"]
+        out["sync_changed_frac"] = s["sync_changed_words"] / compared if compared else float("nan")
+    return out
+
+
 def skipped_updates(sums: StepSums) -> int:
     """Mini-batch updates skipped this step (identical on every rank: the grad norm is global)."""
     return int(round(float(sums["minibatches"]) - float(sums["step_applied"])))
@@ -178,6 +202,7 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         optional["mask_gate"] = s["mask_gate"] / world_size / minibatches
     if "entropy_bonus_sum" in s:  # only with loss.entropy_coef != 0
         optional["entropy_bonus"] = entropy_coef * s["entropy_bonus_sum"] / kept
+    optional.update(sync_metrics(s))
     if "tool_calls_sum" in s:  # only with rollout.tools: multi-turn episodes
         optional.update(_episode_metrics(s, n, world_size))
     if "rollout_is_weight_sum" in s:  # only with importance weights (loss.rollout_is)

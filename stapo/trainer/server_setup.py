@@ -40,7 +40,7 @@ def build_server_engine(cfg: STAPOConfig, model_path: str, tokenizer, dtype: tor
     log.info("rollout engine: vLLM servers %s", ", ".join(r.servers))
     return ServerEngine(r.servers, pad, sends_weights=dist_rank == 0, limits=limits,
                         token=r.server_token or os.environ.get(TOKEN_ENV) or None, sync_host=r.sync_host,
-                        fingerprint=fingerprint)
+                        fingerprint=fingerprint, sync=r.sync)
 
 
 def prompt_length_limit(cfg: STAPOConfig, rollout_engine) -> int:

@@ -173,14 +173,15 @@ class STAPOTrainer:
                                 world_size=self.dist.world_size, scored=scored, sums=sums, timer=timer,
                                 entropy_coef=cfg.loss.entropy_coef, model_config=self.model.config,
                                 peak_flops=self.peak_flops)
+        server = dict(server=cfg.rollout.mode == "server", delta=cfg.rollout.sync == "delta")
         try:
             with timer("sync"):
                 synced = self.rollouts.sync(self.step_count)  # line 3, for the next iteration
         except NoRolloutServers as err:  # the update happened and the stop checkpoint keeps it: so does the log
-            sums.add_value("sync_mb", 0.0)
+            sums.add_sync(None, **server)
             err.step_metrics = metrics()
             raise
-        sums.add_value("sync_mb", synced.num_bytes / 2**20)
+        sums.add_sync(synced, **server)
         return metrics()
 
     def _train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:

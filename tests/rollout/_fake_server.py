@@ -10,14 +10,53 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import torch
+
+from stapo.rollout.server_worker import ServerWorkerMixin
+
+
+class DictWorker(ServerWorkerMixin):
+    """stapo's worker side of a weight session (the real `ServerWorkerMixin`: join, receive, stage, keep, commit,
+    abort) with a dict of tensors in place of vLLM's model: what a server's worker holds, without vLLM."""
+
+    device = torch.device("cpu")
+    rank = 0
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}  # the "served model"
+        self._pending: dict[str, torch.Tensor] | None = None
+
+    def stapo_begin_weight_update(self) -> None:
+        self._pending = {}
+
+    def _stapo_load(self, weights) -> int:
+        self._pending.update((name, tensor.clone()) for name, tensor in weights)
+        return len(weights)
+
+    def stapo_finish_weight_update(self, version=None) -> None:
+        self.weights.update(self._pending)
+        self._pending = None
+        if version is not None:
+            self._stapo_version = int(version)
+
+    def _stapo_model(self):
+        weights = self.weights
+
+        class Served:
+            def state_dict(self):
+                return dict(sorted(weights.items()))
+        return Served()
+
 
 class FakeServer:
     """``/health``, ``/v1/models``, ``/v1/completions`` and stapo's worker RPCs. Knobs (plain attributes):
     ``completion(body) -> (status, reply or bytes)``; ``hang`` (every route but none answers until cleared);
-    ``fingerprint`` (dict or None); ``session_open``; ``join_status``; ``token`` (required bearer secret)."""
+    ``fingerprint`` (dict or None); ``session_open``; ``join_status``; ``token`` (required bearer secret);
+    ``worker``: a `DictWorker` that answers every stapo worker RPC instead (a restart: assign a new one)."""
 
-    def __init__(self, *, fingerprint: dict | None = None, max_model_len: int = 512, token: str | None = None) -> None:
-        self.fingerprint, self.max_model_len, self.token = fingerprint, max_model_len, token
+    def __init__(self, *, fingerprint: dict | None = None, max_model_len: int = 512, token: str | None = None,
+                 worker: DictWorker | None = None) -> None:
+        self.fingerprint, self.max_model_len, self.token, self.worker = fingerprint, max_model_len, token, worker
         self.version: int | None = None
         self.instance = uuid.uuid4().hex
         self.session_open = False
@@ -76,6 +115,8 @@ class FakeServer:
             return self._reply(handler, *self.completion(body))
         if path == "/reset_prefix_cache":
             return self._reply(handler, 200, b"")
+        if path == "/collective_rpc" and self.worker is not None and body["method"] != "stapo_fingerprint":
+            return self._worker_rpc(handler, body["method"], body.get("args", []))
         if path == "/collective_rpc":
             return self._rpc(handler, body["method"])
         return self._reply(handler, 404, {"error": "not found"})
@@ -92,6 +133,13 @@ class FakeServer:
         if method == "stapo_join_weight_group":
             return self._reply(handler, self.join_status, {"error": "join refused"})
         return self._reply(handler, 500, {"error": f"{method} refused"})
+
+    def _worker_rpc(self, handler, method: str, args: list) -> None:
+        try:
+            result = getattr(self.worker, method)(*args)
+        except Exception as err:  # what vLLM's route answers when a worker method raises
+            return self._reply(handler, 500, {"error": f"{type(err).__name__}: {err}"})
+        return self._reply(handler, 200, {"results": [result]})
 
     @staticmethod
     def streamed_token(seed: int, position: int) -> int:

@@ -84,6 +84,8 @@ def test_a_bad_server_address_is_named(bad):
     ("rollout.max_staleness=1", "needs rollout.mode=server"),
     ("rollout.max_staleness=-1", "rollout.max_staleness must be >= 0"),
     ("rollout.request_timeout_s=0", "rollout.request_timeout_s must be > 0"),
+    ("rollout.sync=sparse", "rollout.sync must be one of \\['full', 'delta'\\], got 'sparse'"),
+    ("rollout.sync=delta", "rollout.sync=delta needs rollout.mode=server"),
 ])
 def test_server_settings_are_checked(override, message):
     with pytest.raises(ConfigError, match=message):

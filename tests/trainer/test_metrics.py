@@ -234,3 +234,27 @@ def test_log_samples_tty_highlights_with_rich(tmp_path):
     out = stream.getvalue()
     assert "[b]" in out  # escaped: the token's brackets are not taken as rich markup
     assert "[[" not in out and ANSI.search(out)
+
+
+def test_the_sync_metrics_are_rank_0s_broadcast():
+    # rollout servers, rollout.sync=delta, 2 ranks: rank 0 sent 1 MiB of a 4 MiB sync, 10 of 1,000 words changed;
+    # rank 1 only took part in the gathers (its engine sends nothing). sync_mb is per rank: 4 MiB each.
+    from stapo.rollout.weight_delta import TransferStats
+    from stapo.sync.buckets import SyncStats
+    from stapo.telemetry.step_metrics import StepSums, sync_metrics
+
+    ranks = [StepSums(), StepSums()]
+    ranks[0].add_sync(SyncStats(2, 5, 4 * 2**20, 0.5, TransferStats(2**20, 4 * 2**20, 10, 1000)), server=True,
+                      delta=True)
+    ranks[1].add_sync(SyncStats(2, 5, 4 * 2**20, 0.5), server=True, delta=True)
+    summed = {k: ranks[0][k] + ranks[1][k] for k in ranks[0]}
+    assert summed["sync_mb"] == 8.0 and sync_metrics(summed) == {"sync_sent_mb": 1.0, "sync_changed_frac": 0.01}
+    failed = StepSums()
+    failed.add_sync(None, server=True, delta=True)  # the sync failed for good: nothing sent, nothing compared
+    assert sync_metrics(failed)["sync_sent_mb"] == 0.0 and math.isnan(sync_metrics(failed)["sync_changed_frac"])
+    full = StepSums()
+    full.add_sync(SyncStats(2, 5, 4 * 2**20, 0.5, TransferStats(4 * 2**20, 4 * 2**20)), server=True)
+    assert sync_metrics(full) == {"sync_sent_mb": 4.0}  # rollout.sync=full: no changed fraction
+    colocated = StepSums()
+    colocated.add_sync(SyncStats(2, 5, 4 * 2**20, 0.5))
+    assert colocated == {"sync_mb": 4.0} and sync_metrics(colocated) == {}

@@ -158,7 +158,9 @@ def test_the_run_checkpoints_and_stops_when_no_server_is_left(servers, warm_mode
     servers[1].kill()
     _, stderr = proc.communicate(timeout=1800)
     assert proc.returncode != 0
-    assert "no rollout server is left" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    # killed during a generation ("no rollout server is left") or before a sync ("... answers at the weight sync")
+    assert ("no rollout server is left" in stderr or "no rollout server answers at the weight sync" in stderr) \
+        and "Traceback" not in stderr, stderr[-3000:]
     # killed during step 2's generation (checkpoint step_1) or, on a fast machine, after it (step 2's update
     # done, its sync finds no server: checkpoint step_2); either way the trained steps are kept, and
     # every step the checkpoint holds has its metrics row

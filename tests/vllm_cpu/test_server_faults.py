@@ -31,6 +31,9 @@ from stapo.run_dir import METRICS_FILE, read_metrics
 
 pytestmark = pytest.mark.timeout(1800)
 SERVER = ["rollout.mode=server", "trainer.save_every=1", "trainer.keep_last=4"]
+# The mid-sync kills run with delta syncs, at a learning rate where some of the fp32 weights change in a step
+# (at the lane's 2e-4 every one does and each bucket would go whole): a delta is in flight when they strike.
+DELTA = ["rollout.sync=delta", "optim.lr=3e-10"]
 
 
 def figure(what: str, seconds: float) -> None:
@@ -56,6 +59,16 @@ def both(servers):
 
 def state(server) -> dict:
     return ServerClient(server.address, token=LANE_TOKEN).rpc_json("stapo_server_state", timeout_s=30)[0]
+
+
+def served(server) -> str:
+    """The checksum of the weights ``server`` serves (stapo_weight_checksums)."""
+    return ServerClient(server.address, token=LANE_TOKEN).rpc_json("stapo_weight_checksums", timeout_s=120)[0]["served"]
+
+
+def sent_less_than_dense(out) -> bool:
+    """Some step's delta sync sent fewer bytes than its buckets hold."""
+    return any(r["sync_sent_mb"] < r["sync_mb"] for r in read_metrics(out / METRICS_FILE) if "sync_sent_mb" in r)
 
 
 def test_no_secret_is_401_a_foreign_method_403_and_only_loopback_listens(both):
@@ -156,13 +169,14 @@ def _freeze_mid_sync(trainer: subprocess.Popen, server, after_step: int, out, bu
 
 def test_a_trainer_killed_mid_sync_resumes_with_the_same_servers(both, warm_model_dir, tmp_path):
     out = tmp_path / "killed_trainer"
-    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3")
+    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", *DELTA)
     _freeze_mid_sync(trainer, both[0], 1, out, busy_counts=False)  # a session open, between two calls
     trainer.kill()  # SIGKILL, frozen inside the sync
     trainer.communicate(timeout=60)
     stale = state(both[0])  # what the dead trainer left: an open session
     start = time.monotonic()
-    resumed = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", "trainer.resume=auto")
+    resumed = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", "trainer.resume=auto",
+                     *DELTA)
     _, stderr = resumed.communicate(timeout=1800)
     took = time.monotonic() - start
     assert resumed.returncode == 0, stderr[-3000:]
@@ -170,13 +184,15 @@ def test_a_trainer_killed_mid_sync_resumes_with_the_same_servers(both, warm_mode
     assert f"rollout server {both[0].address} was in the middle of a weight sync" in stderr
     assert _trained_steps(out)[-1] == 3 and "resumed from" in stderr
     assert {s.address: state(s)["version"] for s in both} == {s.address: 3 for s in both}
+    # no half-applied delta was ever committed: every sync's checksums agreed, and both servers hold one policy
+    assert "holds other bytes" not in stderr and served(both[0]) == served(both[1]) and sent_less_than_dense(out)
     figure("trainer SIGKILLed mid-sync (session left open) -> restarted run aborts it and trains the remaining "
            "steps with the same servers", took)
 
 
 def test_a_server_killed_mid_sync_leaves_the_run_to_the_other(both, warm_model_dir, tmp_path):
     out = tmp_path / "killed_server"
-    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3")
+    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", *DELTA)
     lines = Lines(trainer)
     _freeze_mid_sync(trainer, both[1], 1, out)
     at_step = max(_trained_steps(out))
@@ -189,7 +205,7 @@ def test_a_server_killed_mid_sync_leaves_the_run_to_the_other(both, warm_model_d
     assert trainer.returncode == 0, stderr[-3000:]
     assert f"rollout server {both[1].address}" in stderr and "is down" in stderr
     assert _trained_steps(out) == [1, 2, 3]
-    assert state(both[0])["version"] == 3
+    assert state(both[0])["version"] == 3 and "holds other bytes" not in stderr and sent_less_than_dense(out)
     figure(f"server SIGKILLed in the sync after step {at_step} -> that sync retried with the other, the run's "
            f"{3 - at_step} remaining step(s) and its final evaluation done", finished - killed)
     both[1].start().wait_ready()
