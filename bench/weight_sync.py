@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker.split(","), args.reps, args.shape, args.interleave)
+        from stapo.distributed.process_group import close_distributed
+
+        close_distributed()
         return []
     reps = 1 if args.smoke else max(3, args.reps)
     methods = ["per_param"] + args.buckets_mib.split(",")

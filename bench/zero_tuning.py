@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.shape, args.steps, args.micro, args.minis, args.tokens = "smoke", 1, 4, 4, 16
     if args.worker:
         worker(args.shape, args.steps, args.micro, args.minis, args.tokens)
+        from stapo.distributed.process_group import close_distributed
+
+        close_distributed()
         return []
     runs = _launch(args.shape, args.steps, args.micro, args.minis, args.tokens, args.world_size)
     base = runs[0]

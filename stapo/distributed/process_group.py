@@ -151,6 +151,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def close_distributed() -> None:
+    """Leave the default process group once every rank is done. A gloo group left to the interpreter's
+    exit can abort the process ("terminate called without an active exception") after its work
+    finished, so scripts that joined a group close it themselves."""
+    if _active():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, indexed by rank."""
     if not _active():
