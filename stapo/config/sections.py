@@ -223,7 +223,8 @@ class RolloutConfig:
     """``server`` mode: the limit of one health probe or state read."""
     sync_timeout_s: float = 300.0
     """``server`` mode: the limit of each step of a weight sync (the weight group forming, one bucket, the
-    servers loading what they received)."""
+    servers loading what they received). Keep it under the servers' ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``
+    (``stapo serve`` sets 900 s): a server waiting longer for a stalled trainer is killed by vLLM's watchdog."""
     sync_join_timeout_s: float = 30.0
     """``server`` mode: every server checks in for a weight sync within this, or the sync is called off and
     retried without the ones that did not (a server lost while joining never leaves the others waiting)."""

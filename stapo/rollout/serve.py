@@ -14,6 +14,9 @@ what ``rollout.mode: server`` needs added, unless the options already say otherw
   are refused (docs/rollout.md, "Security"); vLLM's own ``--api-key`` is refused (it guards ``/v1``
   only, and the secret covers it);
 - ``VLLM_SERVER_DEV_MODE=1``: vLLM serves ``/collective_rpc`` and ``/reset_prefix_cache`` only then;
+- ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=900`` unless set: a worker inside a weight sync's receive waits up to
+  ``rollout.sync_timeout_s`` (300 s) for the trainer, and the engine's next step waits behind it; at vLLM's
+  300 s default its watchdog, not the sync, would end a wait for a hung trainer — by killing the engine;
 - on vLLM's CPU build, the colocated engine's CPU settings (`cpu_engine_kwargs`): whole-prompt prefill
   and a fixed KV cache (``VLLM_CPU_KVCACHE_SPACE``, GiB).
 
@@ -34,6 +37,8 @@ __all__ = ["SERVER_MODULE", "is_loopback", "serve_command"]
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LOOPBACK = "127.0.0.1"
+# vLLM's limit on one engine step; above rollout.sync_timeout_s (keep it so) so a stalled sync fails first.
+STEP_TIMEOUT_ENV, STEP_TIMEOUT_S = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", 900
 
 
 def is_loopback(host: str) -> bool:
@@ -91,6 +96,7 @@ def serve_command(model: str, vllm_args: Sequence[str], python: str, env: Mappin
         args.append("--no-enable-chunked-prefill")
     out_env = dict(env)
     out_env["VLLM_SERVER_DEV_MODE"] = "1"
+    out_env.setdefault(STEP_TIMEOUT_ENV, str(STEP_TIMEOUT_S))
     if on_cpu:
         out_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_BYTES // 2**30))
     return [python, "-m", SERVER_MODULE, "--model", model, *args], out_env

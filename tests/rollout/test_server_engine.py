@@ -104,6 +104,10 @@ def test_stapo_serve_adds_what_training_needs_and_keeps_the_users_options():
     assert "--worker-extension-cls" in argv and "stapo.rollout.vllm_worker.StapoWorkerExtension" in argv
     assert "--logprobs-mode=raw_logprobs" in argv and "processed_logprobs" not in argv  # the user's choice stays
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "--no-enable-chunked-prefill" not in argv
+    # a sync waiting for the trainer (rollout.sync_timeout_s) must time out before vLLM's engine-step watchdog
+    assert int(env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"]) > STAPOConfig().rollout.sync_timeout_s
+    _, env = serve_command("/m", [], "py", {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "60"}, on_cpu=False)
+    assert env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "60"  # the user's setting stays
     argv, env = serve_command("/m", ["--max-model-len", "8192"], "py", {"VLLM_CPU_KVCACHE_SPACE": "4"}, on_cpu=True)
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192"  # whole prompts fit one step
     assert "--no-enable-chunked-prefill" in argv and env["VLLM_CPU_KVCACHE_SPACE"] == "4"

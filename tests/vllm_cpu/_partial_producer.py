@@ -1,7 +1,9 @@
 """Run as a subprocess by tests/vllm_cpu/test_partial.py: the trainer's producer with partial rollouts on a
 real server, in the trainer's one-process group. A stand-in for the update (a short pause, then a small
-change of the weights) keeps the run fast and makes every sync find the next batch under way; the rest —
-`Rollouts`, its producer, the `ServerEngine`, the syncs — is the trainer's. Prints one JSON line."""
+change of the weights) keeps the run fast, and every response runs to its length limit (``ignore_eos``: the
+tiny model's short answers would otherwise let a fast machine finish a batch before the next sync), so every
+sync finds the next batch under way; the rest — `Rollouts`, its producer, the `ServerEngine`, the syncs — is
+the trainer's. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -10,6 +12,14 @@ import sys
 import time
 
 import torch
+
+
+def _long_responses() -> None:
+    """Every segment request runs to its ``max_tokens`` (vLLM's ``ignore_eos``)."""
+    from stapo.rollout.partial import PartialBatch
+
+    request = PartialBatch.request
+    PartialBatch.request = lambda self, k, base: {**request(self, k, base), "ignore_eos": True}
 
 
 def main(server: str, model_dir: str) -> None:
@@ -22,6 +32,7 @@ def main(server: str, model_dir: str) -> None:
     from stapo.trainer.rollouts import Rollouts
     from stapo.trainer.server_setup import build_server_engine
 
+    _long_responses()
     dist = init_distributed()
     cfg = STAPOConfig.from_yaml(None, [
         "rollout.mode=server", f"rollout.servers=[{server}]", "rollout.max_staleness=1", "rollout.partial=true",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ from pathlib import Path
 from conftest import ROOT, plain_env
 
 START_TIMEOUT_S = 900  # a cold start on a busy 2-core machine; ~30 s on a quiet one
+_NEXT_CORE = itertools.count()
 
 
 def free_port() -> int:
@@ -23,11 +25,17 @@ def free_port() -> int:
 
 
 class VLLMServer:
-    """``stapo serve MODEL`` on 127.0.0.1:PORT in its own process group (vLLM starts child processes)."""
+    """``stapo serve MODEL`` on 127.0.0.1:PORT in its own process group (vLLM starts child processes).
+
+    Each server's worker is bound to a core of its own, in turn (``VLLM_CPU_OMP_THREADS_BIND``): vLLM's
+    automatic binding puts every server of a 2-core machine on core 0, where an idle worker's busy-polling
+    of its queue starved the other's OpenMP threads — an engine step stalled for minutes, until vLLM's
+    watchdog killed the engine or the idle server went away."""
 
     def __init__(self, model_dir: Path, log_path: Path, port: int | None = None, dtype: str = "float32") -> None:
         self.model_dir, self.log_path, self.dtype = model_dir, log_path, dtype
         self.port = port or free_port()
+        self.core = next(_NEXT_CORE) % len(os.sched_getaffinity(0))
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -38,7 +46,8 @@ class VLLMServer:
         cmd = [sys.executable, "-m", "stapo.cli", "serve", str(self.model_dir),  # loopback: stapo serve's default
                "--port", str(self.port), "--dtype", self.dtype, "--max-model-len", "512", "--seed", "0"]
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=plain_env(), stdout=log, stderr=subprocess.STDOUT,
+        env = plain_env(VLLM_CPU_OMP_THREADS_BIND=str(self.core))
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         return self
 

@@ -14,4 +14,4 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # one's would otherwise rebuild it over each other in ~/.cache (1-3 min each time).
 export TORCH_EXTENSIONS_DIR=$VENV/torch_extensions
 "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"  # once, before any test
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vllm_cpu "$@"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/vllm_cpu "$@"
