@@ -16,7 +16,7 @@ import stapo.rollout.partial as partial
 import stapo.rollout.server_engine as server_engine
 
 SCALE, ALPHA = 40, 1.1  # median ~75 tokens, 1 in 10 over ~320: generation outlasts the tiny update
-_completion_request = server_engine.completion_request
+_completion_request = server_engine.completion_request  # patched where ServerEngine looks it up
 _segment_request = partial.PartialBatch.request
 
 

@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 from stapo.config import ConfigError, STAPOConfig
 from stapo.rollout import SamplingParams
 from stapo.rollout.server_client import MALFORMED, ServerClient, ServerError, parse_address
-from stapo.rollout.server_engine import NoRolloutServers, ServerPool, completion_request, outputs_from_completion
+from stapo.rollout.server_completions import completion_request, outputs_from_completion
+from stapo.rollout.server_engine import NoRolloutServers, ServerPool
 from stapo.rollout.serve import serve_command
 from stapo.rollout.vllm_engine import request_seeds, rollout_from_vllm_outputs, vllm_sampling_kwargs
 from stapo.rollout.bucket_format import pack_bucket_tensor, unpack_tensors

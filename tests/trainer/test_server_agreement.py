@@ -30,9 +30,8 @@ class ScriptedEngine:
         self.loaded = 0
 
     def generate(self, prompt_ids, n, sampling):
+        from stapo.rollout.server_completions import failed_outputs
         from stapo.rollout.server_engine import NoRolloutServers
-
-        from stapo.rollout.server_engine import failed_outputs
         from stapo.rollout.vllm_engine import rollout_from_vllm_outputs
 
         if self.rank == self.lose_on_rank:

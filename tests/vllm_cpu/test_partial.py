@@ -16,7 +16,8 @@ from conftest import FP32_LOGPROB_BOUND, HERE, LANE_TOKEN, run
 
 from stapo.rollout import SamplingParams
 from stapo.rollout.partial import PartialBatch, segment_seed
-from stapo.rollout.server_engine import ServerEngine, outputs_from_completion
+from stapo.rollout.server_completions import outputs_from_completion
+from stapo.rollout.server_engine import ServerEngine
 from stapo.rollout.vllm_engine import vllm_sampling_kwargs
 from stapo.sync.buckets import sync_weights
 
