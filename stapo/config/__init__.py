@@ -5,9 +5,9 @@ AdamW lr 1e-6 with 10 warm-up steps, grad clip 1.0, clip range [0.8, 1.28], no K
 top-p 1.0, max prompt 1k / response 15k tokens, the S2T mask with tau_p = 2e-3 and tau_h at the
 80% entropy quantile of each mini-batch.
 
-The sections live in :mod:`stapo.config.sections` (every field with its docstring;
-``docs/configuration.md`` is generated from them by :mod:`stapo.config.docs`), the value checks in
-:mod:`stapo.config.validation`. Loading is strict: an unknown key is an error that names the closest
+The sections live in :mod:`stapo.config.sections` and :mod:`stapo.config.rollout_sections` (every field
+with its docstring; ``docs/configuration.md`` is generated from them by :mod:`stapo.config.docs`), the value
+checks in :mod:`stapo.config.validation`. Loading is strict: an unknown key is an error that names the closest
 valid key, and values are type-checked and validated.
 
     cfg = STAPOConfig.from_yaml("examples/recipes/qwen3_8b_stapo.yaml", overrides=["optim.lr=2e-6"])
@@ -28,10 +28,9 @@ from pathlib import Path
 import yaml
 
 from stapo.config.loading import ConfigError, apply_overrides, build_dataclass
+from stapo.config.rollout_sections import RolloutConfig, ToolsConfig
 from stapo.config.sections import (DataConfig, InspectConfig, LoggingConfig, LoraConfig, LossConfig, MaskConfig,
-                                   ModelConfig,
-                                   OptimConfig, RewardConfig, RolloutConfig, TinyConfig, ToolsConfig, TrainerConfig,
-                                   ZeroConfig)
+                                   ModelConfig, OptimConfig, RewardConfig, TinyConfig, TrainerConfig, ZeroConfig)
 from stapo.config.validation import validate
 from stapo.data import PAPER_INSTRUCTION  # the default of data.instruction; re-exported
 
