@@ -13,14 +13,15 @@ with and without partial rollouts.
 ``--long-tail`` gives each prompt's responses a heavy-tailed length (Pareto; ``bench/_long_tail.py``,
 imported into every run: vLLM's ``ignore_eos`` and ``max_tokens`` per request) — long-reasoning RL, where
 a few responses run many times the median — and runs lock-step, k = 1 and k = 1 + partial (no colocated
-run). Its table adds the step rate, the server's idle fraction (1 − generation time / step time: its
-share of the wall time it was not generating a batch) and the rollout tokens per second.
+run). Its table adds the step rate, the server's idle fraction (the share of a step's samples of vLLM's
+running-request gauge that found nothing running; ``bench/_server_busy.py``), the trainer's stats phase
+(θ_old's no-grad pass and the mask statistics) and the rollout tokens per second.
 
 Per step, from each run's metrics: the step time, the trainer's wait for its rollouts
 (``time_rollout``) and its share of the step (the trainer's idle fraction in the server modes; in the
 colocated mode the same device generates then), the generation time (``generation_s``), update and
-sync times, the rows' staleness and the rollout–trainer mismatch. Medians over the steps after the
-first (start-up) go in the summary table.
+sync times, the rows' staleness and the rollout–trainer mismatch. The summary table takes medians over the
+steps after the first (start-up), but the step rate over their total time and the segments cut summed.
 
     python bench/async_overlap.py --out /tmp/async                     # CPU: vLLM's CPU build
     python bench/async_overlap.py --out /tmp/async --gpu                # GPU 0 serves, GPU 1 trains
@@ -49,6 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _server_busy import BusyProbe  # noqa: E402  (bench/ is on sys.path)
 from stapo.run_dir import METRICS_FILE, read_metrics  # noqa: E402
 
 # sizes of one step: prompts x G responses of up to max_response_length tokens
@@ -75,6 +77,8 @@ MODES = {"colocated": ["rollout.engine=vllm"],
 LONG_TAIL_MODES = {"server k=0": ["rollout.mode=server"],
                    "server k=1": ["rollout.mode=server", "rollout.max_staleness=1"],
                    "server k=1 partial": ["rollout.mode=server", "rollout.max_staleness=1", "rollout.partial=true"]}
+PROBE_PERIOD_S = 0.25  # samples of the server's running-request gauge, ~5 ms of CPU each, beside 2-core runs
+SMOKE_PROBE_PERIOD_S = 0.02  # the smoke's generations last ~0.3 s
 COLUMNS = ("time_step", "time_rollout", "idle_frac", "generation_s", "time_update", "time_sync",
            "policy_staleness", "mismatch_logp_abs_max")
 LONG_TAIL_COLUMNS = ("steps_per_min", "time_step", "time_stats", "idle_frac", "server_idle_frac",
@@ -126,14 +130,22 @@ def run_mode(mode: str, model: Path, server: str, out: Path, size: str, steps: i
            f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.resume=never", *COMMON,
            *SIZES[size], *(LONG_TAIL_MODES if long_tail else MODES)[mode], f"rollout.servers=[{server}]"]
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": "0" if mode == "colocated" else "1"} if gpu else {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    period = SMOKE_PROBE_PERIOD_S if size == "smoke" else PROBE_PERIOD_S
+    probe = None if mode == "colocated" else BusyProbe(server, run_dir / METRICS_FILE, period)
+    if probe is not None:
+        probe.start()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    finally:
+        if probe is not None:
+            probe.stop()
     if proc.returncode != 0:
         raise SystemExit(f"{mode} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     rows = [r for r in read_metrics(run_dir / METRICS_FILE) if "loss" in r]
     for r in rows:
         r["idle_frac"] = r["time_rollout"] / r["time_step"]
-        r["steps_per_min"] = 60.0 / r["time_step"]
-        r["server_idle_frac"] = max(0.0, 1.0 - r.get("generation_s", 0.0) / r["time_step"])
+        if probe is not None:
+            r["server_idle_frac"] = 1.0 - probe.busy_frac(r["step"])
         r["rollout_tokens_per_s"] = r["response_length_mean"] * rows_per_step(size) / r["time_step"]
     return rows
 
@@ -145,14 +157,15 @@ def rows_per_step(size: str) -> int:
 
 
 def summarize(results: dict[str, list[dict]], columns: tuple[str, ...] = COLUMNS) -> str:
-    """Medians of steps 2+ (step 1 includes start-up work); ``steps_per_min`` over their whole time and
-    `TOTALS` summed, as heavy-tailed steps make a median step rate flatter than the run's."""
+    """Medians of steps 2+ (step 1 includes start-up work), but ``steps_per_min`` over their whole time and
+    `TOTALS` summed: a median of a few heavy-tailed steps hides the long ones."""
     def summary(rows, key):
-        values = [r[key] for r in rows[1:] or rows if key in r]
+        measured = rows[1:] or rows
+        if key == "steps_per_min":
+            return 60.0 * len(measured) / sum(r["time_step"] for r in measured)
+        values = [r[key] for r in measured if key in r]
         if not values:
             return float("nan")
-        if key == "steps_per_min":
-            return 60.0 * len(values) / sum(r["time_step"] for r in rows[1:] or rows)
         return sum(values) if key in TOTALS else statistics.median(values)
 
     lines = ["| mode | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
