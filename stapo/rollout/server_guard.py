@@ -44,7 +44,7 @@ def route_decision(path: str) -> str:
     path = "/" + path.strip("/") if path not in ("", "/") else "/"
     if path == "/health":
         return OPEN
-    if path in _SERVED or path == "/metrics" or path.startswith("/metrics/"):
+    if path in _SERVED or path.startswith("/metrics/"):
         return AUTHENTICATED
     if path.startswith("/v1/") and path not in _FORBIDDEN_V1:
         return AUTHENTICATED
