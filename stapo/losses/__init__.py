@@ -17,7 +17,7 @@ from stapo.losses.ops import (
     token_topk,
 )
 from stapo.losses.masks import (
-    MaskInfo,
+    MASKS,
     MaskResult,
     TokenMask,
     TokenStats,
@@ -60,7 +60,7 @@ __all__ = [
     "TokenStats",
     "TokenMask",
     "MaskResult",
-    "MaskInfo",
+    "MASKS",
     "register_mask",
     "registered_name",
     "build_mask",
