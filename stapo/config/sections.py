@@ -152,6 +152,8 @@ class MaskConfig:
 
 @dataclass
 class LossConfig:
+    REMOVED_KEYS = {"tis_cap": (None, "was removed: write loss.rollout_is=token loss.rollout_is_threshold={value} "
+                                      "(the same truncated importance weights)")}
     clip_low: float = 0.2
     """epsilon_low of the clipped surrogate (ratio floor 1 - clip_low)."""
     clip_high: float = 0.28
@@ -176,11 +178,6 @@ class LossConfig:
     """Response tokens per chunk of the logprob/entropy op: peak extra memory is one
     ``(chunk_size, vocab)`` fp32 buffer; the default is tuned in ``bench/token_stats.py``
     (docs/losses.md)."""
-    tis_cap: Union[float, None] = None
-    """Shorthand for ``rollout_is: token`` with ``rollout_is_threshold: tis_cap``: weight each token's
-    surrogate by ``min(pi_old / pi_sampler, tis_cap)`` (truncated importance sampling, Yao et al. 2025).
-    None: the ``rollout_is`` settings decide. Setting it together with ``rollout_is`` or
-    ``rollout_is_threshold`` is an error."""
     rollout_is: Union[str, None] = "auto"
     """Off-policy importance weights ``pi_old / pi_sampler`` on each token's surrogate (verl's
     ``rollout_is``; docs/losses.md, "Off-policy corrections"): ``token`` (one ratio per token),

@@ -115,20 +115,12 @@ def validate(cfg) -> None:
 
 
 def _check_correction(cfg) -> None:
-    """``loss.tis_cap`` / ``loss.rollout_*``: the shorthand or the full settings, and settings that build
-    a ``RolloutCorrection`` (its message names the setting)."""
+    """``loss.rollout_*``: settings that build a ``RolloutCorrection`` (its message names the setting)."""
     from stapo.losses.corrections import RolloutCorrection
 
     lo = cfg.loss
-    _check(lo.tis_cap is None or lo.tis_cap > 0,
-           f"loss.tis_cap (truncated importance sampling cap) must be > 0 or null, got {lo.tis_cap} "
-           "(values >= 1 are usual: 2 in verl)")
     _check(lo.rollout_is in ("auto", "token", "sequence", None),
            f"loss.rollout_is must be one of ['auto', 'token', 'sequence', null], got {lo.rollout_is!r}")
-    _check(lo.tis_cap is None or (lo.rollout_is == "auto" and lo.rollout_is_threshold == 2.0),
-           f"loss.tis_cap={lo.tis_cap} is the shorthand for loss.rollout_is=token loss.rollout_is_threshold="
-           f"{lo.tis_cap}: set one or the other, not both (got loss.rollout_is={lo.rollout_is}, "
-           f"loss.rollout_is_threshold={lo.rollout_is_threshold})")
     try:
         RolloutCorrection(**cfg.rollout_correction)
     except ValueError as err:

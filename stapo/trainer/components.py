@@ -236,7 +236,7 @@ def update_options(cfg: STAPOConfig) -> UpdateOptions:
 
 
 def build_correction(cfg: STAPOConfig) -> RolloutCorrection:
-    """The off-policy correction (``loss.rollout_*``, ``loss.tis_cap``; ``auto`` resolved by
+    """The off-policy correction (``loss.rollout_*``; ``auto`` resolved by
     ``STAPOConfig.rollout_correction``); a no-op when everything is off."""
     return RolloutCorrection(**cfg.rollout_correction)
 
@@ -245,8 +245,6 @@ def correction_line(cfg: STAPOConfig) -> str:
     """What the run corrects, and why (``stapo train --dry-run`` and the trainer's log print it)."""
     line = f"off-policy correction: {build_correction(cfg).describe()}"
     k, lo = cfg.rollout.max_staleness, cfg.loss
-    if lo.tis_cap is not None:
-        return line + f" (loss.tis_cap={lo.tis_cap:g})"
     if lo.rollout_is == "auto":
         why = (f"importance weights on by default with rollout.max_staleness={k}; loss.rollout_is=null turns "
                "them off" if k >= 1 else
