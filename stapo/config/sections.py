@@ -119,6 +119,13 @@ class RewardConfig:
     ``rollout.max_response_length - overlong_buffer`` lose up to ``overlong_penalty``, linearly; 0 = off."""
     overlong_penalty: float = 1.0
     """Largest soft overlong penalty (reached at ``rollout.max_response_length``), added to the score."""
+    tool_error_penalty: float = 0.0
+    """Tool shaping of tool-integrated episodes (docs/tir.md): subtracted once per tool error of an
+    episode (0: off, the verifier alone)."""
+    tool_call_budget: int = 0
+    """Tool shaping: tool calls per episode that cost nothing; each call beyond costs ``tool_call_penalty``."""
+    tool_call_penalty: float = 0.0
+    """Tool shaping: subtracted per tool call beyond ``tool_call_budget`` (0: off)."""
     function: Union[str, None] = None
     """User reward function, ``pkg.module:callable`` or ``path/to/file.py:callable``, run in killable
     worker processes; it replaces the verifier (``reward.mode`` then reads ``function`` or stays ``math``)."""

@@ -23,6 +23,7 @@ from stapo.distributed.deepspeed_engine import ZeroTuning
 from stapo.trainer import tool_setup
 from stapo.trainer import server_setup
 from stapo.losses import RolloutCorrection
+from stapo.rewards import RewardTerm, build_reward_term
 from stapo.trainer.model_source import BUILTIN_MODEL, require_model
 from stapo.trainer.update import UpdateOptions
 
@@ -251,6 +252,15 @@ def correction_line(cfg: STAPOConfig) -> str:
                "loss.rollout_is=auto: no importance weights in lock-step, the paper's setting")
         return line + f" ({why})"
     return line
+
+
+def build_reward_terms(cfg: STAPOConfig) -> list[RewardTerm]:
+    """The reward terms added to the scores (``reward.overlong_*``, ``reward.tool_*``; stapo.rewards.terms)."""
+    rw = cfg.reward
+    return [build_reward_term("overlong", max_response_length=cfg.rollout.max_response_length,
+                              buffer=rw.overlong_buffer, penalty=rw.overlong_penalty),
+            build_reward_term("tool", error_penalty=rw.tool_error_penalty, call_budget=rw.tool_call_budget,
+                              call_penalty=rw.tool_call_penalty)]
 
 
 RewardFn = Callable[[str, str], float]
