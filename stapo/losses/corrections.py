@@ -108,35 +108,21 @@ def _divergence(lr: torch.Tensor, kind: str) -> torch.Tensor:
     return lr.exp() - 1.0 - lr  # k3 >= 0
 
 
-def _statistic(scope: str, kinds: tuple[str, ...] = ("k1", "k2", "k3")):
-    """Register ``reduce(per_token_divergence, mask)`` as the ``rollout_rs`` options ``{scope}_{kind}``."""
-    def decorate(reduce):
-        for kind in kinds:
-            RS_OPTIONS.register(f"{scope}_{kind}")(lambda lr, mask, kind=kind: reduce(_divergence(lr, kind), mask))
-        return reduce
-
-    return decorate
+def _register(scope: str, reduce, kinds: tuple[str, ...] = ("k1", "k2", "k3")) -> None:
+    """Register the ``rollout_rs`` options ``{scope}_{kind}``: ``reduce(divergence per token, mask)``."""
+    for kind in kinds:
+        RS_OPTIONS.register(f"{scope}_{kind}")(lambda lr, mask, kind=kind: reduce(_divergence(lr, kind), mask))
 
 
-@_statistic("token")
-def _per_token(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return per_token
-
-
-@_statistic("seq_sum")
-def _seq_sum(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return _row_sum(per_token, mask)
-
-
-@_statistic("seq_mean")
-def _seq_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return _row_sum(per_token, mask) / mask.sum(dim=1).clamp(min=1).float()
-
-
-@_statistic("seq_max", kinds=("k2", "k3"))  # k1 = -log r takes both signs: its max would hide a low ratio
-def _seq_max(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    top = torch.where(mask, per_token, torch.tensor(float("-inf"), device=per_token.device)).amax(dim=1)
+def _row_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    top = torch.where(mask, x, torch.tensor(float("-inf"), device=x.device)).amax(dim=1)
     return torch.where(mask.any(dim=1), top, torch.zeros_like(top))  # 0 for a row without valid tokens
+
+
+_register("token", lambda x, mask: x)
+_register("seq_sum", _row_sum)
+_register("seq_mean", lambda x, mask: _row_sum(x, mask) / mask.sum(dim=1).clamp(min=1).float())
+_register("seq_max", _row_max, kinds=("k2", "k3"))  # k1 = -log r takes both signs: a max would hide a low ratio
 
 
 def rs_statistic(option: str, lr: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
