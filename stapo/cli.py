@@ -123,12 +123,14 @@ def cmd_masks(args: argparse.Namespace) -> int:
     from stapo.losses import describe_masks
 
     for info in describe_masks():
-        params = ", ".join(
-            f"{k}={'<required>' if v is dataclasses.MISSING else repr(v)}" for k, v in info.params.items()
-        )
         print(f"{info.name:<24} {info.summary}")
-        print(f"{'':<24} params: {params or '(none)'}")
+        print(f"{'':<24} params: {_params_text(info.params)}")
     return 0
+
+
+def _params_text(params: dict) -> str:
+    return ", ".join(f"{k}={'<required>' if v is dataclasses.MISSING else repr(v)}" for k, v in params.items()) \
+        or "(none)"
 
 
 def cmd_tools(args: argparse.Namespace) -> int:
@@ -137,12 +139,12 @@ def cmd_tools(args: argparse.Namespace) -> int:
     from stapo.tools.sandbox import Sandbox, SandboxStartError, isolation_summary
 
     for info in describe_tools():
-        arguments = ", ".join(f"{k} ({v.get('type', 'any')}{', required' if k in info.arguments.get('required', ()) else ''})"
-                              for k, v in info.arguments.get("properties", {}).items())
-        params = ", ".join(f"{k}={'<required>' if v is dataclasses.MISSING else repr(v)}" for k, v in info.params.items())
+        schema = info.obj.parameters
+        arguments = ", ".join(f"{k} ({v.get('type', 'any')}{', required' if k in schema.get('required', ()) else ''})"
+                              for k, v in schema.get("properties", {}).items())
         print(f"{info.name:<16} {info.summary}")
         print(f"{'':<16} arguments: {arguments or '(none)'}")
-        print(f"{'':<16} params: {params or '(none)'}")
+        print(f"{'':<16} params: {_params_text(info.params)}")
     try:  # what the python tool's sandbox gets on this machine
         with Sandbox(build_tool("python").limits) as sandbox:
             sandbox.start()
@@ -150,9 +152,9 @@ def cmd_tools(args: argparse.Namespace) -> int:
     except SandboxStartError as exc:
         print(f"\npython sandbox on this machine: cannot start ({exc})")
     print("\ntool-call parsers:")
-    for name, summary, stop in describe_tool_parsers():
-        print(f"{name:<16} {summary}")
-        print(f"{'':<16} stop: {', '.join(map(repr, stop)) or '(none)'}")
+    for info in describe_tool_parsers():
+        print(f"{info.name:<16} {info.summary}")
+        print(f"{'':<16} stop: {', '.join(map(repr, info.obj.stop)) or '(none)'}")
     return 0
 
 

@@ -1,5 +1,5 @@
-"""The off-policy correction's settings (``loss.rollout_*``, ``loss.tis_cap``): ``auto`` resolved by one
-property, the shorthand and its conflicts, bad values named, and what ``stapo train --dry-run`` says."""
+"""The off-policy correction's settings (``loss.rollout_*``): ``auto`` resolved by one property, the removed
+``loss.tis_cap`` named with its replacement, bad values named, and what ``stapo train --dry-run`` says."""
 
 from __future__ import annotations
 
@@ -35,13 +35,14 @@ def test_auto_is_token_is_when_asynchronous_and_off_in_lock_step():
     assert _resolved("loss.rollout_is=token")["rollout_is"] == "token"  # lock-step, asked for
 
 
-def test_tis_cap_is_the_token_is_shorthand():
-    assert _resolved("loss.tis_cap=3")["rollout_is"] == "token"
-    assert _resolved("loss.tis_cap=3")["rollout_is_threshold"] == 3.0
-    with pytest.raises(ConfigError, match="loss.tis_cap=3.0 is the shorthand for loss.rollout_is=token"):
-        STAPOConfig.from_dict({}, ["loss.tis_cap=3", "loss.rollout_is=sequence"])
-    with pytest.raises(ConfigError, match="set one or the other"):
-        STAPOConfig.from_dict({}, ["loss.tis_cap=3", "loss.rollout_is_threshold=5"])
+def test_tis_cap_is_gone_and_names_its_replacement(capsys):
+    code = main(["train", TINY, "loss.tis_cap=3", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 2 and not out and err.strip().count("\n") == 0, err  # one line
+    assert "loss.tis_cap=3 was removed: write loss.rollout_is=token loss.rollout_is_threshold=3" in err
+    # a run directory's config.yaml written before holds `tis_cap: null` (off): it still loads, unchanged
+    old = STAPOConfig.from_dict({"loss": {"tis_cap": None}, "rollout": {"tools": {"call_penalty": 0.0}}})
+    assert old.rollout_correction == STAPOConfig.from_dict({}).rollout_correction
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -82,15 +82,13 @@ class STAPOConfig:
     @property
     def rollout_correction(self) -> dict:
         """The off-policy correction's flat settings (``stapo.losses.RolloutCorrection``'s arguments):
-        ``loss.rollout_*`` with ``loss.tis_cap`` (token IS at that cap) and ``rollout_is: auto`` (token IS
-        when ``rollout.max_staleness >= 1``, off in lock-step) resolved."""
+        ``loss.rollout_*`` with ``rollout_is: auto`` (token IS when ``rollout.max_staleness >= 1``, off in
+        lock-step) resolved."""
         lo = self.loss
-        level, threshold = lo.rollout_is, lo.rollout_is_threshold
-        if lo.tis_cap is not None:
-            level, threshold = "token", lo.tis_cap
-        elif level == "auto":
+        level = lo.rollout_is
+        if level == "auto":
             level = "token" if self.rollout.max_staleness >= 1 else None
-        return {"rollout_is": level, "rollout_is_threshold": threshold,
+        return {"rollout_is": level, "rollout_is_threshold": lo.rollout_is_threshold,
                 "rollout_is_batch_normalize": lo.rollout_is_batch_normalize, "rollout_rs": lo.rollout_rs,
                 "rollout_rs_threshold": lo.rollout_rs_threshold}
 

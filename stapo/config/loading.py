@@ -47,8 +47,13 @@ def build_dataclass(cls, data: Any, prefix: str = ""):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    # a removed key -> (its old default, what replaces it): at that default (as a run directory's config.yaml
+    # written before holds it) there is nothing to carry over; any other value is an error naming the new key
+    removed = getattr(cls, "REMOVED_KEYS", {})
     for key in data:
-        if key not in names:
+        if key in removed and data[key] != removed[key][0]:
+            raise ConfigError(f"{prefix}{key}={data[key]} " + removed[key][1].format(value=data[key]))
+        if key not in names and key not in removed:
             raise ConfigError(f"unknown config key {prefix + str(key)!r}{_closest(str(key), names, prefix)}")
     kwargs = {}
     for f in dataclasses.fields(cls):

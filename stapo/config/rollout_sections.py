@@ -17,6 +17,10 @@ __all__ = ["RolloutConfig", "ToolsConfig"]
 class ToolsConfig:
     """Multi-turn tool-integrated episodes (docs/tir.md). Off by default: one prompt, one response."""
 
+    REMOVED_KEYS = {old: (0, f"is reward.tool_{old} now: write reward.tool_{old}={{value}} (tool shaping is a reward "
+                             "term beside reward.overlong_*: reward.tool_error_penalty, tool_call_budget, tool_call_penalty)")
+                    for old in ("error_penalty", "call_budget", "call_penalty")}
+
     enabled: bool = False
     """Run each rollout row as an episode: the policy's turns, stopped at a tool call, alternate with the
     tools' results (context tokens: read, never trained), until a final answer, ``max_turns`` or
@@ -42,12 +46,6 @@ class ToolsConfig:
     eval_without_tools: bool = False
     """Evaluation also runs the held-out prompts without tools (prompts that offer none, one turn each):
     ``eval_accuracy_no_tools`` next to ``eval_accuracy``."""
-    error_penalty: float = 0.0
-    """Reward shaping: subtracted once per tool error of an episode (0: off, the verifier alone)."""
-    call_budget: int = 0
-    """Reward shaping: tool calls per episode that cost nothing; each call beyond costs ``call_penalty``."""
-    call_penalty: float = 0.0
-    """Reward shaping: subtracted per tool call beyond ``call_budget`` (0: off)."""
 
 
 @dataclass

@@ -119,6 +119,13 @@ class RewardConfig:
     ``rollout.max_response_length - overlong_buffer`` lose up to ``overlong_penalty``, linearly; 0 = off."""
     overlong_penalty: float = 1.0
     """Largest soft overlong penalty (reached at ``rollout.max_response_length``), added to the score."""
+    tool_error_penalty: float = 0.0
+    """Tool shaping of tool-integrated episodes (docs/tir.md): subtracted once per tool error of an
+    episode (0: off, the verifier alone)."""
+    tool_call_budget: int = 0
+    """Tool shaping: tool calls per episode that cost nothing; each call beyond costs ``tool_call_penalty``."""
+    tool_call_penalty: float = 0.0
+    """Tool shaping: subtracted per tool call beyond ``tool_call_budget`` (0: off)."""
     function: Union[str, None] = None
     """User reward function, ``pkg.module:callable`` or ``path/to/file.py:callable``, run in killable
     worker processes; it replaces the verifier (``reward.mode`` then reads ``function`` or stays ``math``)."""
@@ -152,6 +159,8 @@ class MaskConfig:
 
 @dataclass
 class LossConfig:
+    REMOVED_KEYS = {"tis_cap": (None, "was removed: write loss.rollout_is=token loss.rollout_is_threshold={value} "
+                                      "(the same truncated importance weights)")}
     clip_low: float = 0.2
     """epsilon_low of the clipped surrogate (ratio floor 1 - clip_low)."""
     clip_high: float = 0.28
@@ -176,11 +185,6 @@ class LossConfig:
     """Response tokens per chunk of the logprob/entropy op: peak extra memory is one
     ``(chunk_size, vocab)`` fp32 buffer; the default is tuned in ``bench/token_stats.py``
     (docs/losses.md)."""
-    tis_cap: Union[float, None] = None
-    """Shorthand for ``rollout_is: token`` with ``rollout_is_threshold: tis_cap``: weight each token's
-    surrogate by ``min(pi_old / pi_sampler, tis_cap)`` (truncated importance sampling, Yao et al. 2025).
-    None: the ``rollout_is`` settings decide. Setting it together with ``rollout_is`` or
-    ``rollout_is_threshold`` is an error."""
     rollout_is: Union[str, None] = "auto"
     """Off-policy importance weights ``pi_old / pi_sampler`` on each token's surrogate (verl's
     ``rollout_is``; docs/losses.md, "Off-policy corrections"): ``token`` (one ratio per token),

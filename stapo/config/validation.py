@@ -101,6 +101,10 @@ def validate(cfg) -> None:
            f"reward.overlong_buffer must be in [0, rollout.max_response_length={r.max_response_length}], "
            f"got {rw.overlong_buffer}")
     _check(rw.overlong_penalty >= 0, f"reward.overlong_penalty must be >= 0, got {rw.overlong_penalty}")
+    _check(rw.tool_call_budget >= 0, f"reward.tool_call_budget must be >= 0, got {rw.tool_call_budget}")
+    for name in ("tool_error_penalty", "tool_call_penalty"):
+        value = getattr(rw, name)
+        _check(math.isfinite(value) and value >= 0, f"reward.{name} must be finite and >= 0, got {value}")
     _check(math.isfinite(rw.failure_value), f"reward.failure_value must be finite, got {rw.failure_value}")
     _check(rw.mode != "function" or bool(rw.function),
            "reward.mode 'function' needs reward.function ('pkg.module:callable' or 'path/to/file.py:callable')")
@@ -115,20 +119,12 @@ def validate(cfg) -> None:
 
 
 def _check_correction(cfg) -> None:
-    """``loss.tis_cap`` / ``loss.rollout_*``: the shorthand or the full settings, and settings that build
-    a ``RolloutCorrection`` (its message names the setting)."""
+    """``loss.rollout_*``: settings that build a ``RolloutCorrection`` (its message names the setting)."""
     from stapo.losses.corrections import RolloutCorrection
 
     lo = cfg.loss
-    _check(lo.tis_cap is None or lo.tis_cap > 0,
-           f"loss.tis_cap (truncated importance sampling cap) must be > 0 or null, got {lo.tis_cap} "
-           "(values >= 1 are usual: 2 in verl)")
     _check(lo.rollout_is in ("auto", "token", "sequence", None),
            f"loss.rollout_is must be one of ['auto', 'token', 'sequence', null], got {lo.rollout_is!r}")
-    _check(lo.tis_cap is None or (lo.rollout_is == "auto" and lo.rollout_is_threshold == 2.0),
-           f"loss.tis_cap={lo.tis_cap} is the shorthand for loss.rollout_is=token loss.rollout_is_threshold="
-           f"{lo.tis_cap}: set one or the other, not both (got loss.rollout_is={lo.rollout_is}, "
-           f"loss.rollout_is_threshold={lo.rollout_is_threshold})")
     try:
         RolloutCorrection(**cfg.rollout_correction)
     except ValueError as err:
@@ -176,10 +172,6 @@ def _check_tools(tools, tiny) -> None:
     _check(tools.timeout_s > 0, f"rollout.tools.timeout_s must be > 0, got {tools.timeout_s}")
     _check(tools.max_output_chars >= 1, f"rollout.tools.max_output_chars must be >= 1, got {tools.max_output_chars}")
     _check(tools.max_workers >= 1, f"rollout.tools.max_workers must be >= 1, got {tools.max_workers}")
-    _check(tools.call_budget >= 0, f"rollout.tools.call_budget must be >= 0, got {tools.call_budget}")
-    for name in ("error_penalty", "call_penalty"):
-        value = getattr(tools, name)
-        _check(math.isfinite(value) and value >= 0, f"rollout.tools.{name} must be finite and >= 0, got {value}")
     _check(isinstance(tools.params, dict) and all(isinstance(v, dict) for v in tools.params.values()),
            f"rollout.tools.params must map tool names to parameter dicts, got {tools.params!r}")
     if not tools.enabled:

@@ -17,7 +17,7 @@ from stapo.losses.ops import (
     token_topk,
 )
 from stapo.losses.masks import (
-    MaskInfo,
+    MASKS,
     MaskResult,
     TokenMask,
     TokenStats,
@@ -38,7 +38,7 @@ from stapo.losses.builtin_masks import (
 )
 from stapo.losses import weighting_masks  # noqa: E402,F401  (registers stare and clip_cov)
 from stapo.losses.weighting_masks import ClipCovMask, STAREMask
-from stapo.losses.mismatch import mismatch_sums, tis_weights
+from stapo.losses.mismatch import mismatch_sums
 from stapo.losses.corrections import (IS_LEVELS, RS_OPTIONS, CorrectionResult, RejectionBound, RolloutCorrection,
                                       importance_weights, normalize_weights, rejected_tokens, rs_statistic)
 from stapo.losses.surrogate import AGG_MODES, aggregate_loss, clipped_surrogate_loss
@@ -60,7 +60,7 @@ __all__ = [
     "TokenStats",
     "TokenMask",
     "MaskResult",
-    "MaskInfo",
+    "MASKS",
     "register_mask",
     "registered_name",
     "build_mask",
@@ -78,9 +78,8 @@ __all__ = [
     "clipped_surrogate_loss",
     "aggregate_loss",
     "AGG_MODES",
-    # rollout-trainer mismatch and truncated importance sampling
+    # rollout-trainer mismatch
     "mismatch_sums",
-    "tis_weights",
     # off-policy corrections (verl's rollout correction: IS weights, IcePop, rejection)
     "RolloutCorrection",
     "CorrectionResult",

@@ -33,6 +33,7 @@ from typing import Union
 import torch
 
 from stapo.losses.reduce import all_reduce_sum_
+from stapo.registry import Registry
 
 __all__ = ["RS_OPTIONS", "IS_LEVELS", "SAFETY_BOUND", "RejectionBound", "CorrectionResult", "RolloutCorrection",
            "log_ratio", "importance_weights", "normalize_weights", "rs_statistic", "rejected_tokens",
@@ -40,8 +41,8 @@ __all__ = ["RS_OPTIONS", "IS_LEVELS", "SAFETY_BOUND", "RejectionBound", "Correct
 
 SAFETY_BOUND = 20.0  # |log r| clamp before exp (verl's): exp(20) ~ 4.9e8 stays finite in fp32
 IS_LEVELS = ("token", "sequence")
-RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+#: ``rollout_rs`` option -> statistic(log_r, mask): (B, T) per token or (B,) per row; filled below
+RS_OPTIONS = Registry("rollout_rs option")
 Threshold = Union[float, str]
 
 
@@ -107,22 +108,27 @@ def _divergence(lr: torch.Tensor, kind: str) -> torch.Tensor:
     return lr.exp() - 1.0 - lr  # k3 >= 0
 
 
+def _register(scope: str, reduce, kinds: tuple[str, ...] = ("k1", "k2", "k3")) -> None:
+    """Register the ``rollout_rs`` options ``{scope}_{kind}``: ``reduce(divergence per token, mask)``."""
+    for kind in kinds:
+        RS_OPTIONS.register(f"{scope}_{kind}")(lambda lr, mask, kind=kind: reduce(_divergence(lr, kind), mask))
+
+
+def _row_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    top = torch.where(mask, x, torch.tensor(float("-inf"), device=x.device)).amax(dim=1)
+    return torch.where(mask.any(dim=1), top, torch.zeros_like(top))  # 0 for a row without valid tokens
+
+
+_register("token", lambda x, mask: x)
+_register("seq_sum", _row_sum)
+_register("seq_mean", lambda x, mask: _row_sum(x, mask) / mask.sum(dim=1).clamp(min=1).float())
+_register("seq_max", _row_max, kinds=("k2", "k3"))  # k1 = -log r takes both signs: a max would hide a low ratio
+
+
 def rs_statistic(option: str, lr: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The divergence statistic of ``option``: (B, T) for ``token_*``, (B,) for ``seq_*`` (0 for a
     row without valid tokens)."""
-    if option not in RS_OPTIONS:
-        raise ValueError(f"rollout_rs: unknown option {option!r}; available: {', '.join(RS_OPTIONS)}")
-    scope, kind = option.rsplit("_", 1)
-    per_token = _divergence(lr, kind)  # (B, T)
-    if scope == "token":
-        return per_token
-    if scope == "seq_sum":
-        return _row_sum(per_token, mask)
-    if scope == "seq_mean":
-        return _row_sum(per_token, mask) / mask.sum(dim=1).clamp(min=1).float()
-    lowest = torch.tensor(float("-inf"), device=lr.device)
-    top = torch.where(mask, per_token, lowest).amax(dim=1)  # seq_max
-    return torch.where(mask.any(dim=1), top, torch.zeros_like(top))
+    return RS_OPTIONS.lookup(option)(lr, mask)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ A strategy with state across steps (STARE's adaptive weights) overrides ``start_
 per step with the rollout batch's mean entropy) and ``state_dict`` / ``load_state_dict`` (saved in
 the trainer's checkpoint, so a resumed run continues exactly).
 
-One registry (a dict + decorator + getter; unknown names list the valid ones) makes a strategy available to
+The mask registry (``MASKS``, a :class:`stapo.registry.Registry`) makes a strategy available to
 ``build_mask``, configs and ``stapo masks``. Adding your own takes ~10 lines::
 
     import math
@@ -37,17 +37,18 @@ live in ``builtin_masks.py``; the weighting ones (``stare``, ``clip_cov``) in ``
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 
+from stapo.registry import Registry
+
 __all__ = [
     "TokenStats",
     "MaskResult",
     "TokenMask",
-    "MaskInfo",
+    "MASKS",
     "register_mask",
     "build_mask",
     "available_masks",
@@ -208,95 +209,17 @@ def _broadcast(raw, stats: TokenStats, dtype_ok, what: str, kind: str) -> torch.
     return raw
 
 
-_REGISTRY: dict[str, type[TokenMask]] = {}
+def _listing(registry) -> str:
+    """The masks' names, the silencing ones first, then the token-weighting ones."""
+    weighing = [n for n in registry.names() if registry[n].weigh is not TokenMask.weigh]
+    silencing = ", ".join(n for n in registry.names() if n not in weighing)
+    return f"available masks: {silencing}" + (f"; token-weighting masks: {', '.join(weighing)}" if weighing else "")
 
 
-def register_mask(name: str):
-    """Class decorator: make a ``TokenMask`` subclass buildable as ``build_mask(name, ...)``.
-
-    The class is turned into a dataclass if it is not one already. Registering a different class
-    under a taken name raises ``ValueError``; re-registering the same class (same object, or the
-    same module + qualified name, as when a notebook cell is re-run) replaces it silently.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"mask name must be a non-empty string, got {name!r}")
-
-    def decorate(cls):
-        if not (isinstance(cls, type) and issubclass(cls, TokenMask)):
-            raise TypeError(f"@register_mask({name!r}) needs a TokenMask subclass, got {cls!r}")
-        if "__dataclass_fields__" not in cls.__dict__:
-            cls = dataclass(cls)
-        old = _REGISTRY.get(name)
-        if old is not None and old is not cls and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(
-                f"mask name {name!r} is already registered to {old.__module__}.{old.__qualname__}; "
-                f"pick another name for {cls.__module__}.{cls.__qualname__}"
-            )
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorate
-
-
-def available_masks() -> list[str]:
-    """Sorted names accepted by ``build_mask``."""
-    return sorted(_REGISTRY)
-
-
-def registered_name(mask: TokenMask | type[TokenMask]) -> str | None:
-    """The name ``mask`` (an instance or class) is registered under, or None."""
-    cls = mask if isinstance(mask, type) else type(mask)
-    return next((name for name, registered in _REGISTRY.items() if registered is cls), None)
-
-
-def _listing() -> str:
-    """The registry's names, the silencing masks first, then the token-weighting ones."""
-    weighing = [n for n in available_masks() if _REGISTRY[n].weigh is not TokenMask.weigh]
-    silencing = ", ".join(n for n in available_masks() if n not in weighing)
-    return f"{silencing}; token-weighting masks: {', '.join(weighing)}" if weighing else silencing
-
-
-def _lookup(name: str) -> type[TokenMask]:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown mask {name!r}; available masks: {_listing()}")
-    return _REGISTRY[name]
-
-
-def mask_params(name: str) -> dict[str, Any]:
-    """Parameters of mask ``name`` with their defaults (``dataclasses.MISSING`` if required)."""
-    out = {}
-    for f in dataclasses.fields(_lookup(name)):
-        if not f.init:
-            continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        out[f.name] = default
-    return out
-
-
-@dataclass(frozen=True)
-class MaskInfo:
-    """One registry entry, for listings such as ``stapo masks``."""
-
-    name: str
-    summary: str  # first line of the class docstring
-    params: dict[str, Any]  # name -> default (dataclasses.MISSING if required)
-
-
-def describe_masks() -> list[MaskInfo]:
-    """Every registered mask with its one-line summary and parameters, sorted by name."""
-    infos = []
-    for name in available_masks():
-        doc = (_REGISTRY[name].__doc__ or "").strip()
-        infos.append(MaskInfo(name, doc.splitlines()[0] if doc else "", mask_params(name)))
-    return infos
-
-
-def build_mask(name: str, **params: Any) -> TokenMask:
-    """Instantiate the mask registered as ``name`` with ``params`` (validated by the mask)."""
-    cls = _lookup(name)
-    valid = mask_params(name)
-    unknown = sorted(set(params) - set(valid))
-    if unknown:
-        listed = ", ".join(f"{k}={v!r}" for k, v in valid.items()) or "(none)"
-        raise ValueError(f"unknown parameter(s) {unknown} for mask {name!r}; valid parameters: {listed}")
-    return cls(**params)
+MASKS = Registry("mask", base=TokenMask, listing=_listing)
+register_mask = MASKS.register  # class decorator: a TokenMask subclass (made a dataclass) under a name
+available_masks = MASKS.names  # sorted names accepted by build_mask
+mask_params = MASKS.params  # parameters with their defaults (dataclasses.MISSING if required)
+describe_masks = MASKS.describe  # RegistryEntry(name, summary, params, obj) per mask, for `stapo masks`
+build_mask = MASKS.build  # an instance; an unknown parameter is an error naming the valid ones
+registered_name = MASKS.name_of  # the name a mask (instance or class) is registered under, or None

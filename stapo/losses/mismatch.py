@@ -14,20 +14,15 @@ valid token, ``d = trainer - sampler``:
   ``exp(-mean_t log pi)`` of the sampler and of the trainer, summed over rows with a valid token
   (``rollout_ppl``, ``training_ppl``: verl's batch mean of per-sequence perplexities).
 
-``tis_weights`` is truncated importance sampling (Yao et al., "Your efficient RL framework
-secretly brings you off-policy RL training", 2025; verl's ``rollout_is=token``): the surrogate's
-gradient is an expectation under theta_old, but tokens were drawn from the sampler, so each token
-is reweighted by ``min(pi_old / pi_sampler, cap)``; the whole family (sequence weights, IcePop,
-rejection) is :mod:`stapo.losses.corrections` (docs/losses.md). Pure tensor functions.
+What to do about it (importance weights, IcePop, rejection) is :mod:`stapo.losses.corrections`
+(docs/losses.md, "Off-policy corrections"). Pure tensor functions.
 """
 
 from __future__ import annotations
 
 import torch
 
-from stapo.losses.corrections import importance_weights, log_ratio
-
-__all__ = ["mismatch_sums", "tis_weights"]
+__all__ = ["mismatch_sums"]
 
 
 def _check(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, mask: torch.Tensor) -> None:
@@ -69,18 +64,3 @@ def mismatch_sums(sampling_logprobs: torch.Tensor, trainer_logprobs: torch.Tenso
         "mismatch_seqs": rows.sum().float(),
     }
 
-
-@torch.no_grad()
-def tis_weights(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, cap: float,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``min(exp(old - sampling), cap)`` per token, (B, T) fp32, detached; 1 where ``mask`` is false.
-
-    ``cap`` > 0 bounds the variance (verl / Yao et al. use 2); ``mask`` defaults to all valid.
-    """
-    if not cap > 0:
-        raise ValueError(f"cap (loss.tis_cap) must be > 0, got {cap}")
-    if mask is None:
-        mask = torch.ones(old_logprobs.shape, dtype=torch.bool, device=old_logprobs.device)
-    _check("old_logprobs", old_logprobs, "sampling_logprobs", sampling_logprobs, mask)
-    weights = importance_weights(log_ratio(old_logprobs, sampling_logprobs, mask), mask, "token", cap)
-    return torch.where(mask, weights, torch.ones_like(weights))

@@ -4,8 +4,7 @@ Per token, with ``rho = exp(clamp(logprobs - old_logprobs, +-log_ratio_clamp))``
 
     l_t = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A)          (PPO / clip-higher)
     l_t = min(l_t, -clip_c A)   if clip_c is set and A < 0              (dual-clip, verl / DAPO)
-    l_t = w_t * l_t             if is_weights are given                 (TIS, stapo.losses.mismatch)
-    l_t = v_t * l_t             if token weights are given              (a weighting mask: STARE, ...)
+    l_t = w_t * l_t             if token weights are given              (mask weight x IS weight)
 
 ``aggregate_loss`` is the ONE place that normalizes (a second normalizer would silently disagree):
 
@@ -22,11 +21,13 @@ Silenced tokens get EXACTLY zero gradient even when their logprobs are inf/NaN: 
 selected with ``torch.where(keep, x, 0)`` before any arithmetic (never multiplied by the mask).
 A zero normalizer (nothing kept anywhere) gives a loss of exactly 0, never NaN.
 
-Token weights ``v`` (float ``(B, T)``, from a weighting mask's ``MaskResult.weights``): a token
-with ``v = 0`` leaves the loss like a silenced one (``keep &= v > 0``), the others count ``v_t l_t``
-in the numerator and ONE in the denominator (weights do not renormalize, as in STARE). With
-weights in ``{0, 1}`` the loss and its gradient are bit-identical to the keep mask alone
-(``l * 1.0 == l`` exactly), in every aggregation mode.
+Token weights ``w`` (float ``(B, T)``): ONE tensor, which the trainer composes once per mini-batch
+as a weighting mask's ``MaskResult.weights`` times the off-policy correction's importance weights
+(``stapo.trainer.update``). A kept token counts ``w_t l_t`` in the numerator and ONE in the denominator
+(weights do not renormalize, as in STARE; an IcePop weight of 0 keeps its token in the normalizer).
+Weights never change ``keep``: a token a mask silences (weight 0) is already out of
+``MaskResult.keep``. With weights in ``{0, 1}`` the loss and its gradient are bit-identical to the
+keep mask alone (``l * 1.0 == l`` exactly), in every aggregation mode.
 
 Entropy bonus (PPO's entropy term, verl's ``entropy_coeff``; off in the paper): with ``entropy``
 (differentiable, see ``token_logprobs_and_entropy(..., entropy_grad=True)``) and ``entropy_coef``,
@@ -112,7 +113,6 @@ def clipped_surrogate_loss(
     ref_logprobs: Optional[torch.Tensor] = None,
     kl_coef: float = 0.0,
     log_ratio_clamp: float = 20.0,
-    is_weights: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
     entropy_coef: float = 0.0,
     weights: Optional[torch.Tensor] = None,
@@ -126,14 +126,10 @@ def clipped_surrogate_loss(
     ``entropy`` ``(B, T)`` + ``entropy_coef`` subtract ``entropy_coef * H`` aggregated the same way
     (the entropy bonus; ``entropy`` must carry a gradient for it to act).
 
-    ``is_weights`` ``(B, T)``: truncated importance-sampling weights (verl's / Yao et al.'s TIS,
-    :func:`stapo.losses.tis_weights`) multiplying each token's surrogate, after clipping and the
-    dual-clip cap, before aggregation; treated as constants (detached). The KL term is not
-    reweighted. ``pg_loss_sum`` reports the weighted loss.
-
-    ``weights`` ``(B, T)``: a weighting mask's token weights (detached, ``>= 0``): tokens with
-    weight 0 leave ``keep``; the others' surrogate (after TIS) is multiplied by the weight. The
-    denominator counts kept tokens, unweighted (module doc). KL and entropy terms are not reweighted.
+    ``weights`` ``(B, T)``: each kept token's factor (a mask's weight times its importance weight,
+    module doc), multiplying its surrogate after clipping and the dual-clip cap, before aggregation;
+    constants (detached). The denominator counts kept tokens, unweighted; KL and entropy terms are
+    not reweighted. ``pg_loss_sum`` reports the weighted loss.
 
     ``metrics`` (0-dim, detached; sums and counts, so they add across micro-batches and ranks):
 
@@ -150,11 +146,8 @@ def clipped_surrogate_loss(
     """
     _check_inputs(logprobs, old_logprobs, advantages, keep, ref_logprobs, clip_low, clip_high, clip_c, kl_coef,
                   entropy)
-    for name, w in (("is_weights", is_weights), ("weights", weights)):
-        if w is not None and w.shape != logprobs.shape:
-            raise ValueError(f"{name} shape {tuple(w.shape)} != logprobs shape {tuple(logprobs.shape)}")
-    if weights is not None:  # weight 0 = silenced: out of numerator and denominator
-        keep = keep & (weights.detach() > 0)
+    if weights is not None and weights.shape != logprobs.shape:
+        raise ValueError(f"weights shape {tuple(weights.shape)} != logprobs shape {tuple(logprobs.shape)}")
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
     adv = advantages.float()
     adv = torch.where(keep, adv[:, None] if adv.dim() == 1 else adv, zero)  # (B, T)
@@ -170,9 +163,7 @@ def clipped_surrogate_loss(
         cap = -clip_c * adv  # > 0 where A < 0
         dual = keep & (adv < 0) & (pg > cap)
         pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
-    if is_weights is not None:  # TIS: a constant per-token factor (no gradient through the weight)
-        pg = pg * torch.where(keep, is_weights.detach().float(), zero)
-    if weights is not None:  # token weights: numerator only (x * 1.0 == x, so {0, 1} weights are exact)
+    if weights is not None:  # constant factors, numerator only (x * 1.0 == x, so {0, 1} weights are exact)
         pg = pg * torch.where(keep, weights.detach().float(), zero)
     loss = aggregate_loss(pg, keep, agg, normalizer, max_response_length)
 

@@ -5,7 +5,8 @@
 
 Modes: ``math`` (default; extraction, normalization, exact numbers, sympy), ``dapo`` (DAPO's
 verifier exactly) and ``dapo_boxed`` (its later revision with a ``\\boxed{}`` fallback), plus
-``function`` (a user reward function in killable workers); the registry is ``modes.py``.
+``function`` (a user reward function in killable workers); the registry is ``modes.py``. Reward
+terms (DAPO's overlong punishment, tool shaping) add penalties to the score: ``terms.py``.
 Light to import (no sympy, no torch): sympy runs only in the verifier's worker processes.
 See docs/rewards.md for the extraction, normalization and equivalence rules.
 
@@ -15,10 +16,12 @@ May import: ``stapo.registry`` and the standard library (docs/index.md, "Layout"
 from stapo.rewards.extract import extract_answer
 from stapo.rewards.modes import REWARD_MODES, available_reward_modes, build_scorer, register_reward_mode
 from stapo.rewards.normalize import normalize_answer
-from stapo.rewards.overlong import overlong_penalty
 from stapo.rewards.scorers import CallableScorer, FunctionScorer, Scorer
+from stapo.rewards.terms import (REWARD_TERMS, RewardTerm, build_reward_term, overlong_penalty, register_reward_term,
+                                 reward_penalty)
 from stapo.rewards.verifier import MODES, MathVerifier, math_reward, verify
 
-__all__ = ["MODES", "REWARD_MODES", "CallableScorer", "FunctionScorer", "MathVerifier", "Scorer",
-           "available_reward_modes", "build_scorer", "extract_answer", "math_reward", "normalize_answer",
-           "overlong_penalty", "register_reward_mode", "verify"]
+__all__ = ["MODES", "REWARD_MODES", "REWARD_TERMS", "CallableScorer", "FunctionScorer", "MathVerifier", "RewardTerm",
+           "Scorer", "available_reward_modes", "build_reward_term", "build_scorer", "extract_answer", "math_reward",
+           "normalize_answer", "overlong_penalty", "register_reward_mode", "register_reward_term", "reward_penalty",
+           "verify"]

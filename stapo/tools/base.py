@@ -1,7 +1,7 @@
 """The tool contract: what a call and its result are, the ``Tool`` base class and the tool registry.
 
-A tool is a small dataclass whose fields are its parameters and limits (like a token mask,
-``stapo.losses.masks``). It implements ONE method, ``run(arguments, session) -> str``, and raises
+A tool is a small dataclass whose fields are its parameters and limits (like a token mask; the
+registry is :class:`stapo.registry.Registry`). It implements ONE method, ``run(arguments, session) -> str``, and raises
 ``ToolError(text)`` when the call failed in a way the policy should read (a traceback, a division
 by zero). The base class turns that into a ``ToolResult``: it checks the arguments against the
 tool's JSON schema first, times the call, turns any other exception into an error result (a tool
@@ -17,14 +17,13 @@ episodes share state.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Protocol
 
 from stapo.registry import Registry
 
-__all__ = ["ToolCall", "ToolResult", "ToolError", "ToolSession", "Tool", "ToolInfo", "register_tool",
+__all__ = ["ToolCall", "ToolResult", "ToolError", "ToolSession", "Tool", "TOOLS", "register_tool",
            "build_tool", "available_tools", "tool_params", "describe_tools", "cap_text"]
 
 
@@ -153,65 +152,21 @@ def check_arguments(tool: str, schema: dict, arguments: Any) -> Optional[str]:
 
 # ---- the registry -------------------------------------------------------------------------------
 
-_TOOLS: Registry = Registry("tool")
+TOOLS = Registry("tool", base=Tool)
+available_tools = TOOLS.names  # sorted names accepted by build_tool
+tool_params = TOOLS.params  # parameters with their defaults (dataclasses.MISSING if required)
+build_tool = TOOLS.build  # an instance; an unknown parameter is an error naming the valid ones
+describe_tools = TOOLS.describe  # RegistryEntry(name, summary, params, obj) per tool, for `stapo tools`
 
 
 def register_tool(name: str):
     """Class decorator: make a ``Tool`` subclass buildable as ``build_tool(name, ...)`` and callable
     by the policy under ``name`` (the class becomes a dataclass if it is not one already)."""
-    register = _TOOLS.register(name)
+    register = TOOLS.register(name)
 
     def decorate(cls):
-        if not (isinstance(cls, type) and issubclass(cls, Tool)):
-            raise TypeError(f"@register_tool({name!r}) needs a Tool subclass, got {cls!r}")
-        if "__dataclass_fields__" not in cls.__dict__:
-            cls = dataclass(cls)
         cls = register(cls)
         cls.name = name
         return cls
 
     return decorate
-
-
-def available_tools() -> list[str]:
-    """Sorted names accepted by ``build_tool``."""
-    return sorted(_TOOLS)
-
-
-def tool_params(name: str) -> dict[str, Any]:
-    """Parameters of tool ``name`` with their defaults (``dataclasses.MISSING`` if required)."""
-    out = {}
-    for f in dataclasses.fields(_TOOLS.lookup(name)):
-        if f.init:
-            out[f.name] = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    return out
-
-
-def build_tool(name: str, **params: Any) -> Tool:
-    """Instantiate the tool registered as ``name`` with ``params`` (validated by the tool)."""
-    cls, valid = _TOOLS.lookup(name), tool_params(name)
-    unknown = sorted(set(params) - set(valid))
-    if unknown:
-        listed = ", ".join(f"{k}={v!r}" for k, v in valid.items())
-        raise ValueError(f"unknown parameter(s) {unknown} for tool {name!r}; valid parameters: {listed}")
-    return cls(**params)
-
-
-@dataclass(frozen=True)
-class ToolInfo:
-    """One registry entry, for listings such as ``stapo tools``."""
-
-    name: str
-    summary: str  # first line of the class docstring
-    params: dict[str, Any]  # name -> default
-    arguments: dict  # the JSON schema the policy fills
-
-
-def describe_tools() -> list[ToolInfo]:
-    """Every registered tool with its one-line summary, parameters and argument schema, by name."""
-    infos = []
-    for name in available_tools():
-        cls = _TOOLS[name]
-        doc = (cls.__doc__ or "").strip()
-        infos.append(ToolInfo(name, doc.splitlines()[0] if doc else "", tool_params(name), cls.parameters))
-    return infos

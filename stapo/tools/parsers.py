@@ -20,15 +20,14 @@ call is a final answer.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from stapo.registry import Registry
 from stapo.tools.base import ToolCall
 
-__all__ = ["ParsedTurn", "ToolCallParser", "Qwen3Parser", "PythonBlockParser", "register_tool_parser",
+__all__ = ["ParsedTurn", "ToolCallParser", "Qwen3Parser", "PythonBlockParser", "PARSERS", "register_tool_parser",
            "build_tool_parser", "available_tool_parsers", "describe_tool_parsers"]
 
 
@@ -56,6 +55,9 @@ class ToolCallParser:
 
     stop = ()  # strings that end a turn holding a call (a class attribute, overridden per format)
 
+    def __post_init__(self):
+        self.tools = tuple(self.tools)
+
     def parse(self, text: str) -> ParsedTurn:
         raise NotImplementedError(f"{type(self).__name__} must implement parse(text)")
 
@@ -69,45 +71,11 @@ class ToolCallParser:
         return ParsedTurn(calls)
 
 
-_PARSERS: Registry = Registry("tool parser")
-
-
-def register_tool_parser(name: str):
-    """Class decorator: make a ``ToolCallParser`` subclass buildable as ``build_tool_parser(name)``."""
-    register = _PARSERS.register(name)
-
-    def decorate(cls):
-        if not (isinstance(cls, type) and issubclass(cls, ToolCallParser)):
-            raise TypeError(f"@register_tool_parser({name!r}) needs a ToolCallParser subclass, got {cls!r}")
-        return register(cls if "__dataclass_fields__" in cls.__dict__ else dataclass(cls))
-
-    return decorate
-
-
-def available_tool_parsers() -> list[str]:
-    """Sorted names accepted by ``build_tool_parser``."""
-    return sorted(_PARSERS)
-
-
-def describe_tool_parsers() -> list[tuple[str, str, tuple[str, ...]]]:
-    """``(name, one-line summary, stop strings)`` of every registered parser, by name."""
-    out = []
-    for name in available_tool_parsers():
-        cls = _PARSERS[name]
-        out.append((name, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "", tuple(cls.stop)))
-    return out
-
-
-def build_tool_parser(name: str, **params: Any) -> ToolCallParser:
-    """Instantiate the parser registered as ``name`` (``tools=("python",)`` restricts the names)."""
-    cls = _PARSERS.lookup(name)
-    valid = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(params) - valid)
-    if unknown:
-        raise ValueError(f"unknown parameter(s) {unknown} for tool parser {name!r}; valid: {sorted(valid)}")
-    if "tools" in params:
-        params["tools"] = tuple(params["tools"])
-    return cls(**params)
+PARSERS = Registry("tool parser", base=ToolCallParser)
+register_tool_parser = PARSERS.register  # class decorator: a ToolCallParser subclass under a name
+available_tool_parsers = PARSERS.names  # sorted names accepted by build_tool_parser
+describe_tool_parsers = PARSERS.describe  # RegistryEntry(name, summary, params, obj) per parser (obj.stop)
+build_tool_parser = PARSERS.build  # an instance (``tools=("python",)`` restricts the names)
 
 
 # ---- Qwen3 ---------------------------------------------------------------------------------------

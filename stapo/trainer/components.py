@@ -23,6 +23,7 @@ from stapo.distributed.deepspeed_engine import ZeroTuning
 from stapo.trainer import tool_setup
 from stapo.trainer import server_setup
 from stapo.losses import RolloutCorrection
+from stapo.rewards import RewardTerm, build_reward_term
 from stapo.trainer.model_source import BUILTIN_MODEL, require_model
 from stapo.trainer.update import UpdateOptions
 
@@ -236,7 +237,7 @@ def update_options(cfg: STAPOConfig) -> UpdateOptions:
 
 
 def build_correction(cfg: STAPOConfig) -> RolloutCorrection:
-    """The off-policy correction (``loss.rollout_*``, ``loss.tis_cap``; ``auto`` resolved by
+    """The off-policy correction (``loss.rollout_*``; ``auto`` resolved by
     ``STAPOConfig.rollout_correction``); a no-op when everything is off."""
     return RolloutCorrection(**cfg.rollout_correction)
 
@@ -245,14 +246,21 @@ def correction_line(cfg: STAPOConfig) -> str:
     """What the run corrects, and why (``stapo train --dry-run`` and the trainer's log print it)."""
     line = f"off-policy correction: {build_correction(cfg).describe()}"
     k, lo = cfg.rollout.max_staleness, cfg.loss
-    if lo.tis_cap is not None:
-        return line + f" (loss.tis_cap={lo.tis_cap:g})"
     if lo.rollout_is == "auto":
         why = (f"importance weights on by default with rollout.max_staleness={k}; loss.rollout_is=null turns "
                "them off" if k >= 1 else
                "loss.rollout_is=auto: no importance weights in lock-step, the paper's setting")
         return line + f" ({why})"
     return line
+
+
+def build_reward_terms(cfg: STAPOConfig) -> list[RewardTerm]:
+    """The reward terms added to the scores (``reward.overlong_*``, ``reward.tool_*``; stapo.rewards.terms)."""
+    rw = cfg.reward
+    return [build_reward_term("overlong", max_response_length=cfg.rollout.max_response_length,
+                              buffer=rw.overlong_buffer, penalty=rw.overlong_penalty),
+            build_reward_term("tool", error_penalty=rw.tool_error_penalty, call_budget=rw.tool_call_budget,
+                              call_penalty=rw.tool_call_penalty)]
 
 
 RewardFn = Callable[[str, str], float]

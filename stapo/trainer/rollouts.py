@@ -22,13 +22,14 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from stapo.config import STAPOConfig
 from stapo.data import PromptSampler, balanced_shares
 from stapo.distributed.process_group import DistInfo, all_gather_object, barrier, broadcast_object
 from stapo.distributed.training_offload import offloaded
+from stapo.rewards import RewardTerm
 from stapo.rollout import Rollout, SamplingParams
 from stapo.rollout.episodes import EpisodeEngine
 from stapo.rollout.partial import PartialBatch
@@ -36,7 +37,7 @@ from stapo.rollout.server_pool import NoRolloutServers
 from stapo.rollout.vllm_engine import vllm_sampling_kwargs
 from stapo.sync.buckets import SyncStats, sync_weights
 from stapo.trainer.producer import ProducedBatch, RolloutProducer
-from stapo.trainer.scored_rollout import RewardShaping, ScoredRollout, collect_scored_rollout, score_rollout
+from stapo.trainer.scored_rollout import ScoredRollout, collect_scored_rollout, score_rollout
 
 __all__ = ["Rollouts"]
 
@@ -48,10 +49,10 @@ class Rollouts:
     """This rank's rollouts of a run: ``engine`` fed from ``model`` (see the module docstring)."""
 
     def __init__(self, cfg: STAPOConfig, dist: DistInfo, engine, model, sampler: PromptSampler, train_data,
-                 score, shaping: RewardShaping, training_offload=None) -> None:
+                 score, reward_terms: Sequence[RewardTerm], training_offload=None) -> None:
         self.cfg, self.dist, self.engine, self.model = cfg, dist, engine, model
         self.training_offload = training_offload  # rollout.offload_training_state: ZeRO state aside while generating
-        self.sampler, self.train_data, self.score, self.shaping = sampler, train_data, score, shaping
+        self.sampler, self.train_data, self.score, self.reward_terms = sampler, train_data, score, reward_terms
         self.server = cfg.rollout.mode == "server"
         self.producer: RolloutProducer | None = None
         self._partial = None  # rollout.partial: (index, examples, PartialBatch, epoch, start) under way
@@ -80,12 +81,12 @@ class Rollouts:
             with timer("rollout"):  # the trainer's wait: generation itself ran during earlier updates
                 produced = self._agreed(lambda: self.producer.take(step))
             with timer("reward"):
-                scored = score_rollout(self.score, produced.rollout, produced.examples, self.shaping)
+                scored = score_rollout(self.score, produced.rollout, produced.examples, self.reward_terms)
             return self._with_server_metrics(scored, step, produced.epoch, produced.seconds, produced.interrupted)
         start = time.perf_counter()
         scored = collect_scored_rollout(
             self.next_prompts, lambda examples, round_index: self.generate(examples, step, round_index=round_index),
-            self.score, self.shaping, timer, group_size=r.group_size, dynamic=r.dynamic_sampling,
+            self.score, self.reward_terms, timer, group_size=r.group_size, dynamic=r.dynamic_sampling,
             target_groups=t.train_batch_size // world, max_rounds=r.max_sampling_rounds,
             multiple_of=t.mini_batch_size // world, gather=all_gather_object)
         return self._with_server_metrics(scored, step, self.sampler.epoch, time.perf_counter() - start)

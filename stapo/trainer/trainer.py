@@ -40,7 +40,6 @@ from stapo.distributed.lora import reference_scope
 from stapo.distributed.zero3_trace import REFERENCE
 from stapo.trainer.rollouts import Rollouts
 from stapo.trainer.server_setup import prompt_length_limit
-from stapo.trainer.scored_rollout import RewardShaping
 from stapo.telemetry.mfu import device_peak_flops
 from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
                                         skipped_updates, stats_counts, step_metrics, token_counts)
@@ -96,10 +95,7 @@ class STAPOTrainer:
             self.rollout_engine = build.build_rollout_engine(cfg, self.model_path, self.tokenizer, self.dist.rank)
         self.mask = mask if mask is not None else build_mask(cfg.mask.name, **cfg.mask.params)
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
-        tools = cfg.rollout.tools
-        self.shaping = RewardShaping(cfg.rollout.max_response_length, cfg.reward.overlong_buffer,
-                                     cfg.reward.overlong_penalty, tools.error_penalty, tools.call_budget,
-                                     tools.call_penalty)
+        self.reward_terms = build.build_reward_terms(cfg)  # added to the scores: overlong, tool shaping
         longest_prompt = prompt_length_limit(cfg, self.rollout_engine)  # servers may hold fewer tokens
         self.train_data, self.eval_data = build.main_rank_first(  # rank 0 fills the datasets cache first
             self.dist, lambda: build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset, longest_prompt))
@@ -121,7 +117,7 @@ class STAPOTrainer:
         self.recorder = TokenRecorder(self.output_dir, every=cfg.inspect.record_every, is_main=self.dist.is_main,
                                       all_minibatches=cfg.inspect.record_minibatches == "all")
         self.rollouts = Rollouts(cfg, self.dist, self.rollout_engine, self.model, self.sampler, self.train_data,
-                                 self.score, self.shaping, training_offload=self.training_offload)  # lines 3-5: prompts, generation, rewards, sync
+                                 self.score, self.reward_terms, training_offload=self.training_offload)  # lines 3-5: prompts, generation, rewards, sync
         self.step_count = 0
         self.skipped_steps = 0
         self._consecutive_skips = 0

@@ -4,7 +4,8 @@ The update must not depend on how the mini-batch is cut into micro-batches or sp
 (docs/algorithm.md, "Why the update is exact"). Three things make that exact:
 
 1. the keep mask and the off-policy correction are computed once per mini-batch by the caller, on full
-   rows, with quantile thresholds and batch means over the whole mini-batch on all ranks;
+   rows, with quantile thresholds and batch means over the whole mini-batch on all ranks, and composed
+   once into the loss's keep and token weights (:func:`loss_tokens`);
 2. the loss normalizer (kept tokens for ``token-mean``, rows for the ``seq-mean-*`` modes) is the
    GLOBAL count, all-reduced before any backward, so micro-batch losses add up to Eq. 1;
 3. gradients are summed, not averaged, over micro-batches and ranks (``GradientAccumulation``).
@@ -120,6 +121,22 @@ def _global_normalizer(keep: torch.Tensor, trainable: torch.Tensor, agg: str) ->
     return all_reduce_sum_(local.to(torch.float64)).to(torch.float32)
 
 
+def loss_tokens(trainable: torch.Tensor, keep: torch.Tensor, mask_weights: torch.Tensor | None,
+                correction: CorrectionResult | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The mini-batch's ``(trainable, keep, weights)``, composed once (docs/losses.md, "Token weights"):
+    trainable = trainable and not rejected; keep = mask keep, trainable, mask weight > 0; weights = mask
+    weight x IS weight (None when neither is given). An IS weight of 0 (IcePop) keeps its token."""
+    if correction is not None:
+        trainable = trainable & ~correction.rejected
+    keep = keep & trainable
+    if mask_weights is not None:
+        keep = keep & (mask_weights > 0)
+    is_weights = None if correction is None else correction.weights
+    if mask_weights is not None and is_weights is not None:
+        return trainable, keep, mask_weights * is_weights
+    return trainable, keep, mask_weights if is_weights is None else is_weights
+
+
 def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOptions,
                      weights: torch.Tensor | None = None,
                      correction: CorrectionResult | None = None) -> dict[str, torch.Tensor]:
@@ -128,9 +145,8 @@ def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor, opts:
     ``keep``: ``(B, T)`` bool from the mask strategy (never true on padding); ``weights``: its
     float token weights (``MaskResult.weights``; tokens of weight 0 leave ``keep``). ``correction``:
     the mini-batch's off-policy correction (``stapo.losses.RolloutCorrection``, computed on these full
-    rows): its rejected tokens leave the loss and the normalizer, its IS weights multiply the surrogate
-    (a token's weight is the mask's times the correction's). Returns this rank's metric SUMS as device
-    tensors (the step reduces them once; no per-micro-batch sync).
+    rows). :func:`loss_tokens` composes them once. Returns this rank's metric SUMS as device tensors
+    (the step reduces them once; no per-micro-batch sync).
     """
     with pass_kind(model, UPDATE):  # ZeRO-3: its own forward + backward trace (zero3_trace)
         return _update(engine, model, batch, keep, opts, weights, correction)
@@ -138,12 +154,8 @@ def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor, opts:
 
 def _update(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOptions,
             weights: torch.Tensor | None, correction: CorrectionResult | None) -> dict[str, torch.Tensor]:
-    trainable = batch.trainable if correction is None else batch.trainable & ~correction.rejected
-    keep = keep & trainable
-    if weights is not None:
-        keep = keep & (weights > 0)
+    trainable, keep, weights = loss_tokens(batch.trainable, keep, weights, correction)
     normalizer = _global_normalizer(keep, trainable, opts.agg)
-    is_weights = correction.weights if correction is not None else None
     device = _device(model)
     micro_batches = MicroBatches(batch, opts, device, no_grad=False)
     accumulation = GradientAccumulation(engine, len(micro_batches))
@@ -158,12 +170,11 @@ def _update(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOp
         micro_keep = keep[rows, :t_len].to(device)
         micro_weights = weights[rows, :t_len].to(device) if weights is not None else None
         ref = part.ref_logprobs[:, :t_len].to(device) if part.ref_logprobs is not None else None
-        micro_is = is_weights[rows, :t_len].to(device) if is_weights is not None else None
         loss, metrics = clipped_surrogate_loss(
             logprobs, old, part.advantages.to(device), micro_keep,
             clip_low=opts.clip_low, clip_high=opts.clip_high, clip_c=opts.clip_c, agg=opts.agg,
             normalizer=normalizer.to(device), max_response_length=opts.max_response_length,
-            log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef, is_weights=micro_is,
+            log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef,
             entropy=entropy if bonus else None, entropy_coef=opts.entropy_coef, weights=micro_weights,
         )
         accumulation.backward(loss)

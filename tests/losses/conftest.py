@@ -2,13 +2,13 @@
 
 import pytest
 
-from stapo.losses import masks as masks_module
+from stapo.losses import MASKS
 
 
 @pytest.fixture
 def clean_registry():
     """The mask registry as it was before the test (tests register their own masks)."""
-    before = dict(masks_module._REGISTRY)
+    before = dict(MASKS)
     yield
-    masks_module._REGISTRY.clear()
-    masks_module._REGISTRY.update(before)
+    MASKS.clear()
+    MASKS.update(before)

@@ -1,11 +1,11 @@
-"""Rollout-trainer mismatch sums and TIS weights (stapo.losses.mismatch), hand-computed."""
+"""Rollout-trainer mismatch sums (stapo.losses.mismatch), hand-computed."""
 
 import math
 
 import pytest
 import torch
 
-from stapo.losses import mismatch_sums, tis_weights
+from stapo.losses import mismatch_sums
 
 
 def test_mismatch_sums_by_hand():
@@ -32,16 +32,3 @@ def test_mismatch_sums_empty_mask_and_errors():
     with pytest.raises(ValueError, match="bool"):
         mismatch_sums(x, x, torch.ones(2, 3))
 
-
-def test_tis_weights_truncate_and_ignore_padding():
-    old = torch.tensor([[-1.0, -1.0, -3.0, 0.0]])
-    sampler = torch.tensor([[-1.0, -1.5, -1.0, -100.0]])
-    mask = torch.tensor([[True, True, True, False]])
-    w = tis_weights(old, sampler, cap=1.5, mask=mask)
-    # exp(old - sampler): 1, exp(0.5) = 1.6487 -> capped 1.5, exp(-2) = 0.1353; padding -> 1
-    torch.testing.assert_close(w, torch.tensor([[1.0, 1.5, math.exp(-2.0), 1.0]]))
-    huge = tis_weights(torch.tensor([[0.0]]), torch.tensor([[-1e4]]), cap=2.0)  # exp(1e4) overflows
-    assert huge.item() == 2.0
-    assert not tis_weights(old.requires_grad_(), sampler, cap=2.0).requires_grad
-    with pytest.raises(ValueError, match="tis_cap"):
-        tis_weights(old, sampler, cap=0.0)

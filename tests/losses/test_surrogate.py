@@ -217,13 +217,13 @@ def test_aggregate_loss_is_the_one_normalizer():
     torch.testing.assert_close(aggregate_loss(x, keep, "seq-mean-token-mean"), torch.tensor((1 + 4) / 2))
 
 
-# ----------------------------------------------------------------------------- TIS weights
+# ----------------------------------------------------------------------------- token weights (IS)
 def test_is_weights_scale_each_token_after_clipping():
     # A = +1, rho = [1.1, 1.5, 0.5], w = [2, 0.5, 1]:
     #  surrogate per token (clip-higher 1.28): -[1.1, 1.28, 0.5]; weighted: -[2.2, 0.64, 0.5]
     #  loss = -(2.2 + 0.64 + 0.5) / 3; grads: -1.1*2/3, 0 (clipped), -0.5*1/3
     w = torch.tensor([[2.0, 0.5, 1.0]])
-    loss, m, grad = one_row([1.1, 1.5, 0.5], [1.0, 1.0, 1.0], is_weights=w)
+    loss, m, grad = one_row([1.1, 1.5, 0.5], [1.0, 1.0, 1.0], weights=w)
     torch.testing.assert_close(loss, torch.tensor(-(2.2 + 0.64 + 0.5) / 3))
     torch.testing.assert_close(grad, torch.tensor([[-2.2 / 3, 0.0, -0.5 / 3]]))
     torch.testing.assert_close(m["pg_loss_sum"], torch.tensor(-(2.2 + 0.64 + 0.5)))
@@ -234,7 +234,7 @@ def test_is_weights_multiply_the_dual_clip_cap():
     # A = -1, rho = 5, clip_c = 3: PPO loss max(5, clip(5)=1.28) = 5, dual-clip cap 3 -> 3;
     # weight 0.5 -> 1.5 (the cap is weighted too); the capped token has zero gradient
     w = torch.tensor([[0.5]])
-    loss, m, grad = one_row([5.0], [-1.0], clip_c=3.0, is_weights=w)
+    loss, m, grad = one_row([5.0], [-1.0], clip_c=3.0, weights=w)
     torch.testing.assert_close(loss, torch.tensor(1.5))
     assert m["dual_clip_count"] == 1 and grad.abs().sum() == 0
 
@@ -244,10 +244,10 @@ def test_unit_is_weights_reproduce_the_plain_loss_and_silenced_inf_weights_are_i
     adv = torch.tensor([1.0, -1.0])
     keep = torch.tensor([[True, True, False], [True, False, True]])
     plain, _ = clipped_surrogate_loss(r.log(), torch.zeros_like(r), adv, keep)
-    ones, _ = clipped_surrogate_loss(r.log(), torch.zeros_like(r), adv, keep, is_weights=torch.ones_like(r))
+    ones, _ = clipped_surrogate_loss(r.log(), torch.zeros_like(r), adv, keep, weights=torch.ones_like(r))
     torch.testing.assert_close(plain, ones)
     w = torch.tensor([[1.0, 1.0, INF], [1.0, NAN, 1.0]])  # inf / NaN only on silenced tokens
-    masked, _ = clipped_surrogate_loss(r.log(), torch.zeros_like(r), adv, keep, is_weights=w)
+    masked, _ = clipped_surrogate_loss(r.log(), torch.zeros_like(r), adv, keep, weights=w)
     torch.testing.assert_close(plain, masked)
-    with pytest.raises(ValueError, match="is_weights shape"):
-        clipped_surrogate_loss(r.log(), torch.zeros_like(r), adv, keep, is_weights=torch.ones(2, 2))
+    with pytest.raises(ValueError, match="weights shape"):
+        clipped_surrogate_loss(r.log(), torch.zeros_like(r), adv, keep, weights=torch.ones(2, 2))

@@ -43,9 +43,14 @@ def test_zero_one_weights_are_bit_identical_to_the_keep_mask_in_every_mode():
             for clip_c in (None, 3.0):
                 a = logprobs.clone().requires_grad_(True)
                 b = logprobs.clone().requires_grad_(True)
-                kw = dict(agg=agg, clip_c=clip_c, max_response_length=16, is_weights=torch.rand(mask.shape) + 0.5)
-                plain, m1 = clipped_surrogate_loss(a, old, adv, keep, **kw)
-                weighted, m2 = clipped_surrogate_loss(b, old, adv, mask, weights=keep.float(), **kw)
+                is_weights = torch.rand(mask.shape) + 0.5
+                kw = dict(agg=agg, clip_c=clip_c, max_response_length=16)
+                plain, m1 = clipped_surrogate_loss(a, old, adv, keep, weights=is_weights, **kw)
+                # the trainer's composition (stapo.trainer.update.loss_tokens): keep = mask keep (weight > 0),
+                # weights = mask weights x IS weights
+                mask_weights = keep.float()
+                weighted, m2 = clipped_surrogate_loss(b, old, adv, mask & (mask_weights > 0),
+                                                      weights=mask_weights * is_weights, **kw)
                 plain.backward()
                 weighted.backward()
                 assert torch.equal(plain, weighted), (seed, agg, clip_c)
@@ -58,6 +63,7 @@ def test_weights_scale_the_numerator_not_the_denominator():
     logprobs = torch.zeros(1, 5)
     keep = torch.tensor([[T_, T_, T_, T_, F_]])
     weights = torch.tensor([[2.0, 1.0, 0.0, 0.5, 7.0]])  # 7 sits on padding: ignored
+    keep = keep & (weights > 0)  # a mask's weight 0 silences (MaskResult.keep); the weights never change keep
     adv = torch.tensor([1.0])
     loss, metrics = clipped_surrogate_loss(logprobs, logprobs, adv, keep, weights=weights)
     # numerator -(2 + 1 + 0.5) = -3.5; denominator: tokens with w > 0 = 3 -> -3.5 / 3
@@ -74,10 +80,15 @@ def test_weights_scale_the_numerator_not_the_denominator():
 
 
 def test_weight_zero_token_gets_exactly_zero_gradient_even_when_nan():
+    class Weights(TokenMask):
+        def weigh(self, stats):
+            return torch.tensor([[1.5, 0.0]])
+
     logprobs = torch.tensor([[-1.0, float("nan")]], requires_grad=True)
-    keep = torch.tensor([[T_, T_]])
-    loss, _ = clipped_surrogate_loss(logprobs, torch.tensor([[-1.0, -1.0]]), torch.tensor([1.0]), keep,
-                                     weights=torch.tensor([[1.5, 0.0]]))
+    stats = TokenStats(logprobs.detach(), torch.zeros(1, 2), torch.tensor([1.0]), torch.tensor([[T_, T_]]))
+    result = Weights().apply(stats)  # weight 0: out of result.keep
+    loss, _ = clipped_surrogate_loss(logprobs, torch.tensor([[-1.0, -1.0]]), torch.tensor([1.0]), result.keep,
+                                     weights=result.weights)
     loss.backward()
     assert torch.isfinite(loss)
     assert logprobs.grad.tolist() == [[-1.5, 0.0]]  # d/dlogp of -1.5 * exp(logp - old) at ratio 1

@@ -53,7 +53,7 @@ def test_registry_and_schema():
                                                                "parameters": Echo.parameters}}
     assert tool_params("test_echo") == {"timeout_s": 10.0, "max_output_chars": 2000}
     info = next(i for i in describe_tools() if i.name == "test_echo")
-    assert info.summary == "Echo the text back, after an optional sleep." and info.arguments is Echo.parameters
+    assert info.summary == "Echo the text back, after an optional sleep." and info.obj.parameters is Echo.parameters
     with pytest.raises(ValueError, match=r"unknown tool 'shell'; choose one of \[.*'calculator'.*'python'"):
         build_tool("shell")
     with pytest.raises(ValueError, match="unknown parameter.*'timeout'.*valid parameters: timeout_s=10.0"):

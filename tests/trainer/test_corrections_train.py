@@ -31,9 +31,10 @@ ALWAYS = ("mismatch_kl", "mismatch_kl_k1", "rollout_ppl", "training_ppl", "rejec
       "loss.rollout_rs=token_k1,seq_max_k2", "loss.rollout_rs_threshold=0.9_1.1101,0.05"],
      "sequence-level importance weights pi_old/pi_sampler, zero outside [0.2, 1], batch-normalized; reject tokens "
      "unless exp(token_k1) in [0.9, 1.1101]; reject sequences unless seq_max_k2 <= 0.05"),
-    (["loss.tis_cap=1.5", "loss.rollout_rs=token_k3", "loss.rollout_rs_threshold=0.00525"],
+    (["loss.rollout_is=token", "loss.rollout_is_threshold=1.5", "loss.rollout_rs=token_k3",
+      "loss.rollout_rs_threshold=0.00525"],
      "token-level importance weights pi_old/pi_sampler, truncated at 1.5; reject tokens unless token_k3 <= 0.00525"),
-], ids=["token_is+seq_mean_k3", "icepop_sequence+token_k1,seq_max_k2", "tis_cap+token_k3"])
+], ids=["token_is+seq_mean_k3", "icepop_sequence+token_k1,seq_max_k2", "token_is_1.5+token_k3"])
 def test_each_correction_trains_through_the_cli(overrides, line, tmp_path, tiny_model_dir, arithmetic_jsonl, caplog):
     out = tmp_path / "run"
     argv = ["train", f"model.path={tiny_model_dir}", f"data.source={arithmetic_jsonl}", f"trainer.output_dir={out}",

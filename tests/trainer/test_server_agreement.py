@@ -63,7 +63,7 @@ def _rank(rank: int, port: int, case: str, out) -> None:
     cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.servers=[127.0.0.1:1]", "rollout.sync_retries=1"])
     engine = ScriptedEngine(rank, lose_on_rank=1 if case == "generate" else None, sync_ok=case != "sync")
     rollouts = Rollouts(cfg, DistInfo(rank, WORLD, rank, torch.device("cpu")), engine, torch.nn.Linear(2, 2),
-                        sampler=None, train_data=None, score=None, shaping=None)
+                        sampler=None, train_data=None, score=None, reward_terms=None)
     example = SimpleNamespace(prompt_ids=[1, 2], ground_truth="3", prompt_text="1+2")
     try:
         if case == "generate":

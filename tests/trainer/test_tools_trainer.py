@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from stapo.config import ConfigError, STAPOConfig
+from stapo.rewards import build_reward_term, reward_penalty
 from stapo.rollout import Rollout
 from stapo.rollout.batch import EpisodeInfo
 from stapo.run_dir import read_metrics
 from stapo.telemetry.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS
-from stapo.trainer.scored_rollout import RewardShaping
 
 TOOL_KEYS = ("turns_mean", "tool_calls_mean", "tool_errors_mean", "tool_error_frac", "context_token_frac",
              "tool_penalty_mean", "time_tools")
@@ -37,18 +37,19 @@ def test_tool_shaping_is_per_error_and_per_call_beyond_the_budget():
                        tool_errors=torch.tensor([1, 0, 1, 0]), tool_seconds=torch.zeros(4, dtype=torch.float64),
                        final_text=["", "", "", ""])
     rollout = _rollout(info)
-    shaping = RewardShaping(max_response_length=8, tool_error_penalty=0.5, call_budget=1, call_penalty=0.25)
+    tool = build_reward_term("tool", error_penalty=0.5, call_budget=1, call_penalty=0.25)
+    terms = [build_reward_term("overlong", max_response_length=8), tool]
     # row 0: 1 error (-0.5) and 2 calls beyond 1 (-0.5) = -1.0; row 2: -0.5; row 3: 1 call beyond = -0.25
-    assert shaping.tool_penalty(rollout).tolist() == [-1.0, 0.0, -0.5, -0.25]
-    total, sums = shaping.total(rollout)
+    assert tool(rollout).tolist() == [-1.0, 0.0, -0.5, -0.25]
+    total, sums = reward_penalty(rollout, terms)
     assert total.tolist() == [-1.0, 0.0, -0.5, -0.25]
     assert sums == {"overlong_penalty_sum": 0.0, "tool_penalty_sum": -1.75}
     single = _rollout(None, b=2)
-    assert shaping.tool_penalty(single).tolist() == [0.0, 0.0] and "tool_penalty_sum" not in shaping.total(single)[1]
+    assert tool(single).tolist() == [0.0, 0.0] and reward_penalty(single, terms)[1]["tool_penalty_sum"] == 0.0
     # DAPO's overlong penalty counts an episode's context tokens: the budget bounds policy + context.
     # Buffer 2 of 4: the penalty starts after 2 tokens, -1 at 4; row 0 (4 real tokens, 2 sampled): -1
-    overlong = RewardShaping(max_response_length=4, overlong_buffer=2, overlong_penalty=1.0)
-    assert overlong.penalty(rollout).tolist() == [-1.0, 0.0, 0.0, 0.0]
+    overlong = build_reward_term("overlong", max_response_length=4, buffer=2, penalty=1.0)
+    assert overlong(rollout).tolist() == [-1.0, 0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -56,7 +57,10 @@ def test_tool_shaping_is_per_error_and_per_call_beyond_the_budget():
     (["rollout.tools.parser=xml"], "rollout.tools.parser: unknown parser 'xml'"),
     (["rollout.tools.names=[calculator]", "rollout.tools.params={python: {x: 1}}"], "does not list"),
     (["rollout.tools.max_turns=0"], "rollout.tools.max_turns must be >= 1"),
-    (["rollout.tools.call_penalty=-1"], "rollout.tools.call_penalty must be finite and >= 0"),
+    (["reward.tool_call_penalty=-1"], "reward.tool_call_penalty must be finite and >= 0"),
+    (["reward.tool_call_budget=-1"], "reward.tool_call_budget must be >= 0"),
+    (["rollout.tools.error_penalty=0.5"], "rollout.tools.error_penalty=0.5 is reward.tool_error_penalty now: "
+                                          "write reward.tool_error_penalty=0.5"),
     (["tiny.task=chess"], "tiny.task must be one of"),
     (["rollout.tools.names=[calculator]", "rollout.tools.params={calculator: {digits: 3}}"],
      r"rollout.tools.params.calculator: unknown parameter\(s\) \['digits'\]"),
@@ -81,7 +85,7 @@ def test_a_run_with_tools_logs_episodes_and_evaluates_with_and_without_tools(tmp
         "trainer.mini_batch_size=2", "trainer.micro_batch_size=8", "rollout.group_size=4",
         "rollout.max_response_length=64", "trainer.total_steps=2", "optim.lr=1e-3", "optim.warmup_steps=0",
         "rollout.engine=hf", "rollout.tools.enabled=true", "rollout.tools.names=[calculator]",
-        "rollout.tools.max_turns=3", "rollout.tools.eval_without_tools=true", "rollout.tools.call_penalty=0.1",
+        "rollout.tools.max_turns=3", "rollout.tools.eval_without_tools=true", "reward.tool_call_penalty=0.1",
         "rollout.tools.params={calculator: {max_digits: 40}}", "logging.progress=false",
         "logging.tensorboard=false", "trainer.save_every=0", "trainer.export_hf=false", "logging.plot=false",
         "inspect.record_every=1"])

@@ -43,7 +43,7 @@ def main(server: str, model_dir: str) -> None:
     engine = build_server_engine(cfg, model_dir, tokenizer, torch.float32)
     train, _ = build_datasets(cfg, tokenizer)
     sampler = PromptSampler(len(train), cfg.trainer.train_batch_size, seed=cfg.trainer.seed)
-    rollouts = Rollouts(cfg, dist, engine, model, sampler, train, score=None, shaping=None)
+    rollouts = Rollouts(cfg, dist, engine, model, sampler, train, score=None, reward_terms=None)
     rollouts.sync(0)
     rollouts.start_producer(0)
     batches = []
