@@ -133,8 +133,7 @@ def cmd_masks(args: argparse.Namespace) -> int:
 
 def cmd_tools(args: argparse.Namespace) -> int:
     _load_user_modules(args.imports)
-    from stapo.tools import build_tool, describe_tool_parsers, describe_tools
-    from stapo.tools.sandbox import Sandbox, SandboxStartError, isolation_summary
+    from stapo.tools import describe_tool_parsers, describe_tools, sandbox_report
 
     for info in describe_tools():
         arguments = ", ".join(f"{k} ({v.get('type', 'any')}{', required' if k in info.arguments.get('required', ()) else ''})"
@@ -143,12 +142,7 @@ def cmd_tools(args: argparse.Namespace) -> int:
         print(f"{info.name:<16} {info.summary}")
         print(f"{'':<16} arguments: {arguments or '(none)'}")
         print(f"{'':<16} params: {params or '(none)'}")
-    try:  # what the python tool's sandbox gets on this machine
-        with Sandbox(build_tool("python").limits) as sandbox:
-            sandbox.start()
-            print(f"\npython sandbox on this machine: {isolation_summary(sandbox.isolation)}")
-    except SandboxStartError as exc:
-        print(f"\npython sandbox on this machine: cannot start ({exc})")
+    print(f"\n{sandbox_report()}")  # what the python tool's sandbox gets on this machine
     print("\ntool-call parsers:")
     for name, summary, stop in describe_tool_parsers():
         print(f"{name:<16} {summary}")
