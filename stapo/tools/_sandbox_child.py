@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _sandbox_isolation as isolate  # noqa: E402 - sibling files, found through the line above
@@ -218,6 +219,8 @@ def main() -> None:
             for fd in (cfg["req_fd"], cfg["rep_fd"], code_w, answer_r):  # the trainer's pipes stay out of reach
                 os.close(fd)
             worker.main(cfg, isolation, root, code_r, answer_w)
+        except BaseException:  # noqa: BLE001 - a failed setup: fd 2 is still the trainer's output pipe
+            traceback.print_exc()
         finally:
             os._exit(70)
     os.close(code_r)

@@ -44,15 +44,15 @@ def main(cfg: dict, isolation: dict, root: bool, requests: int, answers: int) ->
     signal.signal(signal.SIGINT, signal.default_int_handler)
     uid = cfg["uid"] if root else 0
     rules = confine.seccomp_filter(isolation) if cfg["isolate"] else None
-    mounts = bool(isolation.get("pid"))
-    if mounts:
+    interpreter = None
+    if isolation.get("pid"):
         try:
             isolate.read_only_mounts(isolation)
-        except OSError as exc:  # e.g. a seccomp profile that forbids mount: network and PID isolation only
-            mounts, isolation["read_only"], isolation["mount_error"] = False, False, str(exc)
-    interpreter = isolate.reach_interpreter()
-    if mounts:
-        isolate.hide_and_mount(cfg, isolation, uid, interpreter)
+            interpreter = isolate.reach_interpreter()  # after the remount: its descriptors are read-only too
+            isolate.hide_and_mount(cfg, isolation, uid, interpreter)
+        except OSError as exc:  # e.g. a seccomp or AppArmor profile that forbids mount: no read-only view
+            isolation["read_only"], isolation["mount_error"] = False, f"mounts: {exc}"
+    interpreter = interpreter or isolate.reach_interpreter()
     os.chdir(cfg["workdir"])
     if root and uid:  # the output pipe (for /dev/stdout) and, without its tmpfs, the working directory
         for target in [1] if isolation.get("workdir_tmpfs") else [1, cfg["workdir"]]:

@@ -4,10 +4,10 @@ Locally (``backend="local"``, the default) each call is a fresh interpreter proc
 time, memory, process-count, file-size and output limits, an empty temporary working directory,
 a clean environment and every isolation layer the OS allows (``sandbox.py``; docs/tools.md,
 "Threat model"): what it got is logged once and told to the policy in the tool's description
-(network or not); ``isolation="required"`` refuses to run without seccomp and file-system and
-process isolation (namespaces or Landlock). With ``stateful=True`` one interpreter serves all the calls of an
-episode (its session), so variables persist, and a call that kills it (a timeout, a limit) starts
-the next one afresh. ``backend="sandbox_fusion"`` sends each call to a SandboxFusion service at
+(network or not); ``isolation="required"`` refuses to start without seccomp and file-system and
+process isolation (namespaces or Landlock). With ``stateful=True`` one interpreter serves all the
+calls of an episode (its session), so variables persist, and a call that kills it (a timeout, a
+limit) starts the next one afresh. ``backend="sandbox_fusion"`` sends each call to a SandboxFusion service at
 ``url`` instead (``sandbox_fusion.py``; stateless).
 """
 
@@ -24,6 +24,9 @@ from stapo.tools.sandbox_fusion import run_code
 
 __all__ = ["PythonTool", "PythonSession", "sandbox_report"]
 
+BACKENDS = ("local", "sandbox_fusion")
+ISOLATION = ("auto", "required", "off")
+_RESTARTED = "the interpreter was stopped: the next call starts a new one, without the variables of earlier calls"
 log = logging.getLogger("stapo.tools")
 _probes: dict = {}  # isolate -> the isolation a probe sandbox got (or {"start_error": why})
 _reported: set = set()  # summaries already logged
@@ -62,9 +65,7 @@ def sandbox_report() -> str:
         return f"python sandbox on this machine: cannot start ({found['start_error']})"
     return f"python sandbox on this machine: {isolation_summary(found)}"
 
-BACKENDS = ("local", "sandbox_fusion")
-ISOLATION = ("auto", "required", "off")
-_RESTARTED = "the interpreter was stopped: the next call starts a new one, without the variables of earlier calls"
+
 
 
 class PythonSession:
@@ -124,7 +125,8 @@ class PythonTool(Tool):
         for name in ("cpu_time_s", "memory_mb", "max_processes", "file_size_mb", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"python tool: {name} must be > 0, got {getattr(self, name)!r}")
-        missing = self._missing_isolation(_probe(True)) if self.backend == "local" else ""
+        local_required = self.backend == "local" and self.isolation == "required"
+        missing = self._missing_isolation(_probe(True)) if local_required else ""
         if missing:  # at start (config validation, the trainer), not as an error in every episode
             raise ValueError(f"python tool: isolation='required' but this machine gives the sandbox no {missing}; "
                              "docs/tools.md, \"Threat model\", says what each mode needs")

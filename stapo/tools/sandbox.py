@@ -131,7 +131,7 @@ def _kill_group(proc: subprocess.Popen, owner: int, uid: int) -> None:
     """End a sandbox: SIGTERM asks the launcher to kill and reap everything it started; if it has
     not exited within a second, SIGKILL its process group (the worker follows by PDEATHSIG) and,
     as root, every process of the sandbox's own uid."""
-    if os.getpid() != owner or proc.poll() is not None:  # a forked copy of the trainer must not kill its parent's sandboxes
+    if os.getpid() != owner or proc.poll() is not None:  # a forked copy of the trainer leaves its parent's alone
         return
     proc.send_signal(signal.SIGTERM)
     try:
@@ -258,7 +258,8 @@ class Sandbox:
         result = protocol.cell_result(reply, chars) if reply is not None else None
         if result is None:
             self.close()
-            return CellResult(text, True, len(text), ended or _ended(reply) or "its answer was not valid; it was stopped")
+            why = ended or _ended(reply) or "its answer was not valid; it was stopped"
+            return CellResult(text, True, len(text), why)
         error, dropped, tail = result
         total = len(text) + dropped
         if dropped:  # the head came through the pipe; the end of what was dropped comes in the reply

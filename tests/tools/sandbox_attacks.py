@@ -53,7 +53,8 @@ def become_user(uid: int, deny_user_namespaces: bool) -> None:
     are empty tmpfs with those directories bound back, then uid ``uid`` with no capabilities."""
     _ok(_libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
     _ok(_libc.mount(None, b"/", None, 0x4000 | 0x40000, None), "mount(MS_REC|MS_PRIVATE)")
-    needed = {os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, *sys.path, str(ROOT)] if p and os.path.exists(p)}
+    needed = {os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, *sys.path, str(ROOT)]
+              if p and os.path.exists(p)}
     closed = {c for c in map(_closed, needed) if c}
     if closed & needed:
         raise SystemExit(f"skip: {sorted(closed & needed)} is closed to other users")
@@ -165,13 +166,13 @@ class Attacks:
         writes /dev/shm and /tmp."""
         marks = [f"/dev/shm/stapo-attack-{os.getpid()}", f"/tmp/stapo-attack-{os.getpid()}"]
         code = (f"import os, signal, socket, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-                f"        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n        time.sleep(0.8)\n"
+                f"        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n        time.sleep(0.5)\n"
                 f"        for path in {marks!r}:\n            try:\n                open(path, 'w').close()\n"
                 f"            except OSError:\n                pass\n        try:\n"
                 f"            socket.create_connection(('127.0.0.1', {self.tcp.getsockname()[1]}), timeout=1)\n"
                 f"        except OSError:\n            pass\n        time.sleep(30)\n    os._exit(0)\nprint('started')")
         result = self.tool({"code": code})
-        time.sleep(1.3)
+        time.sleep(1.0)
         left, connected = leftovers(), _pending(self.tcp)
         written = [m for m in marks if os.path.exists(m)]
         for mark in written:
@@ -215,19 +216,20 @@ class Attacks:
     def threads_between_cells(self):
         """A thread that ignores SIGXCPU, lifts its soft CPU limit to the hard one and spins between cells."""
         cell = ("import resource, signal, threading\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
-                "hard = resource.getrlimit(resource.RLIMIT_CPU)[1]\nresource.setrlimit(resource.RLIMIT_CPU, (hard, hard))\n"
+                "hard = resource.getrlimit(resource.RLIMIT_CPU)[1]\n"
+                "resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))\n"
                 "def spin():\n    while True:\n        pass\nthreading.Thread(target=spin, daemon=True).start()\n")
         used = "u = __import__('resource').getrusage(0)\nprint(u.ru_utime + u.ru_stime{})"
         with self.session_tool.open_session() as session:
             first = self.session_tool({"code": cell + used.format(", hard")}, session)
-            time.sleep(1.5)
+            time.sleep(1.0)
             second = self.session_tool({"code": used.format("")}, session)
         try:
             cpu1, hard = first.text.split()
             spent = float(second.text) - float(cpu1)
         except ValueError:
             return False, f"{first.text!r} {second.text!r}"
-        return spent < 0.3 and int(hard) >= 0, f"{spent:.2f} CPU-s in 1.5 s between cells; hard limit {hard}"
+        return spent < 0.2 and int(hard) >= 0, f"{spent:.2f} CPU-s in 1 s between cells; hard limit {hard}"
 
     def path_unix_socket(self):
         paths = [str(self.work / "open.sock"), str(self.work / "private.sock")]
@@ -246,7 +248,8 @@ class Attacks:
 
     def network(self):
         tcp, udp = self.tcp.getsockname()[1], self.udp.getsockname()[1]
-        code = (f"import socket\nu = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nu.sendto(b'x', ('127.0.0.1', {udp}))\n"
+        code = (f"import socket\nu = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                f"u.sendto(b'x', ('127.0.0.1', {udp}))\n"
                 f"socket.create_connection(('127.0.0.1', {tcp}), timeout=1)")
         result = self.tool({"code": code})
         reached = [name for name, s in (("tcp", self.tcp), ("udp", self.udp)) if _pending(s)]
@@ -315,8 +318,10 @@ class Attacks:
                 shutil.copy(pyseccomp.__file__, site)
             except ImportError:
                 pass
-            script = (f"from stapo.tools import build_tool\ntool = build_tool('python', isolation={self.cfg['isolation']!r})\n"
-                      "r = tool({'code': 'import socket, stapo_probe\\nprint(stapo_probe.VALUE)'})\nprint(repr(r.text))")
+            script = (f"from stapo.tools import build_tool\n"
+                      f"tool = build_tool('python', isolation={self.cfg['isolation']!r})\n"
+                      "r = tool({'code': 'import socket, stapo_probe\\nprint(stapo_probe.VALUE)'})\n"
+                      "print(repr(r.text))")
             proc = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", script], capture_output=True, text=True,
                                   timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
             told = (proc.stdout.strip() or proc.stderr.strip()).splitlines()[-1:] or ["(nothing)"]

@@ -136,7 +136,8 @@ def test_cannot_see_or_signal_the_trainer(python, isolation, monkeypatch):
     caps = "next(line.split()[1] for line in open('/proc/self/status') if line.startswith('CapEff'))"
     assert python({"code": caps}).text == "'0000000000000000'\n"  # no capabilities
     if isolation.get("devices"):  # no GPU, disk, memory or terminal devices
-        code = "import os\n[n for n in ('null', 'zero', 'tty', 'sda', 'nvidia0', 'kmsg', 'mem') if os.path.exists('/dev/' + n)]"
+        names = ('null', 'zero', 'tty', 'sda', 'nvidia0', 'kmsg', 'mem')
+        code = f"import os\n[n for n in {names} if os.path.exists('/dev/' + n)]"
         assert python({"code": code}).text == "['null', 'zero']\n"
 
 
