@@ -55,7 +55,7 @@ def unshare(root: bool) -> dict:
                     f.write(text)
     except OSError as exc:
         needs = "CAP_SYS_ADMIN" if root else "unprivileged user namespaces"
-        return {"error": f"no namespaces: unshare: {exc.strerror} (they need {needs})"}
+        return {"error": f"no namespaces: {exc.strerror} (they need {needs})"}
     return {"user_namespace": not root, "network": True, "pid": True}
 
 

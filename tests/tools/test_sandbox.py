@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -155,6 +157,20 @@ def test_the_sandbox_dies_with_a_killed_trainer():
     while os.path.exists(workdir):  # the orphaned launcher removes it on its way out
         assert time.monotonic() < deadline, f"{workdir} outlived its trainer"
         time.sleep(0.05)
+
+
+def test_a_hung_launcher_still_takes_everything_with_it():
+    """The launcher stopped mid-cell (it cannot act on SIGTERM): at the wall clock, close() SIGKILLs
+    it a second later and, as root, every process of the sandbox's uid — here a setsid daemon the
+    cell started, outside any PID namespace (isolation="off")."""
+    if os.geteuid() != 0:
+        pytest.skip("the uid sweep is root's: without a uid of its own a sandbox's processes are the user's")
+    box = Sandbox(build_tool("python", isolation="off", **{**LIMITS, "timeout_s": 1.5}).limits, stateful=True)
+    box.start()
+    threading.Timer(0.7, os.kill, (box._proc.pid, signal.SIGSTOP)).start()
+    result = box.run("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\ntime.sleep(60)")
+    assert "timed out after 1.5 s" in result.ended
+    assert_nothing_left()
 
 
 TRAINER = """
