@@ -25,6 +25,7 @@ _KEEP_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noa
                "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}  # locked in a user namespace
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
 DEVICES = ("null", "zero", "full", "random", "urandom")
+HIDDEN = ("/root", "/home", "/tmp", "/run", "/var/run")  # empty in the mount namespace
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -97,13 +98,13 @@ def read_only_mounts(isolation: dict) -> None:
 
 def reach_interpreter() -> dict:
     """``{directory: O_PATH descriptor}`` of the interpreter's prefixes and import path. Entries of
-    ``sys.path`` (and of the loaded packages' ``__path__``) under a closed directory or a home, which
-    is hidden next, become ``/proc/self/fd/N/...``: the sandbox's uid imports through the descriptor
-    without entering what lies above it."""
+    ``sys.path`` (and of the loaded packages' ``__path__``) under a closed directory or one of
+    ``HIDDEN``, which are hidden next, become ``/proc/self/fd/N/...``: the sandbox's uid imports
+    through the descriptor without entering what lies above it."""
     own = {os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, *sys.path] if p and os.path.exists(p)}
     tops = sorted(p for p in own if not any(p != q and p.startswith(q + "/") for q in own))
     fds = {top: os.open(top, os.O_PATH) for top in tops}
-    hidden = {t for t in tops if closed_ancestor(t) or t.startswith(("/root/", "/home/"))}
+    hidden = {t for t in tops if closed_ancestor(t) or t.startswith(tuple(h + "/" for h in HIDDEN))}
 
     def through(path: str) -> str:
         real = os.path.realpath(path) if path else ""
@@ -126,11 +127,11 @@ def _tmpfs(path: str, options: str, inside: str = "") -> None:
 
 
 def hide_and_mount(cfg: dict, isolation: dict, uid: int, interpreter: dict) -> None:
-    """Empty read-only tmpfs over /root, /home, /tmp, /run and closed directories above the
+    """Empty read-only tmpfs over /root, /home, /tmp, /run (/var/run) and closed directories above the
     interpreter; a /dev of ``DEVICES``; a fresh /proc; an empty tmpfs of file_size_mb on the working
     directory (made again inside a hidden /tmp)."""
     workdir = cfg["workdir"]
-    tops = {t for t in ("/root", "/home", "/tmp", "/run") if os.path.isdir(t) and not os.path.islink(t)}
+    tops = {t for t in HIDDEN if os.path.isdir(t) and not os.path.islink(t)}
     tops |= {c for c in map(closed_ancestor, interpreter) if c}
     tops = {t for t in tops if not any(t != u and t.startswith(u + "/") for u in tops)}
     for top in sorted(tops):

@@ -304,30 +304,37 @@ class Attacks:
         return self.secret not in result.text, _last(result).replace(self.secret, "<secret>")
 
     def venv_in_closed_home(self):
-        """The trainer's interpreter is a venv inside a 0700 directory with a package of its own."""
-        home = Path(tempfile.mkdtemp(prefix="stapo-home-"))  # 0700
-        try:
-            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home / "venv")], check=True,
-                           capture_output=True, timeout=60)
-            site = next((home / "venv" / "lib").glob("python3*/site-packages"))
-            (site / "stapo_probe").mkdir()
-            (site / "stapo_probe" / "__init__.py").write_text("VALUE = 42\n")
+        """The trainer's interpreter is a venv with a package of its own, in a 0700 home and in an open
+        directory under /tmp (which a mount namespace hides): both import."""
+        told = []
+        for mode in (0o700, 0o755):
+            home = Path(tempfile.mkdtemp(prefix="stapo-home-"))
             try:
-                import pyseccomp
+                home.chmod(mode)
+                told.append(self._venv_imports(home))
+            finally:
+                shutil.rmtree(home, ignore_errors=True)
+        return told == [repr("42\n")] * 2, " / ".join(t[-120:] for t in told)
 
-                shutil.copy(pyseccomp.__file__, site)
-            except ImportError:
-                pass
-            script = (f"from stapo.tools import build_tool\n"
-                      f"tool = build_tool('python', isolation={self.cfg['isolation']!r})\n"
-                      "r = tool({'code': 'import socket, stapo_probe\\nprint(stapo_probe.VALUE)'})\n"
-                      "print(repr(r.text))")
-            proc = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", script], capture_output=True, text=True,
-                                  timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
-            told = (proc.stdout.strip() or proc.stderr.strip()).splitlines()[-1:] or ["(nothing)"]
-            return proc.stdout.strip() == repr("42\n"), told[0][-160:]
-        finally:
-            shutil.rmtree(home, ignore_errors=True)
+    def _venv_imports(self, home: Path) -> str:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home / "venv")], check=True,
+                       capture_output=True, timeout=60)
+        site = next((home / "venv" / "lib").glob("python3*/site-packages"))
+        (site / "stapo_probe").mkdir()
+        (site / "stapo_probe" / "__init__.py").write_text("VALUE = 42\n")
+        try:
+            import pyseccomp
+
+            shutil.copy(pyseccomp.__file__, site)
+        except ImportError:
+            pass
+        script = (f"from stapo.tools import build_tool\n"
+                  f"tool = build_tool('python', isolation={self.cfg['isolation']!r})\n"
+                  "r = tool({'code': 'import socket, stapo_probe\\nprint(stapo_probe.VALUE)'})\n"
+                  "print(repr(r.text))")
+        proc = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", script], capture_output=True, text=True,
+                              timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+        return ((proc.stdout.strip() or proc.stderr.strip()).splitlines() or ["(nothing)"])[-1]
 
     def required(self):
         """Not an attack: whether isolation='required' runs here, or what it says."""
