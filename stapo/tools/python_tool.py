@@ -7,8 +7,8 @@ a clean environment and every isolation layer the OS allows (``sandbox.py``; doc
 (network or not); ``isolation="required"`` refuses to start without seccomp and file-system and
 process isolation (namespaces or Landlock). With ``stateful=True`` one interpreter serves all the
 calls of an episode (its session), so variables persist, and a call that kills it (a timeout, a
-limit) starts the next one afresh. ``backend="sandbox_fusion"`` sends each call to a SandboxFusion service at
-``url`` instead (``sandbox_fusion.py``; stateless).
+limit) starts the next one afresh. ``backend="sandbox_fusion"`` sends each call to a SandboxFusion
+service at ``url`` instead (``sandbox_fusion.py``; stateless).
 """
 
 from __future__ import annotations
@@ -49,13 +49,15 @@ def _probe(isolate: bool) -> dict:
 
 
 def _report(isolation: dict) -> None:
-    """Log a sandbox's isolation the first time it is seen (a warning when something is missing)."""
-    line = isolation_summary(isolation)
+    """Log what a sandbox got the first time it is seen (whatever its uid; a warning when something is
+    missing): once per process, and again only if a later sandbox gets less."""
+    seen = isolation_summary({key: value for key, value in isolation.items() if key != "uid"})
     with _probe_lock:
-        if line in _reported:
+        if seen in _reported:
             return
-        _reported.add(line)
-    (log.info if all(isolation_holds(isolation).values()) else log.warning)("python sandbox: %s", line)
+        _reported.add(seen)
+    level = log.info if all(isolation_holds(isolation).values()) else log.warning
+    level("python sandbox: %s", isolation_summary(isolation))
 
 
 def sandbox_report() -> str:
@@ -64,7 +66,6 @@ def sandbox_report() -> str:
     if "start_error" in found:
         return f"python sandbox on this machine: cannot start ({found['start_error']})"
     return f"python sandbox on this machine: {isolation_summary(found)}"
-
 
 
 

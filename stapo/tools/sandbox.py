@@ -51,7 +51,7 @@ class SandboxLimits:
     file_size_mb: int = 16  # largest file, and the working directory's size (RLIMIT_FSIZE, tmpfs)
     max_output_chars: int = 2000  # printed characters kept per cell
     startup_timeout_s: float = 30.0  # for the interpreter to start (not part of timeout_s)
-    isolate: bool = True  # enter namespaces where the OS allows it
+    isolate: bool = True  # every isolation layer the OS allows (False: limits, process clean-up and the protocol only)
 
     @property
     def max_output_bytes(self) -> int:

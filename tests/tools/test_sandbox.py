@@ -262,8 +262,8 @@ def test_the_description_and_the_log_tell_what_the_sandbox_got(monkeypatch, capl
     monkeypatch.setattr(python_tool, "_reported", set())
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="stapo.tools"):
-        for _ in range(3):
-            python_tool._report({"uid": 7, "landlock_error": "this kernel has no Landlock"})
+        for uid in (7, 8, 7):  # each sandbox of a root trainer has a uid of its own: still one line
+            python_tool._report({"uid": uid, "landlock_error": "this kernel has no Landlock"})
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("WARNING", "python sandbox: uid 7; NOT isolated: network, file system, other processes "
                     "[this kernel has no Landlock]")]
