@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from stapo.tools.base import Tool, ToolError, ToolSession, register_tool
-from stapo.tools.sandbox import Sandbox, SandboxLimits, SandboxStartError, isolation_holds, isolation_summary
+from stapo.tools.sandbox import Sandbox, SandboxLimits, SandboxStartError
 from stapo.tools.sandbox_fusion import run_code
 
-__all__ = ["PythonTool", "PythonSession", "sandbox_report"]
+__all__ = ["PythonTool", "PythonSession", "isolation_holds", "isolation_summary", "sandbox_report"]
 
 BACKENDS = ("local", "sandbox_fusion")
 ISOLATION = ("auto", "required", "off")
@@ -31,6 +31,36 @@ log = logging.getLogger("stapo.tools")
 _probes: dict = {}  # isolate -> the isolation a probe sandbox got (or {"start_error": why})
 _reported: set = set()  # summaries already logged
 _probe_lock = threading.Lock()
+
+_LAYERS = (("network", "network namespace"), ("pid", "PID namespace"), ("read_only", "read-only file system"),
+           ("seccomp", "seccomp"), ("subreaper", "subreaper"))
+_WHY = ("landlock_error", "seccomp_error", "mount_error", "error")
+
+
+def isolation_holds(isolation: dict) -> dict:
+    """What a started sandbox's ``isolation`` keeps the code from, whichever layer does it: the
+    network (a network namespace, or seccomp's denial of every new socket), the file system (a
+    read-only mount namespace, or Landlock) and other processes (a PID namespace, or Landlock from
+    ABI 6 on, which scopes signals and abstract sockets; ptrace and /proc are denied either way)."""
+    landlock = isolation.get("landlock", 0)
+    return {"network": bool(isolation.get("network") or isolation.get("seccomp")),
+            "file system": bool(isolation.get("read_only") or landlock >= 1),
+            "other processes": bool(isolation.get("pid") or landlock >= 6)}
+
+
+def isolation_summary(isolation: dict) -> str:
+    """One line: the layers a started sandbox got, and what it is NOT isolated from (with why)."""
+    have = [name for key, name in _LAYERS if isolation.get(key)]
+    have += [f"Landlock ABI {isolation['landlock']}"] if isolation.get("landlock") else []
+    have.append(f"uid {isolation.get('uid')}")
+    if isolation.get("hidden"):
+        have.append(f"hidden: {', '.join(isolation['hidden'])}")
+    if isolation.get("writable_mounts"):
+        have.append(f"still writable: {', '.join(isolation['writable_mounts'])}")
+    lacking = [what for what, held in isolation_holds(isolation).items() if not held]
+    why = "; ".join(str(isolation[key]) for key in _WHY if isolation.get(key))
+    return ", ".join(have) + (f"; NOT isolated: {', '.join(lacking)}" if lacking else "") + (
+        f" [{why}]" if why else "")
 
 
 def _probe(isolate: bool) -> dict:

@@ -4,7 +4,7 @@
 workers of ``stapo/rewards/pool.py``: never a fork of the trainer) in a clean environment and its
 own process group: a launcher that forks the worker running the code, kills every process the code
 starts, and confines it with whatever the OS gives (namespaces, a uid of its own, Landlock, seccomp;
-``isolation_summary`` says what it got). ``run(code)`` executes one cell. The wall-clock limit is
+``Sandbox.isolation`` says what it got). ``run(code)`` executes one cell. The wall-clock limit is
 enforced here: a cell that has not answered within ``timeout_s`` is killed with everything it
 started, as is a cell that floods its output pipe. The launcher's answers are length-prefixed,
 capped and type-checked here too (``_sandbox_protocol.py``). The interpreter's own limits (CPU time,
@@ -33,7 +33,7 @@ from typing import Optional
 
 from stapo.tools import _sandbox_protocol as protocol
 
-__all__ = ["SandboxLimits", "CellResult", "Sandbox", "SandboxStartError", "isolation_holds", "isolation_summary"]
+__all__ = ["SandboxLimits", "CellResult", "Sandbox", "SandboxStartError"]
 
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 _UID_BASE, _UID_SLOTS = 1 << 20, 256  # as root, each live sandbox runs as a uid of its own
@@ -73,37 +73,6 @@ class CellResult:
 
 class SandboxStartError(RuntimeError):
     """The sandboxed interpreter could not start (its output says why)."""
-
-
-_LAYERS = (("network", "network namespace"), ("pid", "PID namespace"), ("read_only", "read-only file system"),
-           ("seccomp", "seccomp"), ("subreaper", "subreaper"))
-_WHY = ("landlock_error", "seccomp_error", "mount_error", "error")
-
-
-def isolation_holds(isolation: dict) -> dict:
-    """What a started sandbox's ``isolation`` keeps the code from, whichever layer does it: the
-    network (a network namespace, or seccomp's denial of every new socket), the file system (a
-    read-only mount namespace, or Landlock) and other processes (a PID namespace, or Landlock from
-    ABI 6 on, which scopes signals and abstract sockets; ptrace and /proc are denied either way)."""
-    landlock = isolation.get("landlock", 0)
-    return {"network": bool(isolation.get("network") or isolation.get("seccomp")),
-            "file system": bool(isolation.get("read_only") or landlock >= 1),
-            "other processes": bool(isolation.get("pid") or landlock >= 6)}
-
-
-def isolation_summary(isolation: dict) -> str:
-    """One line: the layers a started sandbox got, and what it is NOT isolated from (with why)."""
-    have = [name for key, name in _LAYERS if isolation.get(key)]
-    have += [f"Landlock ABI {isolation['landlock']}"] if isolation.get("landlock") else []
-    have.append(f"uid {isolation.get('uid')}")
-    if isolation.get("hidden"):
-        have.append(f"hidden: {', '.join(isolation['hidden'])}")
-    if isolation.get("writable_mounts"):
-        have.append(f"still writable: {', '.join(isolation['writable_mounts'])}")
-    lacking = [what for what, held in isolation_holds(isolation).items() if not held]
-    why = "; ".join(str(isolation[key]) for key in _WHY if isolation.get(key))
-    return ", ".join(have) + (f"; NOT isolated: {', '.join(lacking)}" if lacking else "") + (
-        f" [{why}]" if why else "")
 
 
 def _clean_env(workdir: str) -> dict:

@@ -358,7 +358,8 @@ def main() -> None:
         become_user(cfg["uid"], deny_user_namespaces=cfg["mode"] == "user-nouserns")
     sys.path.insert(0, str(ROOT))
     from stapo.tools import build_tool
-    from stapo.tools.sandbox import Sandbox, isolation_summary
+    from stapo.tools.python_tool import isolation_summary
+    from stapo.tools.sandbox import Sandbox
 
     with Sandbox(build_tool("python", isolation=cfg["isolation"], **LIMITS).limits) as box:
         box.start()

@@ -23,7 +23,8 @@ import pytest
 
 from stapo.tools import ToolCall, build_tool, python_tool, run_tool_calls
 from stapo.tools._sandbox_protocol import cell_cap, cell_result, take_frame
-from stapo.tools.sandbox import _UID_BASE, _UID_SLOTS, Sandbox, isolation_summary
+from stapo.tools.python_tool import isolation_summary
+from stapo.tools.sandbox import _UID_BASE, _UID_SLOTS, Sandbox
 
 LIMITS = dict(timeout_s=2.0, cpu_time_s=1.0, memory_mb=256, max_processes=8, file_size_mb=2, max_output_chars=200)
 SECRET = f"stapo-secret-{uuid.uuid4().hex}"
