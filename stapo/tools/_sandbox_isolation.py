@@ -173,16 +173,17 @@ def _writable(path: str) -> bool:
         return False
 
 
-def drop_privileges(uid: int, root: bool) -> None:
-    """A uid of our own as root (so RLIMIT_NPROC applies and root's files are out of reach), no
-    capabilities in any case, and no way back (no_new_privs: setuid binaries gain nothing)."""
+def drop_privileges(uid: int, root: bool, isolation: dict) -> None:
+    """A uid of our own as root (so RLIMIT_NPROC applies: the kernel never enforces it on root, and
+    root's files are out of reach), no capabilities in any case, and no way back (no_new_privs:
+    setuid binaries gain nothing)."""
     if root and uid:
         try:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-        except OSError:
-            pass
+        except OSError as exc:  # e.g. a container without CAP_SETUID
+            isolation["uid_error"] = f"still root: {exc.strerror}, so no process limit (it needs CAP_SETUID)"
     if os.geteuid() == 0:  # user namespace root, or a root that could not change uid: drop capabilities
 
         class Header(ctypes.Structure):

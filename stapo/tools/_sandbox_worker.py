@@ -60,7 +60,7 @@ def main(cfg: dict, isolation: dict, root: bool, requests: int, answers: int) ->
                 os.chown(target, uid, uid)
             except OSError:
                 pass
-    isolate.drop_privileges(uid, root)
+    isolate.drop_privileges(uid, root, isolation)
     isolation["uid"] = os.geteuid()
     _limit(cfg)
     if cfg["isolate"]:

@@ -34,18 +34,20 @@ _probe_lock = threading.Lock()
 
 _LAYERS = (("network", "network namespace"), ("pid", "PID namespace"), ("read_only", "read-only file system"),
            ("seccomp", "seccomp"), ("subreaper", "subreaper"))
-_WHY = ("landlock_error", "seccomp_error", "mount_error", "error")
+_WHY = ("landlock_error", "seccomp_error", "mount_error", "uid_error", "error")
 
 
 def isolation_holds(isolation: dict) -> dict:
     """What a started sandbox's ``isolation`` keeps the code from, whichever layer does it: the
     network (a network namespace, or seccomp's denial of every new socket), the file system (a
-    read-only mount namespace, or Landlock) and other processes (a PID namespace, or Landlock from
-    ABI 6 on, which scopes signals and abstract sockets; ptrace and /proc are denied either way)."""
+    read-only mount namespace, or Landlock), other processes (a PID namespace, or Landlock from ABI
+    6 on, which scopes signals and abstract sockets; ptrace and /proc are denied either way) and
+    unbounded processes (RLIMIT_NPROC, which binds any uid but a root one)."""
     landlock = isolation.get("landlock", 0)
     return {"network": bool(isolation.get("network") or isolation.get("seccomp")),
             "file system": bool(isolation.get("read_only") or landlock >= 1),
-            "other processes": bool(isolation.get("pid") or landlock >= 6)}
+            "other processes": bool(isolation.get("pid") or landlock >= 6),
+            "process count": "uid_error" not in isolation}
 
 
 def isolation_summary(isolation: dict) -> str:
@@ -222,8 +224,8 @@ class PythonTool(Tool):
 
     def _missing_isolation(self, isolation: dict) -> str:
         """What ``isolation='required'`` asks for and this sandbox lacks ('' when nothing): seccomp (no
-        sockets, no new namespaces, no ptrace), and isolation of the file system and of other processes
-        by namespaces or Landlock (docs/tools.md, "Threat model")."""
+        sockets, no new namespaces, no ptrace), isolation of the file system and of other processes by
+        namespaces or Landlock, and a process limit that binds (docs/tools.md, "Threat model")."""
         if self.isolation != "required":
             return ""
         if "start_error" in isolation:
@@ -232,5 +234,7 @@ class PythonTool(Tool):
         holds = isolation_holds(isolation)
         missing += [what for key, what in (("file system", "file-system isolation (a mount namespace or Landlock)"),
                                            ("other processes", "process isolation (a PID namespace or Landlock "
-                                                               "ABI >= 6)")) if not holds[key]]
+                                                               "ABI >= 6)"),
+                                           ("process count", "process limit (a uid of its own: CAP_SETUID)"))
+                    if not holds[key]]
         return ", ".join(missing)

@@ -244,6 +244,8 @@ def test_required_names_what_is_missing(monkeypatch):
     assert required._missing_isolation({"seccomp": True, "landlock": 5}) == \
         "process isolation (a PID namespace or Landlock ABI >= 6)"
     assert required._missing_isolation({"seccomp": True, "landlock": 6}) == ""  # a container without CAP_SYS_ADMIN
+    assert required._missing_isolation({"seccomp": True, "landlock": 7, "uid_error": "still root"}) == \
+        "process limit (a uid of its own: CAP_SETUID)"  # ... and without CAP_SETUID: RLIMIT_NPROC never binds root
     assert required._missing_isolation({"seccomp": True, "pid": True, "read_only": True}) == ""  # an old kernel, root
     assert required({"code": "print(1)"}).text == "1\n"
     monkeypatch.setattr(python_tool, "_probes", {True: {"uid": 7, "seccomp": True, "landlock": 3}})
