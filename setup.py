@@ -28,6 +28,7 @@ setup(
         "tensorboard>=2.14",
         "tokenizers>=0.19",
         "pyarrow>=14.0",
+        "pyseccomp>=0.1.2; sys_platform == 'linux'",  # the python tool's seccomp filter (libseccomp.so.2; docs/tools.md)
     ],
     extras_require={
         "vllm": ["vllm>=0.26,<0.33"],  # weight-update session read against 0.26, run on the CPU build 0.32

@@ -19,7 +19,8 @@ import statistics
 import time
 
 from stapo.tools import ToolCall, build_tool, run_tool_calls
-from stapo.tools.sandbox import Sandbox, isolation_summary
+from stapo.tools.python_tool import isolation_summary
+from stapo.tools.sandbox import Sandbox
 
 LIMITS = dict(timeout_s=2.0, cpu_time_s=1.0, memory_mb=256, max_processes=8, file_size_mb=2, max_output_chars=200)
 HOSTILE = [  # (case, code, slow: waits for a limit of seconds)

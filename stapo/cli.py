@@ -135,8 +135,7 @@ def _params_text(params: dict) -> str:
 
 def cmd_tools(args: argparse.Namespace) -> int:
     _load_user_modules(args.imports)
-    from stapo.tools import build_tool, describe_tool_parsers, describe_tools
-    from stapo.tools.sandbox import Sandbox, SandboxStartError, isolation_summary
+    from stapo.tools import describe_tool_parsers, describe_tools, sandbox_report
 
     for info in describe_tools():
         schema = info.obj.parameters
@@ -145,12 +144,7 @@ def cmd_tools(args: argparse.Namespace) -> int:
         print(f"{info.name:<16} {info.summary}")
         print(f"{'':<16} arguments: {arguments or '(none)'}")
         print(f"{'':<16} params: {_params_text(info.params)}")
-    try:  # what the python tool's sandbox gets on this machine
-        with Sandbox(build_tool("python").limits) as sandbox:
-            sandbox.start()
-            print(f"\npython sandbox on this machine: {isolation_summary(sandbox.isolation)}")
-    except SandboxStartError as exc:
-        print(f"\npython sandbox on this machine: cannot start ({exc})")
+    print(f"\n{sandbox_report()}")  # what the python tool's sandbox gets on this machine
     print("\ntool-call parsers:")
     for info in describe_tool_parsers():
         print(f"{info.name:<16} {info.summary}")

@@ -18,7 +18,18 @@ RECIPES = sorted((ROOT / "examples" / "recipes").glob("*.yaml"))
 BUILTIN_MASKS = ("none", "stapo", "prob_only", "high_entropy_low_prob", "entropy_top")
 
 
-def test_masks_lists_builtins_and_a_user_registered_mask(tmp_path, capsys):
+@pytest.fixture
+def mask_registry():
+    """The mask registry as it was before the test (a user module registers a mask in this process)."""
+    from stapo.losses.masks import MASKS
+
+    before = dict(MASKS)
+    yield
+    MASKS.clear()
+    MASKS.update(before)
+
+
+def test_masks_lists_builtins_and_a_user_registered_mask(tmp_path, capsys, mask_registry):
     user = tmp_path / "my_masks.py"
     user.write_text(
         "import torch\n"

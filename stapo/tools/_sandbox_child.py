@@ -1,36 +1,24 @@
-"""The sandboxed interpreter of the ``python`` tool: ``python -I -u _sandbox_child.py CONFIG_JSON``.
+"""The python tool's sandbox: ``python -I -u _sandbox_child.py CONFIG_JSON``, started by ``sandbox.py``
+in a clean environment and its own process group (``-I``: no PYTHONPATH, no user site, no script
+directory on the path; standard library only). This process, the launcher, forks the worker
+(``_sandbox_worker.py``, which runs the code) and stands between it and the trainer
+(docs/tools.md, "Threat model"):
 
-Run as a file with the standard library only (``-I``: no PYTHONPATH, no user site, no script
-directory on the path), by ``sandbox.py`` in a clean environment and its own process group.
-Two processes (docs/tools.md, "Threat model"):
-
-* the launcher enters new PID and network namespaces (``unshare``; as root, or through a user
-  namespace where the kernel allows one), forks the worker and waits for it, watching its own
-  parent. On SIGTERM (``Sandbox.close``), or when the trainer disappears, it kills the worker
-  — PID 1 of its namespace, whose death takes every process it started with it — reaps it and
-  exits, so no zombie is left to count against the sandbox uid's process limit (orphaned, it also
-  removes the working directory).
-* the worker enters a mount namespace of its own, makes every mount read-only, mounts an empty
-  size-capped tmpfs on the working directory and a fresh /proc, gives up root (a uid of its own,
-  or no capabilities), sets its resource limits (address space, processes, file size, CPU time,
-  open files) and then runs code cells: each request on the request pipe is one cell, run in one
-  persistent namespace (a stateful session's variables), its printed output capped; after each
-  cell every other process in the namespace is killed, and a reply goes to the reply pipe.
-
-The isolation itself is ``_sandbox_isolation.py``. Protocol (JSON lines): the worker first writes
-``{"ready": true, "isolation": {...}}``; each request ``{"code": str, "max_output_chars": m}`` is
-answered by ``{"error": bool, "cut": n, "tail": str}`` once the cell has finished: its output's
-first m characters went to fd 1 / 2 (one pipe the parent reads), n more were dropped, and the
-last m of those are ``tail``.
+* it is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every process a cell starts — double-
+  forked, ``setsid`` or not — stays its descendant: after each cell all of them but the worker are
+  killed, and all of them when the call or the episode ends (a walk of /proc, repeated until none is
+  left). Where the OS allows, it also enters new PID and network namespaces (the worker is PID 1).
+* the trainer's pipes are its alone (the worker closes them before it runs anything): it passes each
+  request on with a number, reads the worker's answer — length capped, fields type-checked, the
+  right number — stops the worker (SIGSTOP: no thread of a stateful session runs between its cells),
+  kills the rest, and only then answers the trainer. An answer that breaks those rules, or the
+  worker's death, ends the sandbox with ``{"ended": why}``.
+* on SIGTERM (``Sandbox.close``), or when the trainer disappears, it kills everything it started,
+  reaps it and exits (orphaned, it also removes the working directory).
 """
 
-import ast
-import builtins
-import io
 import json
-import linecache
 import os
-import resource
 import select
 import shutil
 import signal
@@ -38,231 +26,219 @@ import sys
 import time
 import traceback
 
-_SELF = os.path.abspath(__file__)
-sys.path.insert(0, os.path.dirname(_SELF))
-import _sandbox_isolation as isolate  # noqa: E402 - a sibling file, found through the line above
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _sandbox_isolation as isolate  # noqa: E402 - sibling files, found through the line above
+import _sandbox_protocol as protocol  # noqa: E402
+import _sandbox_worker as worker  # noqa: E402
 sys.path.pop(0)
 
 
-# ---- the launcher -------------------------------------------------------------------------------
-
-def _pidfd(pid: int):
-    """A pidfd of the worker (Linux >= 5.3): signals through it can never reach a reused pid."""
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return None
+class _Stop(Exception):
+    """SIGTERM, or the trainer is gone."""
 
 
-def _kill_worker(pid: int, pidfd) -> None:
-    try:
-        if pidfd is not None:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, OSError):
-        pass
+def _stop(signum, frame):
+    raise _Stop()
 
 
-def _wait_worker(pid: int, pidfd, parent: int) -> int:
-    """The worker's wait status; kill it if the trainer disappears first. (No threads here: a
-    process that has unshared its PID namespace cannot start any.)"""
-    while True:
-        if pidfd is not None:
-            select.select([pidfd], [], [], 0.25)
-        else:
-            time.sleep(0.05)
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        if os.getppid() != parent:  # the trainer is gone: so is the sandbox
-            _kill_worker(pid, pidfd)
+def _descendants(ancestor: int) -> list:
+    """Live (not zombie) descendants of ``ancestor``, from every process's parent in /proc."""
+    children = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fd = os.open(f"/proc/{name}/stat", os.O_RDONLY)
+            try:
+                state, ppid = os.read(fd, 512).rsplit(b")", 1)[1].split()[:2]  # after "pid (comm)"
+            finally:
+                os.close(fd)
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+        if state not in (b"Z", b"X"):
+            children.setdefault(int(ppid), []).append(int(name))
+    found, todo = [], [ancestor]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class Launcher:
+    def __init__(self, cfg: dict, pid: int, requests: int, answers: int, parent: int):
+        self.cfg, self.pid, self.requests, self.answers, self.parent = cfg, pid, requests, answers, parent
+        self.exit = None  # the worker's (wait status, rusage) once reaped
+        self.buffer = bytearray()
+        try:
+            self.pidfd = os.pidfd_open(pid)  # Linux >= 5.3: readable when the worker exits
+        except (AttributeError, OSError):
+            self.pidfd = None
+
+    def serve(self) -> None:
+        ready = self._answer(protocol.READY_CAP)
+        if ready is None or ready.get("ready") is not True or not isinstance(ready.get("isolation"), dict):
+            return self._end(self._why())
+        protocol.write_frame(self.cfg["rep_fd"], {"ready": True, "isolation": ready["isolation"]})
+        number = 0
+        while True:
+            request = self._request()
+            if request is None:
+                return
+            number += 1
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+                protocol.write_frame(self.requests, {"k": number, **request})
+            except OSError:
+                return self._end(self._why())
+            answer = self._answer(protocol.cell_cap(request["max_output_chars"]))
+            if answer is None:
+                return self._end(self._why())
+            stopped = self._stop_worker()
+            self.kill_tree(spare=self.pid)
+            result = protocol.cell_result(answer, request["max_output_chars"], number)
+            if result is None or not stopped or self._more():
+                return self._end("its answer to the sandbox was not valid (a cell wrote on the sandbox's own "
+                                 "pipe, or stopped the interpreter); it was stopped")
+            error, cut, tail = result
+            protocol.write_frame(self.cfg["rep_fd"], {"error": error, "cut": cut, "tail": tail})
+
+    def _request(self):
+        """The trainer's next request; None when it closed its pipe."""
+        while not select.select([self.cfg["req_fd"]], [], [], 1.0)[0]:
+            if os.getppid() != self.parent:
+                raise _Stop()
+        return protocol.read_frame(self.cfg["req_fd"])
+
+    def _answer(self, cap: int):
+        """The worker's next message (``{}`` when unreadable); None when it exited or closed its pipe first."""
+        while True:
+            message = protocol.take_frame(self.buffer, cap)
+            if message is not None:
+                return message
+            if self._reaped():
+                return None
+            watch = [self.answers] + ([self.pidfd] if self.pidfd is not None else [])
+            ready = select.select(watch, [], [], 0.25 if self.pidfd is not None else 0.05)[0]
+            if os.getppid() != self.parent:
+                raise _Stop()
+            if self.answers in ready:
+                chunk = os.read(self.answers, 1 << 16)
+                if not chunk:  # the worker is exiting, or closed its end: its status says which
+                    deadline = time.monotonic() + 1.0
+                    while not self._reaped() and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                    return None
+                self.buffer += chunk
+
+    def _more(self) -> bool:
+        """True when the worker wrote more than its answer (read with the worker stopped)."""
+        if self.buffer:
+            return True
+        return bool(select.select([self.answers], [], [], 0)[0])
+
+    def _stop_worker(self) -> bool:
+        """SIGSTOP the worker and wait until it has stopped (False if it exited instead)."""
+        try:
+            os.kill(self.pid, signal.SIGSTOP)
+            _, status, usage = os.wait4(self.pid, os.WUNTRACED)
+        except OSError:
+            return False
+        if not os.WIFSTOPPED(status):
+            self.exit = (status, usage)
+        return os.WIFSTOPPED(status)
+
+    def _reaped(self) -> bool:
+        if self.exit is None:
+            pid, status, usage = os.wait4(self.pid, os.WNOHANG)
+            if pid:
+                self.exit = (status, usage)
+        return self.exit is not None
+
+    def kill_tree(self, spare=None) -> None:
+        """SIGKILL every descendant but ``spare`` until none is left, and reap them (the worker too,
+        keeping its status)."""
+        for _ in range(1000):
+            victims = [pid for pid in _descendants(os.getpid()) if pid != spare]
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            while True:
+                try:
+                    pid, status, usage = os.wait4(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if not pid:
+                    break
+                if pid == self.pid and self.exit is None:
+                    self.exit = (status, usage)
+            if not victims:
+                return
+            time.sleep(0.001)
+
+    def _why(self) -> str:
+        """Why the worker is gone, from its wait status and CPU time (killed first if it is not)."""
+        if self.exit is None:
+            self.kill_tree()
+            return "the interpreter stopped answering (it closed the sandbox's pipe); it was stopped"
+        status, usage = self.exit
+        if os.WIFEXITED(status):
+            return f"the interpreter exited (code {os.WEXITSTATUS(status)})"
+        signo, hard = os.WTERMSIG(status), worker.cpu_hard_limit(self.cfg)
+        cpu = usage.ru_utime + usage.ru_stime if usage is not None else 0.0
+        name = signal.Signals(signo).name if signo in signal.valid_signals() else f"signal {signo}"
+        if signo == signal.SIGXCPU or (signo == signal.SIGKILL and cpu >= hard - 0.5):
+            limit = (f"the session's CPU time limit of {hard} s ({worker.SESSION_CPU_CELLS} cells' worth)"
+                     if self.cfg["stateful"] and signo == signal.SIGKILL else
+                     f"its CPU time limit of {self.cfg['cpu_time_s']:g} s")
+            return f"the interpreter was killed by {name}: over {limit}"
+        return f"the interpreter was killed by {name}"
+
+    def _end(self, why: str) -> None:
+        self.kill_tree()
+        try:
+            protocol.write_frame(self.cfg["rep_fd"], {"ended": why})
+        except OSError:
+            pass
 
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the worker exists (then: kill it, reap it, exit)
+    signal.signal(signal.SIGTERM, _stop)
+    isolate.call("prctl", isolate.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     root = os.geteuid() == 0
     isolation = isolate.unshare(root) if cfg["isolate"] else {}
+    isolation["subreaper"] = True
+    code_r, code_w = os.pipe()
+    answer_r, answer_w = os.pipe()
     parent = os.getppid()
-    pid = os.fork()
+    pid = os.fork()  # the only fork: after unshare(CLONE_NEWPID) the first child is PID 1 of the namespace
     if pid == 0:
         try:
-            _worker(cfg, isolation, root)
+            for fd in (cfg["req_fd"], cfg["rep_fd"], code_w, answer_r):  # the trainer's pipes stay out of reach
+                os.close(fd)
+            worker.main(cfg, isolation, root, code_r, answer_w)
+        except BaseException:  # noqa: BLE001 - a failed setup: fd 2 is still the trainer's output pipe
+            traceback.print_exc()
         finally:
             os._exit(70)
-    pidfd = _pidfd(pid)
-    signal.signal(signal.SIGTERM, lambda signum, frame: _kill_worker(pid, pidfd))
-    os.close(cfg["req_fd"])
-    os.close(cfg["rep_fd"])
+    os.close(code_r)
+    os.close(answer_w)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
-    status = _wait_worker(pid, pidfd, parent)
-    if os.getppid() != parent:  # orphaned: nobody else will remove the working directory
-        shutil.rmtree(cfg["workdir"], ignore_errors=True)
-    os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
-
-
-# ---- the worker -----------------------------------------------------------------------------------
-
-def _limit(cfg: dict) -> None:
-    mb = 1024 * 1024
-    cpu = max(1, round(cfg["cpu_time_s"]))  # RLIMIT_CPU counts whole seconds
-    # a one-call process is killed one second past its limit; a session's hard limit cannot be
-    # raised again without CAP_SYS_RESOURCE, so only its soft limit is renewed per cell (_serve)
-    limits = [(resource.RLIMIT_CPU, cpu, resource.RLIM_INFINITY if cfg["stateful"] else cpu + 1),
-              (resource.RLIMIT_CORE, 0, 0),
-              (resource.RLIMIT_FSIZE, cfg["file_size_mb"] * mb, cfg["file_size_mb"] * mb),
-              (resource.RLIMIT_NPROC, cfg["max_processes"], cfg["max_processes"]),
-              (resource.RLIMIT_NOFILE, 256, 256), (resource.RLIMIT_AS, cfg["memory_mb"] * mb, cfg["memory_mb"] * mb)]
-    for which, soft, hard in limits:
-        _, old_hard = resource.getrlimit(which)
-        if old_hard != resource.RLIM_INFINITY:
-            soft, hard = min(soft, old_hard), min(old_hard if hard == resource.RLIM_INFINITY else hard, old_hard)
-        resource.setrlimit(which, (soft, hard))
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over the file-size limit: an OSError, not a kill
-    seconds = cfg["cpu_time_s"]
-
-    def over_cpu(signum, frame):  # the soft limit: the cell fails, the session lives; the hard limit kills
-        raise CPUTimeLimitExceeded(f"the cell used more than its CPU time limit of {seconds:g} s")
-
-    signal.signal(signal.SIGXCPU, over_cpu)  # PID 1 of a namespace ignores signals it has no handler for
-
-
-class CPUTimeLimitExceeded(BaseException):
-    """Raised in a cell at its CPU time limit (RLIMIT_CPU's SIGXCPU); a second later it is killed."""
-
-
-def _worker(cfg: dict, isolation: dict, root: bool) -> None:
-    os.setsid()  # a session of its own: the cell's kill(0, ...) or killpg cannot reach the launcher
-    uid = cfg["uid"] if root else 0
-    if isolation.get("pid"):
-        try:
-            isolate.isolate_files(cfg, isolation, uid)
-        except OSError as exc:  # e.g. a seccomp profile that forbids mount: network and PID isolation only
-            isolation["read_only"], isolation["mount_error"] = False, str(exc)
-    os.chdir(cfg["workdir"])
-    if root and uid:  # the output pipe (for /dev/stdout) and, without its tmpfs, the working directory
-        for target in [1] if isolation.get("workdir_tmpfs") else [1, cfg["workdir"]]:
-            try:
-                os.chown(target, uid, uid)
-            except OSError:
-                pass
-    isolate.drop_privileges(uid, root)
-    isolation["uid"] = os.geteuid()
-    _limit(cfg)
-    reply = os.fdopen(cfg["rep_fd"], "w")
-    reply.write(json.dumps({"ready": True, "isolation": isolation}) + "\n")
-    reply.flush()
-    _serve(os.fdopen(cfg["req_fd"], "r"), reply, cfg["cpu_time_s"], namespaced=bool(isolation.get("pid")))
-
-
-# ---- the worker: code cells ---------------------------------------------------------------------
-
-class _Budget:
-    """One cell's output: the first ``size`` characters go to the fd, the rest is counted and its
-    last ``size`` characters kept (the end of a traceback matters most)."""
-
-    def __init__(self, size: int = 0):
-        self.left, self.size, self.dropped, self.tail = size, size, 0, ""
-
-
-class _Capped(io.TextIOBase):
-    """sys.stdout / sys.stderr, sharing one ``_Budget``: writes straight to the fd until it is spent."""
-
-    def __init__(self, fd: int, budget: list):
-        self.fd, self.budget = fd, budget  # budget[0]: this cell's _Budget
-
-    def write(self, s: str) -> int:
-        if not isinstance(s, str):
-            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
-        budget = self.budget[0]
-        keep = s[:max(budget.left, 0)]
-        budget.left -= len(keep)
-        if len(s) > len(keep):
-            budget.dropped += len(s) - len(keep)
-            budget.tail = (budget.tail + s[len(keep):])[-budget.size:]
-        data = keep.encode("utf-8", "backslashreplace")
-        while data:
-            data = data[os.write(self.fd, data):]
-        return len(s)
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self.fd
-
-    @property
-    def encoding(self) -> str:
-        return "utf-8"
-
-
-def _run_cell(code: str, scope: dict, name: str, me: int) -> bool:
-    """Execute one cell in ``scope``; print the value of a final expression (as a REPL does) and
-    the traceback of an exception. True when the cell failed. A process the cell forked that
-    comes back here exits at once: only the worker itself may answer."""
-    linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+    launcher = Launcher(cfg, pid, code_w, answer_r, parent)
     try:
-        tree = ast.parse(code, name, "exec")
-        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        exec(compile(tree, name, "exec"), scope)
-        if last is not None:
-            value = eval(compile(ast.Expression(last.value), name, "eval"), scope)
-            if value is not None:
-                print(repr(value))
-        return False
-    except SystemExit as exc:
-        return exc.code not in (None, 0)
-    except BaseException:  # noqa: BLE001 - the user's error is the cell's output
-        if os.getpid() != me:
-            os._exit(1)
-        report = traceback.TracebackException(*sys.exc_info())
-        report.stack = traceback.StackSummary.from_list([f for f in report.stack if f.filename != _SELF])
-        sys.stderr.write("".join(report.format()))  # the cell's and libraries' frames, not the sandbox's
-        return True
-    finally:
-        if os.getpid() != me:
-            os._exit(0)
-
-
-def _reap_others() -> None:
-    """Kill every other process of the namespace (background work does not outlive its cell)."""
-    try:
-        os.kill(-1, signal.SIGKILL)
-    except OSError:
+        launcher.serve()
+    except (_Stop, OSError):
         pass
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                break
-        except ChildProcessError:
-            break
-
-
-def _renew_cpu(seconds: float) -> None:
-    """Soft RLIMIT_CPU at what this process used so far plus one cell's ``seconds``."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    soft = max(1, round(usage.ru_utime + usage.ru_stime + seconds))
-    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
-
-
-def _serve(requests, reply, cpu_time_s: float, namespaced: bool) -> None:
-    me, budget = os.getpid(), [_Budget()]
-    sys.stdout, sys.stderr = _Capped(1, budget), _Capped(2, budget)
-    scope = {"__name__": "__main__", "__builtins__": builtins}
-    for number, line in enumerate(requests):
-        request = json.loads(line)
-        budget[0] = _Budget(request["max_output_chars"])
-        _renew_cpu(cpu_time_s)
-        failed = _run_cell(request["code"], scope, f"<cell {number}>", me)
-        if namespaced and me == 1:
-            _reap_others()
-        reply.write(json.dumps({"error": failed, "cut": budget[0].dropped, "tail": budget[0].tail}) + "\n")
-        reply.flush()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        launcher.kill_tree()
+        if os.getppid() != parent:  # orphaned: nobody else will remove the working directory
+            shutil.rmtree(cfg["workdir"], ignore_errors=True)
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""Isolation of the python tool's sandbox (run inside ``_sandbox_child.py``; standard library only).
+"""Namespaces, mounts and privileges of the python tool's sandbox (run inside ``_sandbox_child.py``;
+standard library only).
 
 ``unshare`` puts the launcher in new PID and network namespaces (through a user namespace when it
-is not root); ``isolate_files`` gives the worker a mount namespace of its own with a read-only
-view of every mount, home directories hidden, a /dev of five harmless devices, an empty
-size-capped tmpfs as its working directory and a /proc of its own; ``drop_privileges`` leaves it
-a uid of its own (or root of its user namespace) without capabilities. docs/tools.md, "Threat
-model", says what each one stops.
+is not root); the worker then makes every mount of a mount namespace of its own read-only
+(``read_only_mounts``), opens its interpreter's directories (``reach_interpreter``: the import path
+goes through those descriptors, so a closed home above a venv needs no bind mount and the directories
+stay read-only) and hides what it does not need (``hide_and_mount``: empty read-only tmpfs over
+/root, /home, /tmp, /run and closed directories, a /dev of five devices, a fresh /proc, an empty
+tmpfs working directory). ``drop_privileges`` leaves a uid of its own (or root of its user
+namespace) without capabilities. docs/tools.md, "Threat model", says what each one stops.
 """
 
 import ctypes
@@ -20,7 +23,9 @@ MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME 
     0x20, 0x400, 0x800, 0x1000, 0x4000, 0x40000, 0x200000)
 _KEEP_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
                "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}  # locked in a user namespace
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
+DEVICES = ("null", "zero", "full", "random", "urandom")
+HIDDEN = ("/root", "/home", "/tmp", "/run", "/var/run")  # empty in the mount namespace
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -38,8 +43,8 @@ def call(name, *args):
 
 def unshare(root: bool) -> dict:
     """Enter new PID (for the children) and network namespaces; the namespaces entered ({} where
-    not allowed). The mount namespace is the worker's alone (``isolate_files``): the launcher keeps
-    the trainer's view of the file system, to remove the working directory if it is orphaned."""
+    not allowed). The mount namespace is the worker's alone: the launcher keeps the trainer's view
+    of the file system, to remove the working directory if it is orphaned."""
     flags = CLONE_NEWPID | CLONE_NEWNET | (0 if root else CLONE_NEWUSER)
     uid, gid = os.getuid(), os.getgid()
     try:
@@ -50,7 +55,8 @@ def unshare(root: bool) -> dict:
                 with open(f"/proc/self/{path}", "w") as f:
                     f.write(text)
     except OSError as exc:
-        return {"error": str(exc)}
+        needs = "CAP_SYS_ADMIN" if root else "unprivileged user namespaces"
+        return {"error": f"no namespaces: {exc.strerror} (they need {needs})"}
     return {"user_namespace": not root, "network": True, "pid": True}
 
 
@@ -75,70 +81,85 @@ def closed_ancestor(path: str):
     return None
 
 
-def hide_homes(isolation: dict) -> None:
-    """Empty read-only tmpfs over /root and /home (keys, tokens, caches stay out of reach) and over
-    any closed directory the interpreter lives under; then the interpreter's own directories
-    (prefixes and import path) bound back at their paths, so the sandbox's uid can import them."""
-    own = {os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, *sys.path] if p and os.path.exists(p)}
-    own = sorted(p for p in own if not any(p != q and p.startswith(q + "/") for q in own))
-    tops = {t for t in ("/root", "/home") if os.path.isdir(t)}
-    tops |= {c for c in map(closed_ancestor, own) if c}
-    tops = {t for t in tops if not any(t != u and t.startswith(u + "/") for u in tops)}
-    keep = {p: os.open(p, os.O_PATH) for p in own if any(p.startswith(t + "/") for t in tops)}
-    for top in sorted(tops):
-        call("mount", b"tmpfs", top.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755")
-    for path, fd in keep.items():
-        os.makedirs(path if os.path.isdir(f"/proc/self/fd/{fd}") else os.path.dirname(path), 0o755, exist_ok=True)
-        if not os.path.isdir(f"/proc/self/fd/{fd}"):
-            open(path, "a").close()  # a zip on the import path: a file to bind onto
-        call("mount", f"/proc/self/fd/{fd}".encode(), path.encode(), None, MS_BIND | MS_REC, None)
-        os.close(fd)
-    isolation["hidden"] = sorted(tops)
-
-
-def minimal_dev() -> None:
-    """A /dev with null, zero, full, random and urandom only: no GPUs, disks or terminals."""
-    keep = {n: os.open(f"/dev/{n}", os.O_PATH) for n in ("null", "zero", "full", "random", "urandom")
-            if os.path.exists(f"/dev/{n}")}
-    call("mount", b"tmpfs", b"/dev", b"tmpfs", MS_NOSUID | MS_NOEXEC, b"size=64k,mode=0755")
-    for name, fd in keep.items():
-        open(f"/dev/{name}", "w").close()
-        call("mount", f"/proc/self/fd/{fd}".encode(), f"/dev/{name}".encode(), None, MS_BIND, None)
-        os.close(fd)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, f"/dev/{name}")
-
-
-def isolate_files(cfg: dict, isolation: dict, uid: int) -> None:
-    """Home directories hidden; a minimal /dev; everything read-only; an empty tmpfs of
-    file_size_mb on the working directory; a fresh /proc that shows the namespace's processes only."""
+def read_only_mounts(isolation: dict) -> None:
+    """A mount namespace of our own with every mount remounted read-only (before anything is opened
+    or hidden, so that descriptors and covered mounts are read-only too)."""
     call("unshare", CLONE_NEWNS)
     call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
-    hide_homes(isolation)
-    try:
-        minimal_dev()
-        isolation["devices"] = True
-    except OSError:
-        isolation["devices"] = False
     failed = []
     for point, options in _mounts():
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        flags |= sum(bit for name, bit in _KEEP_FLAGS.items() if name in options)
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | sum(bit for name, bit in _KEEP_FLAGS.items() if name in options)
         try:
             call("mount", None, point, None, flags, None)
         except OSError:
             failed.append(point.decode(errors="replace"))
-    workdir = cfg["workdir"].encode()
+    isolation["failed_mounts"] = failed
+
+
+def reach_interpreter() -> dict:
+    """``{directory: O_PATH descriptor}`` of the interpreter's prefixes and import path. Entries of
+    ``sys.path`` (and of the loaded packages' ``__path__``) under a closed directory or one of
+    ``HIDDEN``, which are hidden next, become ``/proc/self/fd/N/...``: the sandbox's uid imports
+    through the descriptor without entering what lies above it."""
+    own = {os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, *sys.path] if p and os.path.exists(p)}
+    tops = sorted(p for p in own if not any(p != q and p.startswith(q + "/") for q in own))
+    fds = {top: os.open(top, os.O_PATH) for top in tops}
+    hidden = {t for t in tops if closed_ancestor(t) or t.startswith(tuple(h + "/" for h in HIDDEN))}
+
+    def through(path: str) -> str:
+        real = os.path.realpath(path) if path else ""
+        top = next((t for t in hidden if real == t or real.startswith(t + "/")), None)
+        return f"/proc/self/fd/{fds[top]}{real[len(top):]}" if top else path
+
+    sys.path[:] = [through(p) for p in sys.path]
+    for module in list(sys.modules.values()):
+        if isinstance(getattr(module, "__path__", None), list):  # encodings.idna, json.tool, ... import later
+            module.__path__[:] = [through(p) for p in module.__path__]
+    return fds
+
+
+def _tmpfs(path: str, options: str, inside: str = "") -> None:
+    """An empty read-only tmpfs on ``path`` (with the directory ``inside`` made in it first)."""
+    call("mount", b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode())
+    if inside:
+        os.makedirs(inside, 0o755, exist_ok=True)
+    call("mount", None, path.encode(), None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, options.encode())
+
+
+def hide_and_mount(cfg: dict, isolation: dict, uid: int, interpreter: dict) -> None:
+    """Empty read-only tmpfs over /root, /home, /tmp, /run (/var/run) and closed directories above the
+    interpreter; a /dev of ``DEVICES``; a fresh /proc; an empty tmpfs of file_size_mb on the working
+    directory (made again inside a hidden /tmp)."""
+    workdir = cfg["workdir"]
+    tops = {t for t in HIDDEN if os.path.isdir(t) and not os.path.islink(t)}
+    tops |= {c for c in map(closed_ancestor, interpreter) if c}
+    tops = {t for t in tops if not any(t != u and t.startswith(u + "/") for u in tops)}
+    for top in sorted(tops):
+        _tmpfs(top, "size=1m,mode=0755", workdir if workdir.startswith(top + "/") else "")
+    isolation["hidden"] = sorted(tops)
+    try:
+        keep = {n: os.open(f"/dev/{n}", os.O_PATH) for n in DEVICES if os.path.exists(f"/dev/{n}")}
+        call("mount", b"tmpfs", b"/dev", b"tmpfs", MS_NOSUID | MS_NOEXEC, b"size=64k,mode=0755")
+        for name, fd in keep.items():
+            open(f"/dev/{name}", "w").close()
+            call("mount", f"/proc/self/fd/{fd}".encode(), f"/dev/{name}".encode(), None, MS_BIND, None)
+            os.close(fd)
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                             ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+            os.symlink(target, f"/dev/{name}")
+        call("mount", None, b"/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC, b"size=64k,mode=0755")
+        isolation["devices"] = True
+    except OSError:
+        isolation["devices"] = False
     data = f"size={cfg['file_size_mb']}m,mode=0700,uid={uid},gid={uid}".encode()
-    call("mount", b"tmpfs", workdir, b"tmpfs", MS_NOSUID | MS_NODEV, data)
+    call("mount", b"tmpfs", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, data)
     isolation["workdir_tmpfs"] = True
     try:
         call("mount", b"proc", b"/proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
         isolation["proc"] = True
     except OSError:
         isolation["proc"] = False
-    writable = [p for p in dict.fromkeys(failed) if _writable(p)]  # not shadowed by a mount made above
+    writable = [p for p in dict.fromkeys(isolation.pop("failed_mounts", [])) if _writable(p)]  # not shadowed
     isolation["read_only"] = not _writable("/") and "/" not in writable
     if writable:
         isolation["writable_mounts"] = writable
@@ -152,16 +173,17 @@ def _writable(path: str) -> bool:
         return False
 
 
-def drop_privileges(uid: int, root: bool) -> None:
-    """A uid of our own as root (so RLIMIT_NPROC applies and root's files are out of reach), no
-    capabilities in any case, and no way back (no_new_privs: setuid binaries gain nothing)."""
+def drop_privileges(uid: int, root: bool, isolation: dict) -> None:
+    """A uid of our own as root (so RLIMIT_NPROC applies: the kernel never enforces it on root, and
+    root's files are out of reach), no capabilities in any case, and no way back (no_new_privs:
+    setuid binaries gain nothing)."""
     if root and uid:
         try:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-        except OSError:
-            pass
+        except OSError as exc:  # e.g. a container without CAP_SETUID
+            isolation["uid_error"] = f"still root: {exc.strerror}, so no process limit (it needs CAP_SETUID)"
     if os.geteuid() == 0:  # user namespace root, or a root that could not change uid: drop capabilities
 
         class Header(ctypes.Structure):

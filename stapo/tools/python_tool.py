@@ -2,15 +2,18 @@
 
 Locally (``backend="local"``, the default) each call is a fresh interpreter process with CPU
 time, memory, process-count, file-size and output limits, an empty temporary working directory,
-a clean environment and, where the OS allows, no network, a read-only file system and no view of
-other processes (``sandbox.py``); with ``stateful=True`` one interpreter serves all the calls of an
-episode (its session), so variables persist, and a call that kills it (a timeout, a limit) starts
-the next one afresh. ``backend="sandbox_fusion"`` sends each call to a SandboxFusion service at
-``url`` instead (``sandbox_fusion.py``; stateless).
+a clean environment and every isolation layer the OS allows (``sandbox.py``; docs/tools.md,
+"Threat model"): what it got is logged once and told to the policy in the tool's description
+(network or not); ``isolation="required"`` refuses to start without seccomp and file-system and
+process isolation (namespaces or Landlock). With ``stateful=True`` one interpreter serves all the
+calls of an episode (its session), so variables persist, and a call that kills it (a timeout, a
+limit) starts the next one afresh. ``backend="sandbox_fusion"`` sends each call to a SandboxFusion
+service at ``url`` instead (``sandbox_fusion.py``; stateless).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -19,11 +22,83 @@ from stapo.tools.base import Tool, ToolError, ToolSession, register_tool
 from stapo.tools.sandbox import Sandbox, SandboxLimits, SandboxStartError
 from stapo.tools.sandbox_fusion import run_code
 
-__all__ = ["PythonTool", "PythonSession"]
+__all__ = ["PythonTool", "PythonSession", "isolation_holds", "isolation_summary", "sandbox_report"]
 
 BACKENDS = ("local", "sandbox_fusion")
 ISOLATION = ("auto", "required", "off")
 _RESTARTED = "the interpreter was stopped: the next call starts a new one, without the variables of earlier calls"
+log = logging.getLogger("stapo.tools")
+_probes: dict = {}  # isolate -> the isolation a probe sandbox got (or {"start_error": why})
+_reported: set = set()  # summaries already logged
+_probe_lock = threading.Lock()
+
+_LAYERS = (("network", "network namespace"), ("pid", "PID namespace"), ("read_only", "read-only file system"),
+           ("seccomp", "seccomp"), ("subreaper", "subreaper"))
+_WHY = ("landlock_error", "seccomp_error", "mount_error", "uid_error", "error")
+
+
+def isolation_holds(isolation: dict) -> dict:
+    """What a started sandbox's ``isolation`` keeps the code from, whichever layer does it: the
+    network (a network namespace, or seccomp's denial of every new socket), the file system (a
+    read-only mount namespace, or Landlock), other processes (a PID namespace, or Landlock from ABI
+    6 on, which scopes signals and abstract sockets; ptrace and /proc are denied either way) and
+    unbounded processes (RLIMIT_NPROC, which binds any uid but a root one)."""
+    landlock = isolation.get("landlock", 0)
+    return {"network": bool(isolation.get("network") or isolation.get("seccomp")),
+            "file system": bool(isolation.get("read_only") or landlock >= 1),
+            "other processes": bool(isolation.get("pid") or landlock >= 6),
+            "process count": "uid_error" not in isolation}
+
+
+def isolation_summary(isolation: dict) -> str:
+    """One line: the layers a started sandbox got, and what it is NOT isolated from (with why)."""
+    have = [name for key, name in _LAYERS if isolation.get(key)]
+    have += [f"Landlock ABI {isolation['landlock']}"] if isolation.get("landlock") else []
+    have.append(f"uid {isolation.get('uid')}")
+    if isolation.get("hidden"):
+        have.append(f"hidden: {', '.join(isolation['hidden'])}")
+    if isolation.get("writable_mounts"):
+        have.append(f"still writable: {', '.join(isolation['writable_mounts'])}")
+    lacking = [what for what, held in isolation_holds(isolation).items() if not held]
+    why = "; ".join(str(isolation[key]) for key in _WHY if isolation.get(key))
+    return ", ".join(have) + (f"; NOT isolated: {', '.join(lacking)}" if lacking else "") + (
+        f" [{why}]" if why else "")
+
+
+def _probe(isolate: bool) -> dict:
+    """What a sandbox gets on this machine: one probe per process and setting, reported once."""
+    with _probe_lock:
+        if isolate not in _probes:
+            try:
+                with Sandbox(SandboxLimits(isolate=isolate)) as sandbox:
+                    sandbox.start()
+                    _probes[isolate] = sandbox.isolation
+            except SandboxStartError as exc:
+                _probes[isolate] = {"start_error": str(exc)}
+    if "start_error" not in _probes[isolate]:
+        _report(_probes[isolate])
+    return _probes[isolate]
+
+
+def _report(isolation: dict) -> None:
+    """Log what a sandbox got the first time it is seen (whatever its uid; a warning when something is
+    missing): once per process, and again only if a later sandbox gets less."""
+    seen = isolation_summary({key: value for key, value in isolation.items() if key != "uid"})
+    with _probe_lock:
+        if seen in _reported:
+            return
+        _reported.add(seen)
+    level = log.info if all(isolation_holds(isolation).values()) else log.warning
+    level("python sandbox: %s", isolation_summary(isolation))
+
+
+def sandbox_report() -> str:
+    """``stapo tools``' line: what the python tool's sandbox gets on this machine."""
+    found = _probe(True)
+    if "start_error" in found:
+        return f"python sandbox on this machine: cannot start ({found['start_error']})"
+    return f"python sandbox on this machine: {isolation_summary(found)}"
+
 
 
 class PythonSession:
@@ -50,10 +125,10 @@ class PythonSession:
 @register_tool("python")
 @dataclass
 class PythonTool(Tool):
-    """Run Python code in a sandboxed process (limits, clean env, no network); returns its output."""
+    """Run Python code in a sandboxed process (limits, clean env, isolated where the OS allows); returns its output."""
 
     description = ("Run Python code and return what it prints (stdout and stderr; the value of a final "
-                   "expression is printed too). No network; files may be written in the working directory only.")
+                   "expression is printed too).")
     parameters = {"type": "object", "properties": {"code": {"type": "string", "description": "Python source to run"}},
                   "required": ["code"], "additionalProperties": False}
 
@@ -64,7 +139,7 @@ class PythonTool(Tool):
     max_processes: int = 16  # processes + threads the code may run at once (RLIMIT_NPROC, see docs)
     file_size_mb: int = 16  # largest file and total size of the working directory
     stateful: bool = False  # one interpreter per episode (open_session), variables kept across calls
-    isolation: str = "auto"  # namespaces where the OS allows them; "required": refuse without; "off"
+    isolation: str = "auto"  # every layer the OS allows; "required": refuse without the minimum; "off": limits only
     startup_timeout_s: float = 30.0  # for the interpreter to start (not counted in timeout_s)
     backend: str = "local"  # "local" or "sandbox_fusion" (a SandboxFusion service at url)
     url: str = ""  # SandboxFusion's base URL, e.g. http://sandbox:8080
@@ -83,6 +158,11 @@ class PythonTool(Tool):
         for name in ("cpu_time_s", "memory_mb", "max_processes", "file_size_mb", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"python tool: {name} must be > 0, got {getattr(self, name)!r}")
+        local_required = self.backend == "local" and self.isolation == "required"
+        missing = self._missing_isolation(_probe(True)) if local_required else ""
+        if missing:  # at start (config validation, the trainer), not as an error in every episode
+            raise ValueError(f"python tool: isolation='required' but this machine gives the sandbox no {missing}; "
+                             "docs/tools.md, \"Threat model\", says what each mode needs")
 
     @property
     def limits(self) -> SandboxLimits:
@@ -95,7 +175,14 @@ class PythonTool(Tool):
         return self.timeout_s + self.startup_timeout_s + 5.0
 
     def schema(self) -> dict:
+        """The description tells the policy what this machine's sandbox really allows."""
         entry = super().schema()
+        if self.backend == "local":
+            holds = isolation_holds(_probe(self.limits.isolate))
+            entry["function"]["description"] += (" No network access." if holds["network"] else
+                                                 " Network access is not blocked.")
+            entry["function"]["description"] += (" Files may be written in the working directory only."
+                                                 if holds["file system"] else "")
         if self.stateful:
             entry["function"]["description"] += " Variables and imports persist across calls in this conversation."
         return entry
@@ -121,11 +208,12 @@ class PythonTool(Tool):
                 sandbox.start()
         except SandboxStartError as exc:
             raise ToolError(str(exc)) from None
+        _report(sandbox.isolation)
         missing = self._missing_isolation(sandbox.isolation)
         if missing:
             sandbox.close()
-            raise ToolError(f"python tool: isolation='required' but this system gives no {missing}; "
-                            "see docs/tools.md (isolation='auto' runs with the resource limits only)")
+            raise ToolError(f"python tool: isolation='required' but this sandbox got no {missing}; "
+                            "docs/tools.md, \"Threat model\", says what each mode needs")
         result = sandbox.run(code)
         text = result.text
         if result.ended:
@@ -135,8 +223,18 @@ class PythonTool(Tool):
         return text
 
     def _missing_isolation(self, isolation: dict) -> str:
-        """What ``isolation='required'`` asks for and this sandbox lacks ('' when nothing)."""
+        """What ``isolation='required'`` asks for and this sandbox lacks ('' when nothing): seccomp (no
+        sockets, no new namespaces, no ptrace), isolation of the file system and of other processes by
+        namespaces or Landlock, and a process limit that binds (docs/tools.md, "Threat model")."""
         if self.isolation != "required":
             return ""
-        wanted = {"network": "network namespace", "pid": "PID namespace", "read_only": "read-only file system"}
-        return ", ".join(what for key, what in wanted.items() if not isolation.get(key))
+        if "start_error" in isolation:
+            return f"sandbox at all: {isolation['start_error']}"
+        missing = [] if isolation.get("seccomp") else [f"seccomp filter ({isolation.get('seccomp_error', '')})"]
+        holds = isolation_holds(isolation)
+        missing += [what for key, what in (("file system", "file-system isolation (a mount namespace or Landlock)"),
+                                           ("other processes", "process isolation (a PID namespace or Landlock "
+                                                               "ABI >= 6)"),
+                                           ("process count", "process limit (a uid of its own: CAP_SETUID)"))
+                    if not holds[key]]
+        return ", ".join(missing)

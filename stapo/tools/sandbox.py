@@ -1,13 +1,14 @@
 """One sandboxed Python interpreter, from the trainer's side (docs/tools.md, "Threat model").
 
 ``Sandbox(limits)`` starts ``_sandbox_child.py`` — a fresh interpreter (fork+exec, as the reward
-workers of ``stapo/rewards/pool.py``: never a fork of the trainer), in a clean environment, its
-own process group and, where the OS allows, its own mount, PID and network namespaces — and
-``run(code)`` executes one cell in it. The wall-clock limit is enforced here: a cell that has not
-answered within ``timeout_s`` is killed with everything it started (the launcher kills the
-worker, PID 1 of its namespace; its process group is SIGKILLed if the launcher does not exit),
-as is a cell that floods its output pipe. The interpreter's own limits (CPU time, memory,
-processes, file size) are set inside it.
+workers of ``stapo/rewards/pool.py``: never a fork of the trainer) in a clean environment and its
+own process group: a launcher that forks the worker running the code, kills every process the code
+starts, and confines it with whatever the OS gives (namespaces, a uid of its own, Landlock, seccomp;
+``Sandbox.isolation`` says what it got). ``run(code)`` executes one cell. The wall-clock limit is
+enforced here: a cell that has not answered within ``timeout_s`` is killed with everything it
+started, as is a cell that floods its output pipe. The launcher's answers are length-prefixed,
+capped and type-checked here too (``_sandbox_protocol.py``). The interpreter's own limits (CPU time,
+memory, processes, file size) are set inside it.
 
 A ``Sandbox`` lives as long as its owner keeps it: one call (the stateless ``python`` tool) or
 one episode (a stateful session). ``close()`` — or the finalizer at exit — kills it and removes
@@ -30,7 +31,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["SandboxLimits", "CellResult", "Sandbox", "SandboxStartError", "isolation_summary"]
+from stapo.tools import _sandbox_protocol as protocol
+
+__all__ = ["SandboxLimits", "CellResult", "Sandbox", "SandboxStartError"]
 
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 _UID_BASE, _UID_SLOTS = 1 << 20, 256  # as root, each live sandbox runs as a uid of its own
@@ -48,7 +51,7 @@ class SandboxLimits:
     file_size_mb: int = 16  # largest file, and the working directory's size (RLIMIT_FSIZE, tmpfs)
     max_output_chars: int = 2000  # printed characters kept per cell
     startup_timeout_s: float = 30.0  # for the interpreter to start (not part of timeout_s)
-    isolate: bool = True  # enter namespaces where the OS allows it
+    isolate: bool = True  # every isolation layer the OS allows (False: limits, process clean-up and the protocol only)
 
     @property
     def max_output_bytes(self) -> int:
@@ -72,22 +75,6 @@ class SandboxStartError(RuntimeError):
     """The sandboxed interpreter could not start (its output says why)."""
 
 
-_ISOLATION = {"network": ("no network", "network"), "pid": ("own PID namespace", "other processes"),
-              "read_only": ("read-only file system", "file system")}
-
-
-def isolation_summary(isolation: dict) -> str:
-    """One line: what a started sandbox's ``isolation`` holds, and what it does not."""
-    have = [yes for key, (yes, _) in _ISOLATION.items() if isolation.get(key)]
-    have.append(f"uid {isolation.get('uid')}")
-    if isolation.get("hidden"):
-        have.append(f"hidden: {', '.join(isolation['hidden'])}")
-    if isolation.get("writable_mounts"):
-        have.append(f"still writable: {', '.join(isolation['writable_mounts'])}")
-    lacking = [no for key, (_, no) in _ISOLATION.items() if not isolation.get(key)]
-    return ", ".join(have) + (f"; NOT isolated: {', '.join(lacking)} (resource limits only)" if lacking else "")
-
-
 def _clean_env(workdir: str) -> dict:
     """The sandbox's whole environment: no secrets, tokens or paths of the trainer's."""
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
@@ -109,27 +96,44 @@ def _release_uid(uid: int) -> None:
         _uid_users[slot] = max(0, _uid_users[slot] - 1)
 
 
-def _kill_group(proc: subprocess.Popen, owner: int) -> None:
-    """End a sandbox: SIGTERM asks the launcher to kill and reap the worker (and with it its PID
-    namespace); if the launcher does not exit within a second, SIGKILL its process group (the
-    worker, in a session of its own, follows by PDEATHSIG)."""
-    if os.getpid() != owner:  # a forked copy of the trainer must not kill its parent's sandboxes
+def _kill_group(proc: subprocess.Popen, owner: int, uid: int) -> None:
+    """End a sandbox: SIGTERM asks the launcher to kill and reap everything it started; if it has
+    not exited within a second, SIGKILL its process group (the worker follows by PDEATHSIG) and,
+    as root, every process of the sandbox's own uid."""
+    if os.getpid() != owner or proc.poll() is not None:  # a forked copy of the trainer leaves its parent's alone
         return
-    for signo, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 10.0)):
-        if proc.poll() is not None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=1.0)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+    for _ in range(50 if uid else 0):  # what the launcher left: by uid (processes can fork meanwhile)
+        found = [pid for pid in filter(str.isdigit, os.listdir("/proc")) if _real_uid(pid) == uid]
+        for pid in found:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
+        if not found:
             return
-        try:
-            os.killpg(proc.pid, signo) if signo == signal.SIGKILL else proc.send_signal(signo)
-        except (ProcessLookupError, PermissionError):
-            proc.kill()
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
 
 
-def _finalize(proc: subprocess.Popen, owner: int, fds: list, workdir: str) -> None:
-    _kill_group(proc, owner)
+def _real_uid(pid: str) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(line for line in f if line.startswith("Uid:")).split()[1])
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _finalize(proc: subprocess.Popen, owner: int, uid: int, fds: list, workdir: str) -> None:
+    _kill_group(proc, owner, uid)
     for fd in fds:
         try:
             os.close(fd)
@@ -179,16 +183,18 @@ class Sandbox:
             for fd in (req_r, rep_w, out_w):
                 os.close(fd)
         self._proc, self._req, self._rep, self._out, self._workdir = proc, req_w, rep_r, out_r, workdir
-        self._owner, self._rep_buf = os.getpid(), b""
-        self._finalizer = weakref.finalize(self, _finalize, proc, self._owner, [req_w, rep_r, out_r], workdir)
+        self._owner, self._rep_buf = os.getpid(), bytearray()
+        self._finalizer = weakref.finalize(self, _finalize, proc, self._owner, self._uid, [req_w, rep_r, out_r],
+                                           workdir)
         os.set_blocking(out_r, False)
         os.set_blocking(req_w, False)
-        ready, out, ended = self._wait(time.monotonic() + lim.startup_timeout_s, "start")
-        if ready is None or not ready.get("ready"):
+        ready, out, ended = self._wait(time.monotonic() + lim.startup_timeout_s, protocol.READY_CAP)
+        if ready is None or ready.get("ready") is not True or not isinstance(ready.get("isolation"), dict):
             self.close()
             text = out.decode("utf-8", "replace").strip()
+            ended = ended or _ended(ready) or "its first answer was not valid"
             raise SandboxStartError(f"the python sandbox did not start ({ended}){': ' + text[-2000:] if text else ''}")
-        self.isolation = ready.get("isolation", {})
+        self.isolation = ready["isolation"]
 
     def close(self) -> None:
         """Kill the interpreter and everything it started; remove its working directory."""
@@ -210,21 +216,24 @@ class Sandbox:
         """Execute ``code`` in the interpreter (started first if it is not running)."""
         if not self.alive:
             self.start()
-        request = json.dumps({"code": code, "max_output_chars": self.limits.max_output_chars}) + "\n"
+        chars = self.limits.max_output_chars
+        request = json.dumps({"code": code, "max_output_chars": chars}).encode()
         deadline = time.monotonic() + self.limits.timeout_s
-        if not self._send(request.encode("utf-8", "backslashreplace"), deadline):
+        if not self._send(len(request).to_bytes(4, "big") + request, deadline):
             self.close()
             return CellResult("", True, 0, "the python interpreter did not take the code (it had stopped)")
-        reply, out, ended = self._wait(deadline, "run")
+        reply, out, ended = self._wait(deadline, protocol.cell_cap(chars))
         text = out.decode("utf-8", "replace")
-        if reply is None:
+        result = protocol.cell_result(reply, chars) if reply is not None else None
+        if result is None:
             self.close()
-            return CellResult(text, True, len(text), ended)
-        dropped = int(reply.get("cut", 0))
+            why = ended or _ended(reply) or "its answer was not valid; it was stopped"
+            return CellResult(text, True, len(text), why)
+        error, dropped, tail = result
         total = len(text) + dropped
         if dropped:  # the head came through the pipe; the end of what was dropped comes in the reply
-            text += str(reply.get("tail", ""))[-dropped:]
-        return CellResult(text, bool(reply.get("error")), total)
+            text += tail[-dropped:]
+        return CellResult(text, error, total)
 
     def _send(self, data: bytes, deadline: float) -> bool:
         """Write a request (code longer than the pipe's buffer goes in pieces) before ``deadline``."""
@@ -241,17 +250,17 @@ class Sandbox:
                     return False
         return True
 
-    def _wait(self, deadline: float, what: str) -> tuple[Optional[dict], bytes, Optional[str]]:
-        """Read output and the next reply until the reply, the deadline or the process's end:
-        ``(reply or None, output bytes kept, why it ended)``."""
-        out, total, cap = bytearray(), 0, 4 * self.limits.max_output_chars + 4096
+    def _wait(self, deadline: float, cap: int) -> tuple[Optional[dict], bytes, Optional[str]]:
+        """Read output and the next answer (at most ``cap`` bytes) until the answer, the deadline or
+        the launcher's end: ``(answer or None, output bytes kept, why it ended)``."""
+        out, total, room = bytearray(), 0, 4 * self.limits.max_output_chars + 4096
         with selectors.DefaultSelector() as sel:
             sel.register(self._out, selectors.EVENT_READ)
             sel.register(self._rep, selectors.EVENT_READ)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    limit = self.limits.timeout_s if what == "run" else self.limits.startup_timeout_s
+                    limit = self.limits.timeout_s if cap != protocol.READY_CAP else self.limits.startup_timeout_s
                     self._kill()
                     return None, bytes(out), f"timed out after {limit:g} s (the wall-clock limit); it was stopped"
                 for key, _ in sel.select(left):
@@ -260,23 +269,22 @@ class Sandbox:
                         continue
                     if key.fd == self._out:
                         total += len(chunk)
-                        out += chunk[:max(0, cap - len(out))]
+                        out += chunk[:max(0, room - len(out))]
                         if not chunk:
                             sel.unregister(self._out)
                         elif total > self.limits.max_output_bytes:
                             self._kill()
                             return None, bytes(out), (f"printed more than {self.limits.max_output_bytes} bytes; "
                                                       "it was stopped")
-                    elif not chunk:  # reply pipe closed: the interpreter is gone
-                        out += self._drain(cap - len(out))
-                        return None, bytes(out), self._death()
-                    else:
-                        self._rep_buf += chunk
-                        if b"\n" in self._rep_buf:
-                            line, self._rep_buf = self._rep_buf.split(b"\n", 1)
-                            out += self._drain(cap - len(out))
-                            reply = _json(line)
-                            return reply, bytes(out), None if reply else "its reply was unreadable"
+                        continue
+                    if not chunk:  # the launcher is gone without an answer
+                        out += self._drain(room - len(out))
+                        return None, bytes(out), f"the python sandbox exited (code {self._proc.wait()})"
+                    self._rep_buf += chunk
+                    reply = protocol.take_frame(self._rep_buf, cap)
+                    if reply is not None:
+                        out += self._drain(room - len(out))
+                        return reply, bytes(out), None
 
     @staticmethod
     def _read(fd: int) -> Optional[bytes]:
@@ -289,7 +297,7 @@ class Sandbox:
             return b""
 
     def _drain(self, room: int) -> bytes:
-        """What is already in the output pipe (the cell wrote it before its reply)."""
+        """What is already in the output pipe (the cell wrote it before its answer)."""
         data = bytearray()
         for _ in range(64):
             try:
@@ -303,26 +311,10 @@ class Sandbox:
 
     def _kill(self) -> None:
         if self._proc is not None:
-            _kill_group(self._proc, self._owner)
-
-    def _death(self) -> str:
-        """Why the interpreter ended, from the launcher's exit status (128 + the worker's signal)."""
-        try:
-            code = self._proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._kill()
-            code = self._proc.returncode
-        signo = code - 128 if code is not None and code > 128 else None
-        if signo == signal.SIGXCPU:
-            return f"the interpreter was killed by SIGXCPU: over its CPU time limit of {self.limits.cpu_time_s:g} s"
-        if signo:
-            return f"the interpreter was killed by {signal.Signals(signo).name}"
-        return f"the interpreter exited (code {code})"
+            _kill_group(self._proc, self._owner, self._uid)
 
 
-def _json(line: bytes) -> Optional[dict]:
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+def _ended(reply: Optional[dict]) -> Optional[str]:
+    """The launcher's ``{"ended": why}`` (a string of sane length), else None."""
+    why = reply.get("ended") if isinstance(reply, dict) else None
+    return why[:500] if isinstance(why, str) else None
