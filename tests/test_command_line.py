@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stapo.cli import _print_summary, builtin_recipe, main
+from stapo.cli import builtin_recipe, main
+from stapo.cli.train import print_summary
 from stapo.config import STAPOConfig
 from stapo.losses import build_mask
 
@@ -139,6 +140,6 @@ def test_summary_lists_only_what_the_run_wrote(tmp_path, capsys):
                                        "logging.plot=false", "trainer.export_hf=false"])
     summary = {"steps": 1, "seconds": 60.0, "accuracy_before": float("nan"), "accuracy_after": float("nan"),
                "silenced_frac_mean": 0.0, "spurious_frac_mean": 0.0}
-    _print_summary(cfg, summary)
+    print_summary(cfg, summary)
     out = capsys.readouterr().out
     assert f"outputs: {run}/ (config.yaml, metrics.jsonl, checkpoints/)" in out, out

@@ -110,7 +110,7 @@ def test_what_this_machine_lacks_is_reported_not_fatal(capsys, monkeypatch):
     assert code == 0
     assert "not on this machine: the vllm rollout engine needs vLLM" in out
     assert "not on this machine: model.path 'stapo-tests/no-such-model' is not a local directory" in out
-    assert "rollout.engine: auto -> hf" in _dry_run(capsys, TINY, "rollout.engine=auto")[1]
+    assert "rollout: colocated, engine auto -> hf" in _dry_run(capsys, TINY, "rollout.engine=auto")[1]
 
 
 def test_world_size_without_dry_run_is_an_error(capsys):

@@ -52,6 +52,7 @@ __all__ = [
     "build_mask",
     "available_masks",
     "mask_params",
+    "mask_class",
     "describe_masks",
     "registered_name",
 ]
@@ -256,7 +257,8 @@ def _listing() -> str:
     return f"{silencing}; token-weighting masks: {', '.join(weighing)}" if weighing else silencing
 
 
-def _lookup(name: str) -> type[TokenMask]:
+def mask_class(name: str) -> type[TokenMask]:
+    """The class registered as mask ``name`` (ValueError listing the masks when there is none)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown mask {name!r}; available masks: {_listing()}")
     return _REGISTRY[name]
@@ -265,7 +267,7 @@ def _lookup(name: str) -> type[TokenMask]:
 def mask_params(name: str) -> dict[str, Any]:
     """Parameters of mask ``name`` with their defaults (``dataclasses.MISSING`` if required)."""
     out = {}
-    for f in dataclasses.fields(_lookup(name)):
+    for f in dataclasses.fields(mask_class(name)):
         if not f.init:
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -293,7 +295,7 @@ def describe_masks() -> list[MaskInfo]:
 
 def build_mask(name: str, **params: Any) -> TokenMask:
     """Instantiate the mask registered as ``name`` with ``params`` (validated by the mask)."""
-    cls = _lookup(name)
+    cls = mask_class(name)
     valid = mask_params(name)
     unknown = sorted(set(params) - set(valid))
     if unknown:
