@@ -24,3 +24,20 @@ def test_stapo_tools_lists_tools_sandbox_and_parsers(capsys):
     assert "uid" in sandbox  # what isolation this machine gives (or the line saying which parts it lacks)
     assert main(["tools", "--import", "no_such_tools.py"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_stapo_tools_shows_the_values_training_uses(capsys):
+    """The parameters a tool gets in training come from ``rollout.tools.*`` (python's own defaults say
+    ``stateful=False`` and the calculator's ``timeout_s=5.0``); a per-tool param that replaces one of them is
+    a note, as the trainer logs it."""
+    assert main(["tools", "rollout.tools.timeout_s=30", "rollout.tools.params={calculator: {timeout_s: 2}}"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    params = {lines[i - 2].split()[0]: line for i, line in enumerate(lines) if line.strip().startswith("params: ")}
+    assert params["calculator"].strip().startswith("params: timeout_s=2, max_output_chars=2000")
+    assert params["python"].strip().startswith("params: timeout_s=30.0, max_output_chars=2000") and \
+        "stateful=True" in params["python"]
+    assert "note: rollout.tools.params.calculator.timeout_s=2 replaces rollout.tools.timeout_s=30.0 for calculator" \
+        in out
+    assert out.startswith("tools with the values training uses (rollout.tools.*; off in this config):")
+    assert main(["tools", "tiny_tir"]) == 0 and "(rollout.tools.*; on in this config)" in capsys.readouterr().out
