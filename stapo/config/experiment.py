@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["EXPERIMENT_KEYS", "RUN_SETTINGS", "ConfigChanges", "config_changes"]
+__all__ = ["EXPERIMENT_KEYS", "RUN_SETTINGS", "ConfigChanges", "config_changes", "is_experiment_key", "listed_in"]
 
 #: Keys (or whole sections, ``section.``) that define the experiment: the model and its adapters, the data,
 #: the reward, the mask, the loss and its corrections, the optimizer, the batch geometry and the seed.
@@ -54,8 +54,14 @@ RUN_SETTINGS = (
 _NOT_COMPARED = ("trainer.resume", "trainer.output_dir")  # how this session finds the run, not what it is
 
 
+def listed_in(key: str, entries: tuple[str, ...]) -> list[str]:
+    """The entries that name ``key``: itself, or a prefix ending in ``.`` (a section) or ``_`` (a family)."""
+    return [e for e in entries if key == e or (e.endswith((".", "_")) and key.startswith(e))]
+
+
 def is_experiment_key(key: str) -> bool:
-    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in EXPERIMENT_KEYS)
+    """Everything but a listed run setting: a key nobody classified yet counts as the experiment (refused)."""
+    return not listed_in(key, RUN_SETTINGS)
 
 
 def flat_keys(data: dict, prefix: str = "") -> dict[str, Any]:

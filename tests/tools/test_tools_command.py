@@ -41,3 +41,15 @@ def test_stapo_tools_shows_the_values_training_uses(capsys):
         in out
     assert out.startswith("tools with the values training uses (rollout.tools.*; off in this config):")
     assert main(["tools", "tiny_tir"]) == 0 and "(rollout.tools.*; on in this config)" in capsys.readouterr().out
+
+
+def test_the_trainer_logs_a_tool_param_that_replaces_a_shared_limit(caplog):
+    from stapo.config import STAPOConfig
+    from stapo.trainer.tool_setup import build_tools
+
+    cfg = STAPOConfig.from_yaml(None, ["rollout.tools.enabled=true", "rollout.tools.names=[python, calculator]",
+                                       "rollout.tools.params={python: {timeout_s: 30, memory_mb: 512}}"])
+    with caplog.at_level("INFO", logger="stapo.trainer"):
+        tools = build_tools(cfg, note=True)
+    assert tools["python"].timeout_s == 30 and tools["calculator"].timeout_s == 10.0 and tools["python"].stateful
+    assert caplog.messages == ["rollout.tools.params.python.timeout_s=30 replaces rollout.tools.timeout_s=10.0 for python"]
