@@ -195,7 +195,7 @@ def test_status_says_where_a_run_is_and_how_to_resume_it(tmp_path, capsys):
     assert lines[2] == "held-out accuracy: 0.25 at step 0 -> 0.25 at step 0"
     assert lines[3].startswith(f"last checkpoint: {run}/checkpoints/step_40 (step 40, saved ") and \
         lines[3].endswith("1 kept), 8 rank(s)")
-    assert lines[4] == (f"resume: stapo train {run}/config.yaml on 8 ranks (a launcher with the same count) "
+    assert lines[4] == (f"resume (once stopped): stapo train {run}/config.yaml on 8 ranks (a launcher with the same count) "
                         "(trainer.resume=auto continues step_40)")
     finished = _run_dir(tmp_path / "done", steps=100, saved=100)
     assert main(["status", str(finished)]) == 0

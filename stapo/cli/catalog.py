@@ -61,8 +61,9 @@ def cmd_recipes(args: argparse.Namespace) -> int:
         print(f"{folder}:")
         for name, path in listed.items():
             if path.parent == folder:
-                lines = path.read_text(encoding="utf-8").splitlines()
-                header = next((line.lstrip("# ").strip() for line in lines if line.startswith("#") and line.strip("# ")), "")
+                comments = [line.lstrip("# ").strip() for line in path.read_text(encoding="utf-8").splitlines()
+                            if line.startswith("#")]
+                header = next((line for line in comments if line), "")
                 print(f"  {name:<32} {header[:100]}")
     return 0
 

@@ -51,7 +51,8 @@ def status_lines(run_dir: Path) -> list[str]:
         lines.append(f"held-out accuracy: {evals[0]['eval_accuracy']:.4g} at step {evals[0]['step']} -> "
                      f"{evals[-1]['eval_accuracy']:.4g} at step {evals[-1]['step']}")
     checkpoint = latest_checkpoint(run_dir)
-    resume = f"stapo train {config_file}" + ("" if cfg.get("trainer", {}).get("resume") == "auto" else " trainer.resume=auto")
+    how = cfg.get("trainer", {}).get("resume")
+    resume = f"stapo train {config_file}" + ("" if how == "auto" else " trainer.resume=auto")
     if checkpoint is None:
         return lines + ["last checkpoint: none (a restart starts anew; the run's files move to previous_runs/)",
                         f"start again: {resume}"]
@@ -65,7 +66,7 @@ def status_lines(run_dir: Path) -> list[str]:
         final = run_dir / FINAL_DIR
         return lines + [f"finished{f': final model in {final}' if final.is_dir() else ''}; to train further: "
                         f"{resume} trainer.total_steps=N (N > {total}){on_ranks}"]
-    return lines + [f"resume: {resume}{on_ranks} (trainer.resume=auto continues {checkpoint.name})"]
+    return lines + [f"resume (once stopped): {resume}{on_ranks} (trainer.resume=auto continues {checkpoint.name})"]
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stapo.config import STAPOConfig
+from stapo.config.experiment import ConfigChanges
 from stapo.losses import build_mask, mask_params
 from stapo.rollout.registry import engine_problem, resolve_engine
 from stapo.run_dir import written_artifacts
@@ -30,7 +31,6 @@ from stapo.distributed.process_group import get_rank
 from stapo.trainer.components import correction_line, rows_per_rank
 from stapo.trainer.data_check import DataSource, check_data
 from stapo.trainer.model_source import CACHED, LOCAL, ModelSource, model_source, offline, unavailable_reason
-from stapo.config.experiment import ConfigChanges
 from stapo.trainer.resume import choose_checkpoint, log_changes, resume_changes, warn_skipped
 
 __all__ = ["RunPlan", "plan_run", "summary_lines"]
