@@ -5,7 +5,8 @@ p < floor gets weight p / floor (1 elsewhere), so the loss of the policy's least
 counts less, smoothly, instead of being silenced. Registered strategies are available to configs
 (`mask.name: soft_negatives`) and to `stapo masks --import examples/custom_weighting.py`.
 
-    stapo train --import examples/custom_weighting.py mask.name=soft_negatives trainer.total_steps=20
+    stapo train --import examples/custom_weighting.py mask.name=soft_negatives trainer.total_steps=20 \
+        trainer.output_dir=outputs/tiny_soft_negatives
 """
 
 import torch

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from stapo.cli import _print_summary, builtin_recipe, main
+from stapo.cli import builtin_recipe, main
+from stapo.cli.train import print_summary
 from stapo.config import STAPOConfig
 from stapo.losses import build_mask
 
@@ -63,10 +63,13 @@ def test_user_mistakes_are_one_line_errors(argv, message, capsys):
     assert message in err and len(err.splitlines()) == 1, err
 
 
-def test_help_works_for_every_command():
-    for command in ([], ["train"], ["masks"], ["tools"], ["eval"], ["inspect"]):
-        proc = subprocess.run([sys.executable, "-m", "stapo.cli", *command, "--help"], capture_output=True, text=True)
-        assert proc.returncode == 0 and "usage: stapo" in proc.stdout, proc.stderr
+def test_help_works_for_every_command(capsys):
+    """In this process (``python -m stapo.cli --help`` itself runs in test_bad_input.py)."""
+    for command in ([], ["train"], ["masks"], ["tools"], ["recipes"], ["eval"], ["status"], ["inspect"], ["serve"]):
+        with pytest.raises(SystemExit) as done:
+            main([*command, "--help"])
+        out = capsys.readouterr().out
+        assert done.value.code == 0 and out.startswith("usage: stapo"), (command, out)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -150,6 +153,67 @@ def test_summary_lists_only_what_the_run_wrote(tmp_path, capsys):
                                        "logging.plot=false", "trainer.export_hf=false"])
     summary = {"steps": 1, "seconds": 60.0, "accuracy_before": float("nan"), "accuracy_after": float("nan"),
                "silenced_frac_mean": 0.0, "spurious_frac_mean": 0.0}
-    _print_summary(cfg, summary)
+    print_summary(cfg, summary)
     out = capsys.readouterr().out
     assert f"outputs: {run}/ (config.yaml, metrics.jsonl, checkpoints/)" in out, out
+
+
+def test_version_names_stapo_and_what_it_runs_on(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and out.startswith("stapo ") and "torch " in out and "vllm " in out, out
+
+
+def test_recipes_are_listed_and_run_by_name(capsys, tmp_path, monkeypatch):
+    """``stapo recipes`` lists the built-in recipes (installed with stapo) and, in a source checkout, the
+    examples; ``stapo train NAME`` runs one from any directory."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    for name in ("tiny_cpu", "tiny_tir", "qwen3_8b_stapo"):
+        assert any(line.split()[:1] == [name] for line in out.splitlines()), name
+    assert "tiny_tir" in out.split("examples/recipes")[0]  # built in: under the package's folder
+    assert main(["train", "tiny_tir", f"trainer.output_dir={tmp_path / 'run'}", "--dry-run", "--summary"]) == 0
+    assert "tools: calculator (timeout_s=" in capsys.readouterr().out
+    assert main(["train", "qwen3_8b_stapo.yaml", "--dry-run", "--summary", "--world-size", "8"]) == 0
+
+
+def _run_dir(root: Path, steps: int, saved: int | None, total: int = 100) -> Path:
+    """A run directory as the trainer leaves it: config.yaml, metrics.jsonl, a checkpoint with meta.json."""
+    run = root / "run"
+    STAPOConfig.from_yaml(builtin_recipe(), [f"trainer.output_dir={run}", f"trainer.total_steps={total}"]) \
+        .to_yaml((run.mkdir(parents=True), run / "config.yaml")[1])
+    rows = [{"step": 0, "eval_accuracy": 0.25}] + [{"step": s, "loss": 0.1, "reward_mean": 0.5, "accuracy": 0.75}
+                                                   for s in range(1, steps + 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if saved is not None:
+        step = run / "checkpoints" / f"step_{saved}"
+        step.mkdir(parents=True)
+        (step / "client_state.pt").write_bytes(b"")
+        (step / "meta.json").write_text(json.dumps({"step": saved, "world_size": 8}))
+        (run / "checkpoints" / "latest").write_text(step.name)
+    return run
+
+
+def test_status_says_where_a_run_is_and_how_to_resume_it(tmp_path, capsys):
+    run = _run_dir(tmp_path, steps=42, saved=40)
+    assert main(["status", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"run: {run}  (model builtin:tiny, mask stapo, 100 steps)"
+    assert lines[1].startswith("progress: step 42 of 100, logged ") and lines[1].endswith(
+        "reward_mean 0.5, accuracy 0.75")
+    assert lines[2] == "held-out accuracy: 0.25 at step 0 -> 0.25 at step 0"
+    assert lines[3].startswith(f"last checkpoint: {run}/checkpoints/step_40 (step 40, saved ") and \
+        lines[3].endswith("1 kept), 8 rank(s)")
+    assert lines[4] == (f"resume (once stopped): stapo train {run}/config.yaml on 8 ranks (a launcher with the same count) "
+                        "(trainer.resume=auto continues step_40)")
+    finished = _run_dir(tmp_path / "done", steps=100, saved=100)
+    assert main(["status", str(finished)]) == 0
+    assert f"finished; to train further: stapo train {finished}/config.yaml trainer.total_steps=N (N > 100)" in \
+        capsys.readouterr().out
+    fresh = _run_dir(tmp_path / "fresh", steps=0, saved=None)
+    assert main(["status", str(fresh)]) == 0
+    assert "last checkpoint: none" in capsys.readouterr().out
+    assert main(["status", str(tmp_path)]) == 2
+    assert "holds no config.yaml: not the output_dir of a stapo run" in capsys.readouterr().err

@@ -114,9 +114,9 @@ TINY_RECIPE = ROOT / "examples" / "recipes" / "tiny_cpu.yaml"  # mask stapo, {ta
 
 def _load_custom_mask_example():
     """Import examples/custom_mask.py as `stapo train --import` does (registers low_confidence_positive)."""
-    from stapo.cli import _load_user_modules
+    from stapo.cli.common import load_user_modules
 
-    _load_user_modules([str(ROOT / "examples" / "custom_mask.py")])
+    load_user_modules([str(ROOT / "examples" / "custom_mask.py")])
 
 
 @pytest.mark.parametrize("name, built", [

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from stapo.cli import _load_user_modules
+from stapo.cli.common import load_user_modules
 from stapo.losses import TokenStats, build_mask, clipped_surrogate_loss, describe_masks
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_weighting_example_weighs_and_trains_the_loss():
-    _load_user_modules([str(ROOT / "examples" / "custom_weighting.py")])
+    load_user_modules([str(ROOT / "examples" / "custom_weighting.py")])
     assert "soft_negatives" in {info.name for info in describe_masks()}
     logprobs = torch.log(torch.tensor([[0.5, 0.01, 0.2], [0.5, 0.01, 0.02]]))
     stats = TokenStats(logprobs, torch.zeros(2, 3), torch.tensor([1.0, -1.0]),

@@ -110,9 +110,45 @@ def test_what_this_machine_lacks_is_reported_not_fatal(capsys, monkeypatch):
     assert code == 0
     assert "not on this machine: the vllm rollout engine needs vLLM" in out
     assert "not on this machine: model.path 'stapo-tests/no-such-model' is not a local directory" in out
-    assert "rollout.engine: auto -> hf" in _dry_run(capsys, TINY, "rollout.engine=auto")[1]
+    assert "rollout: colocated, engine auto -> hf" in _dry_run(capsys, TINY, "rollout.engine=auto")[1]
 
 
 def test_world_size_without_dry_run_is_an_error(capsys):
     assert main(["train", TINY, "--world-size", "2"]) == 2
     assert "--world-size applies to --dry-run only" in capsys.readouterr().err
+
+
+def test_server_mode_needs_no_colocated_engine(capsys, monkeypatch):
+    """docs/rollout.md's command: the recipe says ``rollout.engine: vllm``, but in server mode the servers run
+    vLLM and the trainer runs no engine, so neither the package nor the engine is checked; the summary shows
+    the mode, the servers (and that they do not answer now), the staleness and the correction."""
+    from stapo.rollout import registry
+    from stapo.trainer.preflight import plan_run
+
+    monkeypatch.setattr(registry, "vllm_installed", lambda: False)
+    recipe = str(ROOT / "examples" / "recipes" / "qwen3_8b_stapo.yaml")
+    code, out, err = _dry_run(capsys, recipe, "rollout.mode=server", "rollout.servers=[127.0.0.1:9]",
+                              "rollout.max_staleness=1", "--summary")
+    assert code == 0, err
+    assert "needs vLLM" not in out and "rollout.engine" not in out
+    assert "  rollout: server mode, 1 server(s) 127.0.0.1:9; asynchronous, max_staleness 1; weight sync full\n" in out
+    assert "not on this machine: rollout server 127.0.0.1:9 does not answer now" in out
+    assert "off-policy correction: token-level importance weights" in out
+    assert out.startswith("stapo train --dry-run: the config is valid") and "the resolved config" not in out
+    from stapo.config import STAPOConfig
+
+    plan = plan_run(STAPOConfig.from_yaml(recipe, ["rollout.mode=server", "rollout.servers=[127.0.0.1:9]",
+                                                   "model.path=stapo-tests/no-such-model"]), 8, data=False)
+    assert plan.engine == "server" and plan.engine_problem is None and plan.run_problems == []
+
+
+def test_the_summary_shows_lora_tools_lr_and_kl(capsys):
+    code, out, _ = _dry_run(capsys, TINY, "--summary", "loss.kl_coef=0.001", "optim.lr=2e-5")
+    assert code == 0
+    assert "; full fine-tuning (no LoRA)\n" in out and "  tools: off\n" in out
+    assert "  optimizer: AdamW lr 2e-05 (warm-up 0 steps), clip ratio to [0.8, 1.28]\n" in out
+    assert "  KL to the initial policy: k3 x 0.001\n" in out
+    code, out, _ = _dry_run(capsys, "qwen3_8b_stapo_lora", "--summary", "--world-size", "8")
+    assert "; LoRA rank 16, alpha 32 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj\n" in out
+    code, out, _ = _dry_run(capsys, "qwen3_8b_stapo_tir", "--summary", "--world-size", "8")
+    assert "  tools: python (timeout_s=" in out and "stateful=True" in out and "; parser qwen3, <= " in out

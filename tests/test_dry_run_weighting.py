@@ -39,7 +39,7 @@ def test_weighting_masks_validate(overrides, summary, capsys):
     (["mask.name=stare", "mask.params={variant: O3}"], "stare variant must be one of O1, C2, got 'O3'"),
     (["mask.name=stare", "mask.params={w_max: 0.5}"], "w_max >= 1"),
     (["mask.name=stare", "mask.params={gate: 0.3}"], "unknown parameter(s) ['gate'] for mask 'stare'"),
-    (["mask.name=clip_cov", "mask.params={lb: 5, ub: 1}"], "clip_cov needs lb < ub, got lb=5, ub=1"),
+    (["mask.name=clip_cov", "mask.params={lb: 5, ub: 1}"], "clip_cov needs lb < ub, got lb=5.0, ub=1.0"),
     (["mask.name=clip_cov", "mask.params={ratio: 0}"], "clip_cov ratio must be in (0, 1], got 0"),
 ])
 def test_bad_weighting_parameters_fail_with_a_clear_message(overrides, message, capsys):

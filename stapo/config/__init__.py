@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from stapo.config.loading import ConfigError, apply_overrides, build_dataclass
+from stapo.config.loading import ConfigError, apply_overrides, build_dataclass, load_yaml
 from stapo.config.rollout_sections import RolloutConfig, ToolsConfig
 from stapo.config.sections import (DataConfig, InspectConfig, LoggingConfig, LoraConfig, LossConfig, MaskConfig,
                                    ModelConfig, OptimConfig, RewardConfig, TinyConfig, TrainerConfig, ZeroConfig)
@@ -108,19 +108,26 @@ class STAPOConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> "STAPOConfig":
-        """Load ``path`` (None: all defaults) strictly, then apply dotted ``key=value`` overrides."""
-        data: dict = {}
-        if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise ConfigError(f"config file not found: {path}")
-            try:
-                data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{path}: invalid YAML: {exc}") from None
-            if not isinstance(data, dict):
-                raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
-        return cls.from_dict(data, overrides)
+        """Load ``path`` (None: all defaults) strictly, then apply dotted ``key=value`` overrides.
+
+        A file must name ``model.path`` (or an override must): the defaults under it are the paper's
+        sizes, which on the built-in tiny model make a run nobody meant, so an empty or partial file is
+        refused with the advice to start from a recipe (docs/configuration.md)."""
+        if path is None:
+            return cls.from_dict({}, overrides)
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        data = load_yaml(path.read_text(encoding="utf-8"), str(path))
+        if not isinstance(data, (dict, type(None))):
+            raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+        cfg = cls.from_dict(data, overrides)
+        if "path" not in ((data or {}).get("model") or {}) and not any(o.startswith("model.path=") for o in overrides):
+            what = "is empty" if not data else "sets no model.path"
+            raise ConfigError(f"{path} {what}: a config file is read on top of stapo's defaults, the paper's sizes "
+                              "(256 prompts x 8 per step, 15k-token responses), not a demo's; start from a recipe "
+                              "(`stapo recipes` lists them) and change what differs, or set model.path")
+        return cfg
 
     def to_dict(self) -> dict:
         """Every field as plain data, the shared secret left out (``rollout.server_token``: written files,

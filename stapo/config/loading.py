@@ -2,7 +2,9 @@
 
 An unknown key is an error naming the closest valid key; values are coerced to the field's type
 (YAML reads ``1e-6`` as a string, so numbers are accepted from strings) or rejected with the field
-named. Used by :class:`stapo.config.STAPOConfig`.
+named. YAML is read strictly too: a key given twice in one mapping (a section written twice, whose
+first half PyYAML would drop) is an error with both line numbers, and every YAML error keeps its
+file, line, column and cause. Used by :class:`stapo.config.STAPOConfig`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,34 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it."""
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the
+    last one: a section written twice would lose every key of its first half without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str) and key in first:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice (lines {first[key]} and {key_node.start_mark.line + 1}): "
+                                "the second would replace the first; merge them into one", key_node.start_mark)
+            first.setdefault(key, key_node.start_mark.line + 1)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str, where: str):
+    """``text`` parsed strictly; ConfigError ``"WHERE, line L, column C: cause"`` on any YAML error."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        since = f" ({context} started at line {start.line + 1})" if context and start is not None else ""
+        raise ConfigError(f"{where}{at}: invalid YAML: {getattr(exc, 'problem', None) or exc}{since}") from None
+
+
 def apply_overrides(data: dict, overrides) -> dict:
     for item in overrides:
         if "=" not in item:
@@ -32,7 +62,7 @@ def apply_overrides(data: dict, overrides) -> dict:
             if not isinstance(nxt, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = nxt
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node[parts[-1]] = load_yaml(raw, f"override {item!r}") if raw.strip() else ""
     return data
 
 
@@ -67,6 +97,14 @@ def build_dataclass(cls, data: Any, prefix: str = ""):
     return cls(**kwargs)
 
 
+def coerce_params(cls, params: dict, prefix: str) -> dict:
+    """``params`` (a mask's or tool's keyword parameters from the config) with each value coerced to the
+    type of ``cls``'s field of that name, as config fields are (``mask.params.tau_p=2e-3``: YAML reads a
+    string); names ``cls`` lacks are left for its builder to report."""
+    hints = typing.get_type_hints(cls)
+    return {k: _coerce(v, hints[k], f"{prefix}.{k}") if k in hints else v for k, v in params.items()}
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
@@ -82,6 +120,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if tp is list or origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r} (write it as [{value}])")
+        return list(value)
     if tp is dict or origin is dict:
         if value is None:
             return {}

@@ -45,7 +45,21 @@ class ToolsConfig:
     """Tool calls run at once (across the batch's episodes; one episode's calls run in order)."""
     eval_without_tools: bool = False
     """Evaluation also runs the held-out prompts without tools (prompts that offer none, one turn each):
-    ``eval_accuracy_no_tools`` next to ``eval_accuracy``."""
+    ``eval_no_tools_accuracy`` next to ``eval_accuracy``."""
+
+    def settings_of(self, name: str) -> tuple[dict, list[str]]:
+        """What tool ``name`` is built with in training: the shared per-call limits (``timeout_s``,
+        ``max_output_chars``; ``stateful`` for a tool that has state), then its own ``params``, which win; and
+        a note for each shared limit its own params replace (the trainer logs them, ``stapo tools`` shows them)."""
+        from stapo.tools import tool_params
+
+        shared = {"timeout_s": self.timeout_s, "max_output_chars": self.max_output_chars}
+        if "stateful" in tool_params(name):
+            shared["stateful"] = self.stateful
+        own = self.params.get(name, {})
+        notes = [f"rollout.tools.params.{name}.{k}={own[k]!r} replaces rollout.tools.{k}={v!r} for {name}"
+                 for k, v in shared.items() if k in own and own[k] != v]
+        return {**shared, **own}, notes
 
 
 @dataclass

@@ -271,8 +271,11 @@ class TrainerConfig:
     keep_last: int = 3
     """Number of complete checkpoints kept."""
     resume: str = "auto"
-    """``auto`` (continue the last checkpoint in output_dir), ``never``, or a checkpoint path. A run
-    that starts from scratch moves an earlier run's files to ``output_dir/previous_runs/``."""
+    """``auto`` (continue the last checkpoint in output_dir), ``never``, ``force``, or a checkpoint path.
+    ``auto`` refuses a checkpoint trained as another experiment (a different mask, loss, model or LoRA, batch
+    sizes, seed, data: the keys are named; docs/distributed.md, "Resuming"); ``force`` and a named path continue
+    it anyway, with a warning. Other changes (more steps, eval cadence, logging) are logged. A run that starts
+    from scratch moves an earlier run's files to ``output_dir/previous_runs/``."""
     max_consecutive_skips: int = 5
     """Abort after this many consecutive steps skipped for a non-finite loss or grad norm."""
     eval_every: int = 0

@@ -7,7 +7,7 @@ values and their relations (batch sizes that divide, the registries' names, ...)
 from __future__ import annotations
 
 import math
-from stapo.config.loading import ConfigError
+from stapo.config.loading import ConfigError, coerce_params
 from stapo.rewards.modes import REWARD_MODES
 from stapo.rewards.user_function import parse_function_spec
 
@@ -113,9 +113,22 @@ def validate(cfg) -> None:
     spec_error = _spec_error(rw.function) if rw.function else None
     _check(spec_error is None, str(spec_error))
     _check(math.isfinite(lo.entropy_coef), f"loss.entropy_coef must be finite, got {lo.entropy_coef}")
-    mask_error = _mask_error(cfg.mask.name, cfg.mask.params)
+    mask_error = _mask_error(cfg.mask)
     _check(mask_error is None, str(mask_error))
     _validate_lora(cfg.model.lora)
+    _check_data(cfg.data)
+
+
+def _check_data(data) -> None:
+    """``data.preset`` names a preset, for a dataset source (the built-in task has no columns to map)."""
+    from stapo.data import PRESETS
+
+    if data.preset is None:
+        return
+    _check(data.preset in PRESETS, f"data.preset: unknown preset {data.preset!r}; known: {', '.join(PRESETS)} (or null)")
+    _check(not data.source.startswith("builtin:"),
+           f"data.preset {data.preset} maps the columns of a dataset, but data.source is {data.source}: set "
+           f"data.source={PRESETS[data.preset].hf_name} (or a local copy of it)")
 
 
 def _check_correction(cfg) -> None:
@@ -131,14 +144,18 @@ def _check_correction(cfg) -> None:
         _check(False, f"loss.{err}")
 
 
-def _mask_error(name: str, params: dict) -> str | None:
-    """Why ``mask.name`` / ``mask.params`` do not build a mask from the live registry, or None."""
-    from stapo.losses.masks import available_masks, build_mask  # user masks registered by now count
+def _mask_error(mask) -> str | None:
+    """Why ``mask.name`` / ``mask.params`` do not build a mask from the live registry, or None; the params
+    are coerced to the mask's field types first (``mask.params.tau_p=2e-3`` arrives as a string)."""
+    from stapo.losses.masks import available_masks, build_mask, mask_class  # user masks registered by now count
 
-    if name not in available_masks():
-        return f"mask.name: unknown mask {name!r}; available: {', '.join(available_masks())}"
+    if mask.name not in available_masks():
+        return f"mask.name: unknown mask {mask.name!r}; available: {', '.join(available_masks())}"
     try:
-        build_mask(name, **params)
+        mask.params = coerce_params(mask_class(mask.name), mask.params, "mask.params")
+        build_mask(mask.name, **mask.params)
+    except ConfigError as exc:
+        return str(exc)
     except (TypeError, ValueError) as exc:
         return f"mask.params: {exc}"
     return None
@@ -151,7 +168,12 @@ def _validate_lora(lora) -> None:
     modules = lora.target_modules
     _check(isinstance(modules, list) and len(modules) > 0 and all(isinstance(m, str) and m for m in modules),
            f"model.lora.target_modules must be a non-empty list of module names, got {modules!r}")
-    _check(not lora.export_merged or lora.enabled, "model.lora.export_merged needs model.lora.enabled")
+    from stapo.config.sections import LoraConfig
+
+    changed = [f"model.lora.{k}" for k, v in vars(lora).items() if k != "enabled" and v != getattr(LoraConfig(), k)]
+    _check(lora.enabled or not changed, f"{', '.join(changed)} set with model.lora.enabled false: the adapters' "
+                                        "settings do nothing without them; set model.lora.enabled=true, or leave "
+                                        "them out (full fine-tuning)")
 
 
 def _spec_error(spec: str) -> str | None:
@@ -180,8 +202,7 @@ def _check_tools(tools, tiny) -> None:
 
     _check(tools.parser in available_tool_parsers(),
            f"rollout.tools.parser: unknown parser {tools.parser!r}; available: {', '.join(available_tool_parsers())}")
-    _check(isinstance(tools.names, list) and len(tools.names) > 0,
-           f"rollout.tools.names must list at least one tool, got {tools.names!r}")
+    _check(len(tools.names) > 0, "rollout.tools.names must list at least one tool, e.g. rollout.tools.names=[python]")
     unlisted = sorted(set(tools.params) - set(tools.names))
     _check(not unlisted, f"rollout.tools.params has tools that rollout.tools.names does not list: {unlisted}")
     for name in tools.names:
@@ -191,14 +212,11 @@ def _check_tools(tools, tiny) -> None:
 
 
 def _check_tool_params(tools, name: str) -> None:
-    """The tool builds with the per-call limits and its ``params`` (as stapo.trainer.tool_setup builds it)."""
-    from stapo.tools import build_tool, tool_params
+    """The tool builds with what training gives it (``ToolsConfig.settings_of``, as stapo.trainer.tool_setup)."""
+    from stapo.tools import build_tool
 
-    params = {"timeout_s": tools.timeout_s, "max_output_chars": tools.max_output_chars}
-    if "stateful" in tool_params(name):
-        params["stateful"] = tools.stateful
     try:
-        build_tool(name, **{**params, **tools.params.get(name, {})})
+        build_tool(name, **tools.settings_of(name)[0])
     except (TypeError, ValueError) as exc:
         _check(False, f"rollout.tools.params.{name}: {exc}")
 

@@ -55,6 +55,9 @@ def wrap_with_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: 
     rank builds identical adapters (``build_engine`` checks) and the caller's RNG streams are left
     untouched. Adapters keep the base model's dtype (DeepSpeed holds their fp32 master copy).
     """
+    problem = lora_target_problem(model, target_modules)
+    if problem is not None:
+        raise ValueError(problem)
     peft = require_peft()
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                              bias="none", task_type="CAUSAL_LM")
@@ -63,6 +66,18 @@ def wrap_with_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: 
         wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
     wrapped.config.use_cache = False
     return wrapped
+
+
+def lora_target_problem(model: torch.nn.Module, target_modules) -> str | None:
+    """Why ``model.lora.target_modules`` does not fit ``model``: the names that match no module (PEFT fails
+    only when none matches, so a misspelt one among good ones would silently train fewer adapters)."""
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing:
+        return None
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    return (f"model.lora.target_modules: {missing} name no module of this model; its linear layers: "
+            f"{', '.join(linear)}")
 
 
 def is_peft_model(model) -> bool:

@@ -55,6 +55,7 @@ __all__ = [
     "mask_params",
     "describe_masks",
     "registered_name",
+    "mask_class",
 ]
 
 
@@ -223,3 +224,4 @@ mask_params = MASKS.params  # parameters with their defaults (dataclasses.MISSIN
 describe_masks = MASKS.describe  # RegistryEntry(name, summary, params, obj) per mask, for `stapo masks`
 build_mask = MASKS.build  # an instance; an unknown parameter is an error naming the valid ones
 registered_name = MASKS.name_of  # the name a mask (instance or class) is registered under, or None
+mask_class = MASKS.lookup  # the class registered under a name (an error listing the masks when none is)

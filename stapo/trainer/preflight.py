@@ -9,6 +9,8 @@ message is the one ``stapo train`` gives. Nothing here loads weights or starts a
 Two kinds of findings: errors in the run itself (an indivisible batch, a missing checkpoint) raise;
 what this machine lacks (the engine's package, a model not in the cache) is reported on
 :class:`RunPlan`, because a dry run usually checks a recipe for another machine (docs/distributed.md).
+With ``rollout.mode=server`` the trainer runs no engine of its own, so ``rollout.engine`` and its package
+are not checked (the servers run vLLM: docs/rollout.md).
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stapo.config import STAPOConfig
+from stapo.config.experiment import ConfigChanges
 from stapo.losses import build_mask, mask_params
 from stapo.rollout.registry import engine_problem, resolve_engine
 from stapo.run_dir import written_artifacts
 from stapo.distributed.process_group import get_rank
 from stapo.trainer.components import correction_line, rows_per_rank
 from stapo.trainer.data_check import DataSource, check_data
-from stapo.trainer.model_source import ModelSource, model_source, offline, unavailable_reason
-from stapo.trainer.resume import choose_checkpoint, warn_skipped
+from stapo.trainer.model_source import CACHED, LOCAL, ModelSource, model_source, offline, unavailable_reason
+from stapo.trainer.resume import choose_checkpoint, log_changes, resume_changes, warn_skipped
 
 __all__ = ["RunPlan", "plan_run", "summary_lines"]
 
@@ -39,7 +42,7 @@ class RunPlan:
 
     world_size: int
     rows_per_rank: int  # rows (prompts x G) of one mini-batch on one rank
-    engine: str  # rollout.engine with auto resolved on this machine
+    engine: str  # rollout.engine with auto resolved on this machine ("server": rollout.mode=server)
     engine_problem: str | None  # why that engine cannot run here (``stapo train`` stops with it)
     model: ModelSource
     model_problem: str | None  # why the weights cannot load here without the network
@@ -49,6 +52,7 @@ class RunPlan:
     packages: tuple[tuple[str, str, bool], ...] = ()  # (package, why, required) the config needs but is missing
     resume_skipped: tuple[tuple[Path, str], ...] = ()  # newer checkpoints that cannot be resumed, and why
     servers_down: tuple[str, ...] = ()  # rollout.mode=server: listed servers that do not answer now
+    changes: ConfigChanges | None = None  # a resumed run's config vs its checkpoint's (safe ones, or forced)
 
     @property
     def machine_problems(self) -> list[str]:
@@ -74,21 +78,44 @@ def plan_run(cfg: STAPOConfig, world_size: int, *, data: bool = True) -> RunPlan
     if world_size < 1:
         raise ValueError(f"the number of ranks must be >= 1, got {world_size}")
     rows = rows_per_rank(cfg, world_size)
-    engine = resolve_engine(cfg.rollout.engine)
+    server = cfg.rollout.mode == "server"
+    engine = "server" if server else resolve_engine(cfg.rollout.engine)
     tp = cfg.rollout.tensor_parallel_size
-    if tp > 1 and (engine != "vllm" or world_size % tp):
+    if tp > 1 and not server and (engine != "vllm" or world_size % tp):
         raise ValueError(f"rollout.tensor_parallel_size {tp} needs the vllm engine (this run: {engine}) and a number "
                          f"of ranks it divides (this run: {world_size}): each group of {tp} consecutive ranks "
                          "shares one vLLM engine (docs/gpu.md)")
     source = model_source(cfg.model.path)
     check_writable(cfg.trainer.output_dir)
+    _check_lora_targets(cfg, source)
     resume = choose_checkpoint(cfg.trainer.output_dir, cfg.trainer.resume, world_size)
+    changes = resume.path and resume_changes(resume.path, cfg.to_dict(), cfg.trainer.resume, cfg.trainer.output_dir)
     if get_rank() == 0:
         warn_skipped(resume)
+        if changes:
+            log_changes(resume.path, changes, cfg.trainer.resume)
     earlier = resume.path is None and bool(written_artifacts(cfg.trainer.output_dir))
-    return RunPlan(world_size, rows, engine, engine_problem(engine), source, unavailable_reason(source),
-                   resume.path, earlier, tuple(check_data(cfg)) if data else (), missing_packages(cfg),
-                   resume.skipped, servers_down(cfg))
+    return RunPlan(world_size, rows, engine, None if server else engine_problem(engine), source,
+                   unavailable_reason(source), resume.path, earlier, tuple(check_data(cfg)) if data else (),
+                   missing_packages(cfg), resume.skipped, servers_down(cfg), changes or None)
+
+
+def _check_lora_targets(cfg: STAPOConfig, source: ModelSource) -> None:
+    """``model.lora.target_modules`` against the model's modules, built on the meta device (no weights) when
+    its config is on this machine; the trainer checks again on the loaded model."""
+    if not cfg.model.lora.enabled or source.kind not in (LOCAL, CACHED):
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from stapo.distributed.lora import lora_target_problem
+
+    config = AutoConfig.from_pretrained(source.path, trust_remote_code=cfg.model.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    problem = lora_target_problem(model, cfg.model.lora.target_modules)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 # (config says, package, why, required): optional packages a config turns on
@@ -144,7 +171,9 @@ def _output_line(cfg: STAPOConfig, plan: RunPlan) -> str:
     out = cfg.trainer.output_dir
     if plan.resume_from is not None:
         skipped = "".join(f"; {p.name} skipped: {why}" for p, why in plan.resume_skipped)
-        return f"output_dir: {out} (resumes from {plan.resume_from}{skipped})"
+        changed = plan.changes.experiment + plan.changes.settings if plan.changes else ()
+        return (f"output_dir: {out} (resumes from {plan.resume_from}{skipped}"
+                + (f"; changed since: {'; '.join(changed)}" if changed else "") + ")")
     if plan.earlier_run:
         return f"output_dir: {out} (a new run; the earlier run's files move to {out}/previous_runs/)"
     return f"output_dir: {out} (a new run)"
@@ -161,8 +190,35 @@ def _micro_batch_line(cfg: STAPOConfig, plan: RunPlan) -> str:
     return line
 
 
+def _rollout_line(cfg: STAPOConfig, plan: RunPlan) -> str:
+    r = cfg.rollout
+    if r.mode != "server":
+        engine = r.engine + (f" -> {plan.engine}" if plan.engine != r.engine else "")
+        return f"rollout: colocated, engine {engine}" + (f", tensor parallel {r.tensor_parallel_size}"
+                                                         if r.tensor_parallel_size > 1 else "")
+    lag = (f"asynchronous, max_staleness {r.max_staleness}" + (", partial rollouts" if r.partial else "")
+           if r.max_staleness else "lock-step (max_staleness 0)")
+    return f"rollout: server mode, {len(r.servers)} server(s) {', '.join(r.servers)}; {lag}; weight sync {r.sync}"
+
+
+def _method_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:
+    """The policy's adapters, its tools, the optimizer and KL: what a run from a recipe changes most."""
+    lo, op, lora, tools = cfg.loss, cfg.optim, cfg.model.lora, cfg.rollout.tools
+    adapters = (f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}" if lora.enabled
+                else "full fine-tuning (no LoRA)")
+    used = ", ".join(f"{n} ({', '.join(f'{k}={v!r}' for k, v in tools.settings_of(n)[0].items())})"
+                     for n in tools.names) if tools.enabled else ""
+    return [
+        f"model.path: {cfg.model.path} ({plan.model.describe()}); {adapters}",
+        f"tools: {used}; parser {tools.parser}, <= {tools.max_turns} turns" if tools.enabled else "tools: off",
+        f"optimizer: AdamW lr {op.lr:g} (warm-up {op.warmup_steps} steps), clip ratio to "
+        f"[{1 - lo.clip_low:g}, {1 + lo.clip_high:g}]" + (f", dual clip {lo.clip_c:g}" if lo.clip_c else ""),
+        f"KL to the initial policy: k3 x {lo.kl_coef:g}" if lo.kl_coef else "KL: off (loss.kl_coef=0, no reference model)",
+    ]
+
+
 def summary_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:
-    """What ``stapo train --dry-run`` prints after the resolved config."""
+    """What ``stapo train --dry-run`` prints first: the run's size and what defines it."""
     t, r = cfg.trainer, cfg.rollout
     responses = t.train_batch_size * r.group_size
     longest = cfg.data.max_prompt_length + r.max_response_length
@@ -178,8 +234,8 @@ def summary_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:
         f"mini-batch per rank: {plan.rows_per_rank} rows; " + _micro_batch_line(cfg, plan),
         f"tokens per step, upper bound: {responses:,} x {longest:,} = {responses * longest:,} "
         f"(generated: <= {responses * r.max_response_length * rounds:,})",
-        f"model.path: {cfg.model.path} ({plan.model.describe()})",
-        f"rollout.engine: {r.engine}" + (f" -> {plan.engine}" if plan.engine != r.engine else ""),
+        *_method_lines(cfg, plan),
+        _rollout_line(cfg, plan),
         f"reward: {'reward.function ' + cfg.reward.function if cfg.reward.function else cfg.reward.mode}",
         f"mask: {cfg.mask.name} ({params})",
         correction_line(cfg),

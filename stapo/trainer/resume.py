@@ -1,5 +1,10 @@
 """Which checkpoint ``trainer.resume`` continues, checked before any weights load.
 
+A checkpoint records the config it was trained with; ``auto`` refuses one whose experiment differs from
+this run's (``stapo.config.experiment``: another mask, LoRA, batch sizes, ...), naming the keys, so an
+ablation never continues the run it is compared with. ``force`` (or a checkpoint named by its path)
+continues it anyway with a warning; changed run settings (eval cadence, logging, more steps) are logged.
+
 A checkpoint can be unreadable after the run that wrote it: a file truncated by a full disk or a
 copy, a shard deleted by hand, a world size that changed. With ``trainer.resume=auto`` such a
 checkpoint is skipped (a warning names it and why) and the newest intact one is used; nothing is
@@ -19,9 +24,11 @@ from pathlib import Path
 
 import torch
 
-from stapo.run_dir import CHECKPOINT_DIR, CLIENT_FILE, LATEST, complete_checkpoints
+from stapo.config.experiment import ConfigChanges, config_changes
+from stapo.run_dir import CHECKPOINT_DIR, CLIENT_FILE, LATEST, complete_checkpoints, step_of
 
-__all__ = ["CheckpointUnreadable", "ResumeChoice", "checkpoint_problem", "choose_checkpoint"]
+__all__ = ["CheckpointUnreadable", "ExperimentChanged", "ResumeChoice", "checkpoint_problem", "choose_checkpoint",
+           "log_changes", "resume_changes"]
 
 log = logging.getLogger("stapo.trainer")
 
@@ -31,6 +38,10 @@ _RANK_FILE = re.compile(r"rank_(\d+)_")  # zero_pp_rank_<r>_mp_rank_00_optim_sta
 
 class CheckpointUnreadable(ValueError):
     """The checkpoint the user named, or every checkpoint of the run, cannot be loaded."""
+
+
+class ExperimentChanged(ValueError):
+    """``trainer.resume=auto`` found a checkpoint of another experiment in ``output_dir``."""
 
 
 @dataclass(frozen=True)
@@ -92,13 +103,13 @@ def _first_line(exc: BaseException) -> str:
 def choose_checkpoint(output_dir: str | Path, how: str, world_size: int) -> ResumeChoice:
     """``trainer.resume`` (``auto`` / ``never`` / a path) -> the checkpoint to load.
 
-    ``auto``: the one ``latest`` names, else the newest complete one; unreadable ones are skipped
-    for the next older (:class:`ResumeChoice` lists them). CheckpointUnreadable when a named
+    ``auto`` (and ``force``): the one ``latest`` names, else the newest complete one; unreadable ones are
+    skipped for the next older (:class:`ResumeChoice` lists them). CheckpointUnreadable when a named
     checkpoint, or every checkpoint there is, cannot be resumed.
     """
     if how == "never":
         return ResumeChoice(None)
-    if how != "auto":
+    if how not in ("auto", "force"):
         path = Path(how)
         if not path.exists():
             raise FileNotFoundError(f"trainer.resume: checkpoint {how} does not exist")
@@ -115,7 +126,7 @@ def choose_checkpoint(output_dir: str | Path, how: str, world_size: int) -> Resu
     if skipped:
         listed = "; ".join(f"{p}: {why}" for p, why in skipped)
         raise CheckpointUnreadable(
-            f"trainer.resume=auto: no checkpoint under {Path(output_dir) / CHECKPOINT_DIR} can be resumed ({listed}). "
+            f"trainer.resume={how}: no checkpoint under {Path(output_dir) / CHECKPOINT_DIR} can be resumed ({listed}). "
             "Nothing was deleted; trainer.resume=never starts over (the run's files move to previous_runs/)")
     return ResumeChoice(None)
 
@@ -136,3 +147,31 @@ def warn_skipped(choice: ResumeChoice) -> None:
     for path, why in choice.skipped:
         log.warning("checkpoint %s cannot be resumed (%s): skipped, resuming from %s instead (nothing was "
                     "deleted)", path, why, choice.path)
+
+
+def resume_changes(path: Path, now: dict, how: str, output_dir: str | Path) -> ConfigChanges:
+    """How this run's config (``now``, a ``to_dict()``) differs from the one checkpoint ``path`` was trained
+    with; ExperimentChanged under ``trainer.resume=auto`` when the experiment itself differs."""
+    payload = torch.load(path / CLIENT_FILE, weights_only=False, map_location="cpu")  # our own file
+    saved = (payload.get("client_state") or {}).get("config")
+    if saved is None:  # written before checkpoints recorded their config: nothing to compare with
+        return ConfigChanges((), ())
+    changes = config_changes(saved, now, step_of(path))
+    if changes.experiment and how == "auto":
+        key, _, value = changes.experiment[0].partition(": ")
+        suffix = re.sub(r"[^\w.-]+", "", f"{key.rsplit('.', 1)[-1]}-{value.rpartition(' -> ')[2]}")[:40]
+        raise ExperimentChanged(
+            f"trainer.output_dir {output_dir} holds {path.name} of another experiment ({'; '.join(changes.experiment)}):"
+            f" resuming would continue it under these settings. Train into another directory "
+            f"(trainer.output_dir={str(output_dir).rstrip('/')}-{suffix}) or continue it anyway (trainer.resume=force)")
+    return changes
+
+
+def log_changes(path: Path, changes: ConfigChanges, how: str) -> None:
+    """A warning for a continued experiment that changed (``force`` or a named checkpoint), one info line
+    for changed run settings."""
+    if changes.experiment:
+        log.warning("trainer.resume=%s: continuing %s, trained as another experiment: %s", how, path,
+                    "; ".join(changes.experiment))
+    if changes.settings:
+        log.info("resuming %s with changed run settings: %s", path, "; ".join(changes.settings))

@@ -10,24 +10,27 @@
 
 from __future__ import annotations
 
+import logging
+
 from stapo.config import STAPOConfig
+
+log = logging.getLogger("stapo.trainer")
 
 __all__ = ["build_tools", "tool_schemas", "episode_engine", "build_tiny_tir_model", "tiny_tir_rows"]
 
 
-def build_tools(cfg: STAPOConfig) -> dict:
-    """``{name: Tool}`` of ``rollout.tools.names`` (empty when tools are off)."""
-    from stapo.tools import build_tool, tool_params
+def build_tools(cfg: STAPOConfig, *, note: bool = False) -> dict:
+    """``{name: Tool}`` of ``rollout.tools.names`` (empty when tools are off); ``note``: log each shared limit
+    that a tool's own ``params`` replace."""
+    from stapo.tools import build_tool
 
     t = cfg.rollout.tools
-    if not t.enabled:
-        return {}
     tools = {}
-    for name in t.names:
-        params = {"timeout_s": t.timeout_s, "max_output_chars": t.max_output_chars}
-        if "stateful" in tool_params(name):
-            params["stateful"] = t.stateful
-        tools[name] = build_tool(name, **{**params, **t.params.get(name, {})})
+    for name in t.names if t.enabled else ():
+        params, notes = t.settings_of(name)
+        for line in notes if note else ():
+            log.info(line)
+        tools[name] = build_tool(name, **params)
     return tools
 
 
@@ -45,7 +48,7 @@ def episode_engine(cfg: STAPOConfig, engine, tokenizer):
     from stapo.rollout.episodes import EpisodeEngine
     from stapo.tools import build_tool_parser
 
-    return EpisodeEngine(engine, tokenizer, build_tool_parser(t.parser, tools=tuple(t.names)), build_tools(cfg),
+    return EpisodeEngine(engine, tokenizer, build_tool_parser(t.parser, tools=tuple(t.names)), build_tools(cfg, note=True),
                          max_turns=t.max_turns, max_tokens=cfg.rollout.max_response_length, max_workers=t.max_workers)
 
 

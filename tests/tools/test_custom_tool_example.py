@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stapo.cli import _load_user_modules
+from stapo.cli.common import load_user_modules
 from stapo.tools import ToolCall, build_tool, build_tool_parser, run_tool_calls
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_custom_tool_example_factors():
-    _load_user_modules([str(ROOT / "examples" / "custom_tool.py")])
+    load_user_modules([str(ROOT / "examples" / "custom_tool.py")])
     tool = build_tool("prime_factors")
     assert tool({"n": 360}).text == "2^3 * 3^2 * 5"  # 360 = 8 * 9 * 5
     assert tool({"n": 999_983 * 2}).text == "2 * 999983"  # 999983: the largest prime below 10^6

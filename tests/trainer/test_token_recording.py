@@ -64,7 +64,10 @@ def test_stapo_inspect_writes_the_report(recorded_run, capsys):
     for name in ("index.md", "report.html"):
         assert (out / name).stat().st_size > 0
     assert len(list(out.glob("*.png"))) >= 4
-    assert "inspector report" in capsys.readouterr().out
+    printed = capsys.readouterr().out.splitlines()  # the headline numbers first, then where the report is
+    assert printed[0].startswith("records: ") and "mask: stapo, τ_p = " in printed[0]
+    assert printed[1].startswith("valid tokens: ") and "silenced by the mask: " in printed[1]
+    assert printed[-1] == f"inspector report: {out} (index.md, report.html)"
 
 
 def test_topk_comes_from_the_same_theta_as_p_and_h(tmp_path, tiny_model_dir, arithmetic_jsonl):
