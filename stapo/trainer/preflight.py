@@ -25,7 +25,7 @@ from stapo.losses import build_mask, mask_params
 from stapo.rollout.registry import engine_problem, resolve_engine
 from stapo.run_dir import written_artifacts
 from stapo.distributed.process_group import get_rank
-from stapo.trainer.components import correction_line, rows_per_rank
+from stapo.trainer.components import attention, correction_line, rows_per_rank
 from stapo.trainer.data_check import DataSource, check_data
 from stapo.trainer.model_source import ModelSource, model_source, offline, unavailable_reason
 from stapo.trainer.resume import choose_checkpoint, warn_skipped
@@ -161,6 +161,15 @@ def _micro_batch_line(cfg: STAPOConfig, plan: RunPlan) -> str:
     return line
 
 
+def _attention_line(cfg: STAPOConfig) -> str:
+    requested = cfg.model.attn_implementation
+    try:
+        chosen = attention(cfg)
+    except ValueError as exc:  # e.g. flex_attention on a CPU-only machine: the run stops with this line
+        return f"model.attn_implementation: {requested} (not on this machine: {exc})"
+    return f"model.attn_implementation: {requested}" + (f" -> {chosen} on this machine" if chosen != requested else "")
+
+
 def summary_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:
     """What ``stapo train --dry-run`` prints after the resolved config."""
     t, r = cfg.trainer, cfg.rollout
@@ -180,6 +189,7 @@ def summary_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:
         f"(generated: <= {responses * r.max_response_length * rounds:,})",
         f"model.path: {cfg.model.path} ({plan.model.describe()})",
         f"rollout.engine: {r.engine}" + (f" -> {plan.engine}" if plan.engine != r.engine else ""),
+        _attention_line(cfg),
         f"reward: {'reward.function ' + cfg.reward.function if cfg.reward.function else cfg.reward.mode}",
         f"mask: {cfg.mask.name} ({params})",
         correction_line(cfg),
