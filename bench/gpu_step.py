@@ -86,10 +86,10 @@ def synthetic_batch(n: int, group: int, prompt: tuple[int, int], response: int, 
                 response_mask=response_mask, advantages=signs[order], lengths=(p_len + r_len).tolist())
 
 
-def run_phases(engine, seqs: dict, layout: Layout, minibatches: int, attn: str, sync) -> dict[str, float]:
+def run_phases(engine, seqs: dict, layout: Layout, minibatches: int, attn: str, sync) -> tuple[dict, torch.Tensor]:
     """The ONE place that calls the trainer's update API: stats pass, then ``minibatches`` updates.
 
-    Returns seconds per phase and the update's micro-batch count.
+    Returns seconds per phase and the update's micro-batch count, and the stats pass's logprobs.
     """
     from stapo.losses import TokenStats, build_mask
     from stapo.trainer.update import TrainBatch, UpdateOptions, policy_stats, update_minibatch
@@ -115,7 +115,7 @@ def run_phases(engine, seqs: dict, layout: Layout, minibatches: int, attn: str, 
         sums = update_minibatch(engine, model, part, keep, opts)
         micro_batches += float(sums.get("micro_batches", float("nan")))
     sync()
-    return {"stats_s": stats_s, "update_s": time.perf_counter() - start, "micro_batches": micro_batches}
+    return {"stats_s": stats_s, "update_s": time.perf_counter() - start, "micro_batches": micro_batches}, logprobs
 
 
 def head_seconds(config, response_tokens: int, device, dtype, sync) -> dict[str, float]:
@@ -143,17 +143,20 @@ def head_seconds(config, response_tokens: int, device, dtype, sync) -> dict[str,
     return out
 
 
-def _build_engine(config, zero_stage: int, grad_accum_steps: int, micro: int, bf16: bool):
+def build_engine(config, zero_stage: int, grad_accum_steps: int, micro: int, bf16: bool, **knobs):
+    """The project's DeepSpeed engine around a seeded random model; ``knobs``: build_engine's
+    ``gradient_checkpointing`` / ``compile_layers``."""
     from transformers import Qwen3ForCausalLM
 
     from stapo.config import STAPOConfig
     from stapo.trainer.components import zero_tuning
-    from stapo.distributed.deepspeed_engine import build_engine
+    from stapo.distributed import deepspeed_engine
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).to(torch.bfloat16 if bf16 else torch.float32)
-    return build_engine(model, lr=1e-6, warmup_steps=0, grad_accum_steps=grad_accum_steps, micro_batch_size=micro,
-                        zero_stage=zero_stage, bf16=bf16, zero_tuning=zero_tuning(STAPOConfig()))
+    return deepspeed_engine.build_engine(model, lr=1e-6, warmup_steps=0, grad_accum_steps=grad_accum_steps,
+                                         micro_batch_size=micro, zero_stage=zero_stage, bf16=bf16,
+                                         zero_tuning=zero_tuning(STAPOConfig()), **knobs)
 
 
 def run_config(config, seqs: dict, warm: dict, layout: Layout, zero_stage: int, work: dict, attn: str) -> dict:
@@ -165,12 +168,12 @@ def run_config(config, seqs: dict, warm: dict, layout: Layout, zero_stage: int, 
     config._attn_implementation = attn  # the kernel this configuration's model is built with
     engine = None
     try:
-        engine = _build_engine(config, zero_stage, math.ceil(rows / layout.micro_batch_size), layout.micro_batch_size,
+        engine = build_engine(config, zero_stage, math.ceil(rows / layout.micro_batch_size), layout.micro_batch_size,
                                bf16=cuda)
         run_phases(engine, warm, layout, 1, attn, sync)  # warm-up: kernels, allocator, ZeRO-3 traces
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        row.update(run_phases(engine, seqs, layout, work["minibatches"], attn, sync))
+        row.update(run_phases(engine, seqs, layout, work["minibatches"], attn, sync)[0])
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     except torch.cuda.OutOfMemoryError as exc:
         row["error"] = f"out of memory: {str(exc).splitlines()[0][:160]}"

@@ -45,7 +45,12 @@ class ModelConfig:
     dtype: str = "auto"
     """Training dtype: ``auto`` (bf16 on GPU, fp32 on CPU), ``bf16`` or ``fp32``."""
     gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory (needed for long responses on large models)."""
+    """Per-layer activation checkpointing: keep only each decoder layer's input and recompute the layer in
+    backward (about a third more compute for the activation memory of one layer instead of all; on in the
+    1.7B/8B/14B recipes; docs/benchmarks.md, "Memory knobs")."""
+    compile_layers: bool = False
+    """``torch.compile`` each decoder layer of the policy (the first micro-batches of a run pay the compilation;
+    needs a C++ compiler on CPU). Exact to float rounding; measured in docs/benchmarks.md, "Memory knobs"."""
     trust_remote_code: bool = False
     """Passed to transformers when loading the model and tokenizer."""
     attn_implementation: str = "auto"

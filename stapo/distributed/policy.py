@@ -89,11 +89,11 @@ class PackedInputs:
 
     Position ids restart at 0 for every sequence, and attention never crosses sequences: sdpa/eager get
     transformers' dense block-causal mask (derived from the position ids), flex_attention a block mask
-    and flash-attention ``cu_seqlens`` built from them (stapo.distributed.attention). ``row_width=None`` packs everything
-    into ONE row (right for flash/flex attention, whose cost follows the real sequences); a width
-    packs sequences first-fit-decreasing into rows of at most that many tokens (right for sdpa,
-    whose block-diagonal mask is dense: attention then costs ``rows x width^2``, never more than the
-    padded path's). The unused tail of a row is a separate dummy sequence no real token attends to.
+    and flash-attention ``cu_seqlens`` built from them (stapo.distributed.attention).
+    ``row_width=None`` packs everything into ONE row (right for flash/flex attention, whose cost follows
+    the real sequences); a width packs sequences first-fit-decreasing into rows of at most that many
+    tokens (right for sdpa, whose block-diagonal mask is dense: attention then costs ``rows x width^2``,
+    never more than the padded path's). The unused tail of a row is a separate dummy sequence no real token attends to.
     """
 
     input_ids: torch.Tensor  # (R, S) long

@@ -160,6 +160,7 @@ def build_deepspeed(model, cfg: STAPOConfig, world_size: int):
         zero_stage=cfg.trainer.zero_stage,
         bf16=policy_dtype(cfg) == torch.bfloat16,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
+        compile_layers=cfg.model.compile_layers,
         offload=cfg.trainer.offload,
         zero_tuning=zero_tuning(cfg),
     )

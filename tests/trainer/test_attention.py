@@ -68,9 +68,14 @@ def test_auto_reads_this_machines_gpu_and_packages(monkeypatch):
 
 
 def test_the_default_is_auto_and_packs_rows_for_sdpa_on_cpu():
+    from stapo.trainer.preflight import _attention_line
+
     cfg = STAPOConfig()
     assert cfg.model.attn_implementation == "auto"
     assert not update_options(cfg).pack_one_row  # sdpa: rows as wide as the longest sequence
+    assert _attention_line(cfg) == "model.attn_implementation: auto -> sdpa on this machine"  # the dry run's line
+    flex = STAPOConfig.from_yaml(None, ["model.attn_implementation=flex_attention"])
+    assert _attention_line(flex).startswith("model.attn_implementation: flex_attention (not on this machine: ")
 
 
 def test_document_ids_and_flash_arguments_by_hand():
