@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "weight_sync_delta": ["bench/weight_sync_delta.py"],
     "zero_tuning": ["bench/zero_tuning.py"],
     "lora_memory": ["bench/lora_memory.py"],
+    "memory_knobs": ["bench/memory_knobs.py"],
     "vs_trl": ["bench/vs_trl.py"],
     "ablation": ["bench/ablation.py", "--seeds", "0"],
 }

@@ -36,7 +36,7 @@ EXPERIMENT_KEYS = (
 #: Keys that may change between sessions of one run (``tests/test_experiment.py`` checks that every config
 #: key is in exactly one of the two lists, so a new field needs a decision).
 RUN_SETTINGS = (
-    "model.gradient_checkpointing", "model.trust_remote_code", "model.attn_implementation",
+    "model.gradient_checkpointing", "model.compile_layers", "model.trust_remote_code", "model.attn_implementation",
     "model.lora.export_merged", "data.eval_source", "data.eval_size", "loss.chunk_size",
     "trainer.output_dir", "trainer.total_steps", "trainer.micro_batch_size", "trainer.packing",
     "trainer.max_tokens_per_micro_batch", "trainer.max_tokens_per_stats_micro_batch", "trainer.zero_stage",

@@ -45,13 +45,21 @@ class ModelConfig:
     dtype: str = "auto"
     """Training dtype: ``auto`` (bf16 on GPU, fp32 on CPU), ``bf16`` or ``fp32``."""
     gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory (needed for long responses on large models)."""
+    """Per-layer activation checkpointing: keep only each decoder layer's input and recompute the layer in
+    backward (about a third more compute for the activation memory of one layer instead of all; on in the
+    1.7B/8B/14B recipes; docs/benchmarks.md, "Memory knobs")."""
+    compile_layers: bool = False
+    """``torch.compile`` each decoder layer of the policy (the first micro-batches of a run pay the compilation;
+    needs a C++ compiler on CPU). Exact to float rounding; measured in docs/benchmarks.md, "Memory knobs"."""
     trust_remote_code: bool = False
     """Passed to transformers when loading the model and tokenizer."""
-    attn_implementation: str = "sdpa"
-    """Attention kernel of the policy (transformers' ``attn_implementation``): ``sdpa`` (any device),
-    ``flex_attention`` or ``flash_attention_2`` (GPU; block-sparse over packed sequences instead of
-    sdpa's dense block-diagonal mask), ``eager``. Packed rows are exact with every one of them."""
+    attn_implementation: str = "auto"
+    """Attention kernel of the policy (transformers' ``attn_implementation``). ``auto``: flash-attention's
+    varlen kernel where it is installed and runs (CUDA, bf16; ``flash_attention_3`` on Hopper), else
+    ``flex_attention`` on CUDA, else ``sdpa`` (CPU). flash and flex follow the packed sequences (a
+    micro-batch is packed into one row); sdpa needs a dense block-diagonal mask over each row. Also
+    ``sdpa``, ``eager``, ``flex_attention`` (CUDA only: no backward on CPU), ``flash_attention_2``/``_3``.
+    Packed rows are exact with every one of them (docs/gpu.md, "Attention over packed rows")."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (off by default: full fine-tuning, as in the paper)."""
 

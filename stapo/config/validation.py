@@ -61,9 +61,9 @@ def validate(cfg) -> None:
            "use trainer.zero_stage 1 (fp32 accumulation; on one GPU it partitions nothing) or model.dtype fp32")
     for name in ("max_tokens_per_micro_batch", "max_tokens_per_stats_micro_batch"):
         _check(getattr(t, name) >= 0, f"trainer.{name} must be >= 0 (0: count rows), got {getattr(t, name)}")
-    _check(cfg.model.attn_implementation in ("sdpa", "eager", "flex_attention", "flash_attention_2",
+    _check(cfg.model.attn_implementation in ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2",
                                              "flash_attention_3"),
-           f"model.attn_implementation must be sdpa, eager, flex_attention, flash_attention_2 or "
+           f"model.attn_implementation must be auto, sdpa, eager, flex_attention, flash_attention_2 or "
            f"flash_attention_3, got {cfg.model.attn_implementation!r}")
     _check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
     _check(t.save_every >= 0, "trainer.save_every must be >= 0")

@@ -173,6 +173,7 @@ def build_engine(
     zero_stage: int = 3,
     bf16: bool,
     gradient_checkpointing: bool = False,
+    compile_layers: bool = False,
     offload: bool = False,
     zero_tuning: ZeroTuning | None = None,
 ):
@@ -182,7 +183,8 @@ def build_engine(
     rank must pass a model with identical weights (same seed or same checkpoint). The optimizer
     is ``torch.optim.AdamW`` (deterministic, no JIT build); with ``offload=True`` DeepSpeed's
     ``DeepSpeedCPUAdam`` in AdamW mode, which ZeRO-Offload requires. ``zero_tuning``: ZeRO bucket,
-    persistence and overlap settings (None: DeepSpeed's defaults).
+    persistence and overlap settings (None: DeepSpeed's defaults). ``gradient_checkpointing`` recomputes each
+    decoder layer in backward; ``compile_layers`` runs each decoder layer through ``torch.compile``.
     """
     import deepspeed
 
@@ -190,6 +192,8 @@ def build_engine(
     _check_same_weights(model)
     if gradient_checkpointing:
         _enable_activation_checkpointing(model)
+    if compile_layers:
+        compile_decoder_layers(model)
     params = [p for p in model.parameters() if p.requires_grad]
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -284,3 +288,20 @@ def _enable_activation_checkpointing(model) -> None:
     else:
         raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} has no "
                          "activation_checkpointing_enable() (expected a transformers model)")
+
+
+def compile_decoder_layers(model) -> int:
+    """``torch.compile`` every decoder layer (transformers' ``GradientCheckpointingLayer``: Qwen3's, Llama's, ...),
+    in place (``Module.compile``: parameter names and hooks unchanged), for any sequence length; returns how many.
+    The layers share their compiled graphs (parameters are graph inputs); the embedding, the head and the root
+    stay eager. Under ZeRO-3 DeepSpeed's gather hooks, which run eagerly, split each layer's graph at every
+    projection."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"model.compile_layers: {type(model).__name__} has no transformers decoder layers "
+                         "(GradientCheckpointingLayer) to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)  # every micro-batch has its own length: one graph for all lengths
+    return len(layers)

@@ -35,6 +35,7 @@ from typing import Union
 
 import torch
 
+from stapo.distributed.attention import packed_attention_kwargs
 from stapo.losses import token_logprobs_and_entropy, token_topk
 
 
@@ -86,13 +87,13 @@ class PolicyInputs:
 class PackedInputs:
     """Padding-free teacher-forced inputs: ``b`` sequences (prompt + response) concatenated in rows.
 
-    Position ids restart at 0 for every sequence and no attention mask is passed, so transformers
-    builds attention that never crosses sequences (its packed-sequence support: a block-causal mask
-    for sdpa/eager/flex, ``cu_seqlens`` for flash-attention). ``row_width=None`` packs everything
-    into ONE row (right for flash/flex attention, whose cost follows the real sequences); a width
-    packs sequences first-fit-decreasing into rows of at most that many tokens (right for sdpa,
-    whose block-diagonal mask is dense: attention then costs ``rows x width^2``, never more than the
-    padded path's). The unused tail of a row is a separate dummy sequence no real token attends to.
+    Position ids restart at 0 for every sequence, and attention never crosses sequences: sdpa/eager get
+    transformers' dense block-causal mask (derived from the position ids), flex_attention a block mask
+    and flash-attention ``cu_seqlens`` built from them (stapo.distributed.attention).
+    ``row_width=None`` packs everything into ONE row (right for flash/flex attention, whose cost follows
+    the real sequences); a width packs sequences first-fit-decreasing into rows of at most that many
+    tokens (right for sdpa, whose block-diagonal mask is dense: attention then costs ``rows x width^2``,
+    never more than the padded path's). The unused tail of a row is a separate dummy sequence no real token attends to.
     """
 
     input_ids: torch.Tensor  # (R, S) long
@@ -136,8 +137,10 @@ class PackedInputs:
                             self.response_ids.to(device), self.response_mask.to(device))
 
     def target_hidden(self, decoder) -> torch.Tensor:
-        out = decoder(input_ids=self.input_ids, attention_mask=None, position_ids=self.position_ids,
-                      use_cache=False)
+        """As :meth:`PolicyInputs.target_hidden`; what keeps the sequences apart (a flex ``BlockMask``, flash's
+        ``cu_seqlens``) is built here, once per micro-batch, and every layer reuses it (``attention.py``)."""
+        attention = packed_attention_kwargs(decoder.config._attn_implementation, self.position_ids)
+        out = decoder(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False, **attention)
         return out.last_hidden_state.flatten(0, 1)[self.target_index]  # (N, H)
 
 

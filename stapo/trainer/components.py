@@ -19,6 +19,7 @@ import torch
 
 from stapo.config import STAPOConfig
 from stapo.distributed.process_group import DistInfo, barrier, broadcast_object
+from stapo.distributed.attention import ONE_ROW_ATTENTION, choose_attention
 from stapo.distributed.deepspeed_engine import ZeroTuning
 from stapo.trainer import tool_setup
 from stapo.trainer import server_setup
@@ -100,12 +101,17 @@ def load_tokenizer(path: str, cfg: STAPOConfig):
     return tokenizer
 
 
+def attention(cfg: STAPOConfig) -> str:
+    """``model.attn_implementation`` with ``auto`` resolved on this machine (stapo.distributed.attention)."""
+    return choose_attention(cfg.model.attn_implementation, dtype=policy_dtype(cfg))
+
+
 def load_policy(path: str, cfg: STAPOConfig):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=policy_dtype(cfg), trust_remote_code=cfg.model.trust_remote_code,
-        attn_implementation=cfg.model.attn_implementation,
+        attn_implementation=attention(cfg),
     )
     model.config.use_cache = False
     return model
@@ -155,6 +161,7 @@ def build_deepspeed(model, cfg: STAPOConfig, world_size: int):
         zero_stage=cfg.trainer.zero_stage,
         bf16=policy_dtype(cfg) == torch.bfloat16,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
+        compile_layers=cfg.model.compile_layers,
         offload=cfg.trainer.offload,
         zero_tuning=zero_tuning(cfg),
     )
@@ -211,11 +218,6 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
     return tool_setup.episode_engine(cfg, engine, tokenizer)  # rollout.tools: rows become multi-turn episodes
 
 
-# Attention kernels whose cost follows the real packed sequences (no dense block-diagonal mask):
-# with them a whole micro-batch is packed into one row.
-ONE_ROW_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
-
-
 def update_options(cfg: STAPOConfig) -> UpdateOptions:
     return UpdateOptions(
         clip_low=cfg.loss.clip_low,
@@ -229,7 +231,7 @@ def update_options(cfg: STAPOConfig) -> UpdateOptions:
         kl_coef=cfg.loss.kl_coef,
         entropy_coef=cfg.loss.entropy_coef,
         packing=cfg.trainer.packing,
-        pack_one_row=cfg.model.attn_implementation in ONE_ROW_ATTENTION,
+        pack_one_row=attention(cfg) in ONE_ROW_ATTENTION,
         micro_batch_size=cfg.trainer.micro_batch_size,
         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch or None,
         max_tokens_per_stats_micro_batch=cfg.trainer.max_tokens_per_stats_micro_batch or None,

@@ -28,7 +28,7 @@ from stapo.losses import build_mask, mask_params
 from stapo.rollout.registry import engine_problem, resolve_engine
 from stapo.run_dir import written_artifacts
 from stapo.distributed.process_group import get_rank
-from stapo.trainer.components import correction_line, rows_per_rank
+from stapo.trainer.components import attention, correction_line, rows_per_rank
 from stapo.trainer.data_check import DataSource, check_data
 from stapo.trainer.model_source import CACHED, LOCAL, ModelSource, model_source, offline, unavailable_reason
 from stapo.trainer.resume import choose_checkpoint, log_changes, resume_changes, warn_skipped
@@ -217,6 +217,15 @@ def _method_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:
     ]
 
 
+def _attention_line(cfg: STAPOConfig) -> str:
+    requested = cfg.model.attn_implementation
+    try:
+        chosen = attention(cfg)
+    except ValueError as exc:  # e.g. flex_attention on a CPU-only machine: the run stops with this line
+        return f"model.attn_implementation: {requested} (not on this machine: {exc})"
+    return f"model.attn_implementation: {requested}" + (f" -> {chosen} on this machine" if chosen != requested else "")
+
+
 def summary_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:
     """What ``stapo train --dry-run`` prints first: the run's size and what defines it."""
     t, r = cfg.trainer, cfg.rollout
@@ -236,6 +245,7 @@ def summary_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:
         f"(generated: <= {responses * r.max_response_length * rounds:,})",
         *_method_lines(cfg, plan),
         _rollout_line(cfg, plan),
+        _attention_line(cfg),
         f"reward: {'reward.function ' + cfg.reward.function if cfg.reward.function else cfg.reward.mode}",
         f"mask: {cfg.mask.name} ({params})",
         correction_line(cfg),

@@ -3,6 +3,7 @@
 import re
 
 import pytest
+import torch
 
 from stapo.config import ConfigError, STAPOConfig
 from stapo.losses.ops import DEFAULT_CHUNK_SIZE
@@ -86,3 +87,36 @@ def test_main_rank_first_builds_on_rank_0_before_the_others(tmp_path):
     (r0, _), (r1, calls) = run_ranks(_main_first_worker, 2, tmp_path, timeout=400)
     assert (r0, r1) == (0, 10)  # each rank gets its own build's result
     assert calls == ["start 0", "end 0", "start 1", "end 1"]
+
+
+def test_memory_knobs_reach_the_engine(monkeypatch, tiny_model_dir):
+    # model.gradient_checkpointing and model.compile_layers are build_engine's; compiling marks every decoder
+    # layer (compilation itself happens at the first forward: measured in bench/memory_knobs.py)
+    from transformers import AutoModelForCausalLM
+
+    from stapo.distributed import deepspeed_engine
+    from stapo.trainer.components import build_deepspeed
+
+    seen = {}
+    monkeypatch.setattr(deepspeed_engine, "build_engine", lambda model, **kw: seen.update(kw))
+    build_deepspeed(None, STAPOConfig.from_yaml(None, ["model.gradient_checkpointing=true",
+                                                       "model.compile_layers=true"]), 1)
+    assert seen["gradient_checkpointing"] is True and seen["compile_layers"] is True
+    assert STAPOConfig().model.compile_layers is False
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    assert deepspeed_engine.compile_decoder_layers(model) == model.config.num_hidden_layers == 4
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    assert model.lm_head._compiled_call_impl is None and "model.layers.0.mlp.up_proj.weight" in model.state_dict()
+    with pytest.raises(ValueError, match="model.compile_layers: Linear has no transformers decoder layers"):
+        deepspeed_engine.compile_decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_the_8b_and_14b_recipes_checkpoint_activations():
+    from pathlib import Path
+
+    recipes = [p for p in sorted((Path(__file__).resolve().parents[2] / "examples" / "recipes").glob("qwen3_*.yaml"))
+               if "_8b" in p.name or "_14b" in p.name]
+    assert len(recipes) >= 10
+    for path in recipes:
+        cfg = STAPOConfig.from_yaml(path)
+        assert cfg.model.gradient_checkpointing and cfg.model.attn_implementation == "auto", path.name
