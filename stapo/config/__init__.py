@@ -105,6 +105,7 @@ class STAPOConfig:
         """
         base = copy.deepcopy(dict(data or {}))
         merged = apply_overrides(copy.deepcopy(base), overrides)
+        _refuse_server_token(merged)
         _drop_params_of_replaced_mask(base, apply_overrides({}, overrides), merged)
         return build_dataclass(cls, merged)
 
@@ -125,17 +126,26 @@ class STAPOConfig:
         return cls.from_dict(data, overrides)
 
     def to_dict(self) -> dict:
-        """Every field as plain data, the shared secret left out (``rollout.server_token``: written files,
-        checkpoints and W&B never hold it; a resumed run reads ``STAPO_SERVER_TOKEN``)."""
-        data = dataclasses.asdict(self)
-        data["rollout"]["server_token"] = None
-        return data
+        """Every field as plain data."""
+        return dataclasses.asdict(self)
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         text = yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
         if path is not None:
             Path(path).write_text(text, encoding="utf-8")
         return text
+
+
+def _refuse_server_token(merged: dict) -> None:
+    """``rollout.server_token`` is gone: a secret in a config or an override sits in ``/proc/PID/cmdline``, which
+    every local process reads. The ``null`` that config.yaml files of earlier runs hold is dropped."""
+    rollout = merged.get("rollout")
+    if isinstance(rollout, dict) and "server_token" in rollout:
+        if rollout["server_token"] is not None:
+            raise ConfigError("rollout.server_token is no longer read (a secret on a command line is readable by every "
+                              "local process): put it in a file only you can read and set rollout.server_token_file, "
+                              "or export STAPO_SERVER_TOKEN")
+        del rollout["server_token"]
 
 
 def _drop_params_of_replaced_mask(base: dict, layer: dict, merged: dict) -> None:

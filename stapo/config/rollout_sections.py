@@ -103,11 +103,11 @@ class RolloutConfig:
     """``server`` mode: ``host:port`` of every vLLM server (``stapo serve MODEL``). Requests go to the least
     loaded one; a server that stops answering is left out (a warning names it) until it is back and
     re-synced."""
-    server_token: Union[str, None] = None
-    """``server`` mode: the shared secret the servers were started with (``STAPO_SERVER_TOKEN`` in the
-    environment of ``stapo serve``); default: the trainer's own ``STAPO_SERVER_TOKEN``. Sent as
-    ``Authorization: Bearer``; never written to config.yaml, checkpoints or W&B (a resumed run reads it from
-    the environment). docs/rollout.md, "Security"."""
+    server_token_file: Union[str, None] = None
+    """``server`` mode: a file holding the servers' shared secret (the one ``stapo serve`` names on its first line;
+    only its owner may read it). Read after ``STAPO_SERVER_TOKEN``; default: ``stapo serve``'s default file
+    (``$STAPO_CACHE/server_token``, else ``~/.cache/stapo/server_token``) when it exists. A secret is never given on
+    a command line, where every local process can read it (docs/rollout.md, "Security")."""
     sync_host: Union[str, None] = None
     """``server`` mode: the trainer's address the servers reach for the weight broadcast (its TCPStore and
     gloo sockets bind it, nothing else). Default: 127.0.0.1 when every server is local, else this machine's
