@@ -135,7 +135,8 @@ class RolloutConfig:
     (``stapo serve`` sets 900 s): a server waiting longer for a stalled trainer is killed by vLLM's watchdog."""
     sync_join_timeout_s: float = 30.0
     """``server`` mode: every server checks in for a weight sync within this, or the sync is called off and
-    retried without the ones that did not (a server lost while joining never leaves the others waiting)."""
+    retried without the ones that did not (a server lost while joining never leaves the others waiting). At most
+    60: a server waits no longer for the trainer's go."""
     sync_retries: int = 2
     """``server`` mode: times a failed weight sync is retried (with the servers that still answer) before
     the run checkpoints and stops."""

@@ -15,6 +15,8 @@ what ``rollout.mode: server`` needs added, unless the options already say otherw
   secret, ``/collective_rpc`` takes stapo's worker methods only, vLLM's other control routes
   are refused (docs/rollout.md, "Security"); vLLM's own ``--api-key`` is refused (it guards ``/v1``
   only, and the secret covers it);
+- ``FORWARDED_ALLOW_IPS=`` unless set: the caller's address the guard sees is the connection's, never one an
+  ``X-Forwarded-For`` header names;
 - ``VLLM_SERVER_DEV_MODE=1``: vLLM serves ``/collective_rpc`` and ``/reset_prefix_cache`` only then;
 - ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=900`` unless set: a worker inside a weight sync's receive waits up to
   ``rollout.sync_timeout_s`` (300 s) for the trainer, and the engine's next step waits behind it; at vLLM's
@@ -124,6 +126,9 @@ def serve_command(model: str, vllm_args: Sequence[str], python: str, env: Mappin
     if secret is not None:
         out_env[TOKEN_ENV] = secret
     out_env["VLLM_SERVER_DEV_MODE"] = "1"
+    # uvicorn takes a caller's address from X-Forwarded-For when it connects from loopback; the guard checks a
+    # join's store against the caller's address, so no header may name it (a proxy in front: set this to its IP)
+    out_env.setdefault("FORWARDED_ALLOW_IPS", "")
     out_env.setdefault(STEP_TIMEOUT_ENV, str(STEP_TIMEOUT_S))
     if on_cpu:
         out_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_BYTES // 2**30))

@@ -50,7 +50,7 @@ def test_a_key_set_by_a_process_that_knows_only_the_port_changes_nothing(monkeyp
     def attacked(host, timeout_s):
         store = real(host, timeout_s)
         stranger = port_only_client(store.port)
-        for key in ("stapo/go", "stapo/ready/1", "go", "ready/1"):  # the old protocol's keys, and guesses
+        for key in ("stapo/go", "go"):  # the old protocol's go, and a guess
             stranger.set(key, "off")
         seen["keys"] = stranger.list_keys()
         return store
@@ -65,7 +65,7 @@ def test_a_key_set_by_a_process_that_knows_only_the_port_changes_nothing(monkeyp
         server.close()
     assert engine.last_sync.ok, engine.last_sync
     assert holds(server.worker, model) and server.worker._stapo_version == 1
-    assert len(seen["keys"]) == 4 and took < 10
+    assert len(seen["keys"]) == 2 and took < 10
 
 
 def test_a_process_that_knows_only_the_port_cannot_join_in_a_servers_place(monkeypatch):
