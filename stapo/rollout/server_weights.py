@@ -146,14 +146,15 @@ class BroadcastSession:
         self._wait(joins, "join")
 
     def _await_check_ins(self, specs: list[GroupSpec], joins: list[Future]) -> list[str]:
-        """Wait until every server's workers checked in (at most ``join_timeout_s``); the servers that did
-        not, or whose join call already failed, in their order."""
+        """Wait until every server's workers checked in or its join call failed (at most ``join_timeout_s``); the
+        servers that did not check in, in their order. A failed join ends no other server's wait: one still on
+        its way is not named with the failed one (and marked down) for being slower."""
         deadline = time.monotonic() + self.join_timeout_s
         while True:
             failed = {c.address for (c, _), j in zip(self.servers, joins) if j.done() and j.exception() is not None}
             waiting = {c.address for (c, workers), spec in zip(self.servers, specs)
                        if not checked_in(self._store, self.nonce, spec.rank_offset, workers)}
-            if failed or not waiting or time.monotonic() >= deadline:
+            if waiting <= failed or time.monotonic() >= deadline:
                 return [c.address for c, _ in self.servers if c.address in failed | waiting]
             time.sleep(0.02)
 
