@@ -251,8 +251,8 @@ def _check_rollout_servers(r) -> None:
            "rollout.server_token_file must name a file (or be unset: STAPO_SERVER_TOKEN, then stapo serve's default "
            "file, is read)")
     _check(r.sync_join_timeout_s <= MAX_JOIN_TIMEOUT_S,
-           f"rollout.sync_join_timeout_s must be <= {MAX_JOIN_TIMEOUT_S:g}, got {r.sync_join_timeout_s}: a server waits "
-           "no longer for the trainer's go")
+           f"rollout.sync_join_timeout_s must be <= {MAX_JOIN_TIMEOUT_S:g}, got {r.sync_join_timeout_s}: a server "
+           "waits no longer for the trainer's go")
     _check(r.sync in ("full", "delta"), f"rollout.sync must be one of ['full', 'delta'], got {r.sync!r}")
     _check(r.sync == "full" or r.mode == "server",
            "rollout.sync=delta needs rollout.mode=server: a colocated engine loads the weights from the trainer's "

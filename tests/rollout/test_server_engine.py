@@ -125,7 +125,8 @@ def test_stapo_serve_listens_on_loopback_and_guards_its_routes():
     argv, env = serve_command("/m", ["--host=10.0.0.5"], "py", {}, on_cpu=False, secret="s3cret")
     assert "--host=10.0.0.5" in argv and env["STAPO_SERVER_TOKEN"] == "s3cret" and "s3cret" not in argv
     assert env["FORWARDED_ALLOW_IPS"] == ""  # uvicorn then takes no caller's address from X-Forwarded-For
-    assert take_token_file(["--port", "1", "--token_file", "/s", "--dtype", "x"]) == ("/s", ["--port", "1", "--dtype", "x"])
+    assert take_token_file(["--port", "1", "--token_file", "/s", "--dtype", "x"]) == ("/s", ["--port", "1", "--dtype",
+                                                                                             "x"])
     assert take_token_file(["--token-file=/s", "--port", "1"]) == ("/s", ["--port", "1"])
     with pytest.raises(ValueError, match="--host is given 2 times"):
         serve_command("/m", ["--host", "127.0.0.1", "--host", "0.0.0.0"], "py", {}, on_cpu=False)

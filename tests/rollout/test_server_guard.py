@@ -61,7 +61,8 @@ def test_a_join_may_point_a_server_only_at_the_callers_own_address():
     """A server never connects where a caller points it: the store of a join must be at the address the call came
     from (loopback addresses are one; a UNIX socket's caller is local)."""
     assert rpc_refusal(join("10.0.0.5"), peer="10.0.0.5") is None
-    assert rpc_refusal(join("127.0.0.1"), peer="127.0.0.1") is None and rpc_refusal(join("::1"), peer="127.0.0.1") is None
+    assert rpc_refusal(join("127.0.0.1"), peer="127.0.0.1") is None
+    assert rpc_refusal(join("::1"), peer="127.0.0.1") is None
     assert rpc_refusal(join("10.0.0.5"), peer="::ffff:10.0.0.5") is None
     assert rpc_refusal(join("127.0.0.1"), peer=None) is None
     for host, peer in (("10.0.0.9", "10.0.0.5"), ("192.0.2.1", "127.0.0.1"), ("127.0.0.1", "10.0.0.5"),
@@ -71,8 +72,8 @@ def test_a_join_may_point_a_server_only_at_the_callers_own_address():
     assert rpc_refusal(bad, peer="127.0.0.1") == "the join carries no weight-group spec"
 
 
-def call(path: str, body: bytes = b"", token: str | None = None, root_path: str = "", guard_token: str | None = "s3cret",
-         client: tuple[str, int] | None = ("127.0.0.1", 50000)) -> tuple[int, bytes | None]:
+def call(path: str, body: bytes = b"", token: str | None = None, root_path: str = "",
+         guard_token: str | None = "s3cret", client: tuple | None = ("127.0.0.1", 50000)) -> tuple[int, bytes | None]:
     """One HTTP request through ``ServerGuard(token=guard_token)`` in front of an app that echoes the body."""
     seen = {}
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import stat
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -94,8 +96,13 @@ def test_a_join_may_not_point_a_server_at_another_store_or_call_a_foreign_method
     timeouts); a ``method`` that is not a string was a 500."""
     start = time.monotonic()
     spec = GroupSpec("192.0.2.1", 29500, world_size=2, rank_offset=1, timeout_s=5, join_timeout_s=5, nonce=new_nonce())
-    assert status(both[0].address, "/collective_rpc", {"method": "stapo_join_weight_group", "args": [spec.to_json()]},
-                  token=LANE_TOKEN) == 403
+    join = {"method": "stapo_join_weight_group", "args": [spec.to_json()]}
+    assert status(both[0].address, "/collective_rpc", join, token=LANE_TOKEN) == 403
+    headers = {"Authorization": f"Bearer {LANE_TOKEN}", "X-Forwarded-For": "192.0.2.1"}
+    forwarded = urllib.request.Request(f"http://{both[0].address}/collective_rpc", data=json.dumps(join).encode(),
+                                       headers=headers)
+    with pytest.raises(urllib.error.HTTPError, match="403"):  # a header does not make the caller 192.0.2.1
+        urllib.request.urlopen(forwarded, timeout=30)
     for method in (["stapo_server_state"], {}, 7):
         assert status(both[0].address, "/collective_rpc", {"method": method, "args": []}, token=LANE_TOKEN) == 403
     assert state(both[0])["session_open"] is False
