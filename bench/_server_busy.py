@@ -15,6 +15,8 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
+from stapo.rollout.server_secret import trainer_secret
+
 GAUGE = "vllm:num_requests_running"
 
 
@@ -25,12 +27,12 @@ def running_requests(metrics_text: str) -> float:
 
 
 class BusyProbe(threading.Thread):
-    """Samples the server at ``address`` (host:port; ``STAPO_SERVER_TOKEN`` sent when set) until `stop`."""
+    """Samples the server at ``address`` (host:port; with the trainer's secret, `trainer_secret`) until `stop`."""
 
     def __init__(self, address: str, metrics_path: Path, period: float):
         super().__init__(daemon=True)
         self.url, self.metrics_path, self.period = f"http://{address}/metrics", metrics_path, period
-        token = os.environ.get("STAPO_SERVER_TOKEN")
+        token = trainer_secret(os.environ, None)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.samples: dict[int, list[bool]] = defaultdict(list)
         self._stopped = threading.Event()

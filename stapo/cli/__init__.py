@@ -46,15 +46,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Replace this process with vLLM's server, set up for ``rollout.mode: server`` (docs/rollout.md)."""
+    """Replace this process with vLLM's server, set up for ``rollout.mode: server`` (docs/rollout.md). Its first
+    line says where the shared secret is (`stapo.rollout.server_secret`), the second the server's command line."""
     import torch
 
-    from stapo.rollout.serve import serve_command
+    from stapo.rollout.serve import serve_command, take_token_file
+    from stapo.rollout.server_secret import TOKEN_ENV, serve_secret
 
     dry_run = "--dry-run" in args.vllm_args
-    vllm_args = [a for a in args.vllm_args if a != "--dry-run"]
-    argv, env = serve_command(args.model, vllm_args, sys.executable, os.environ, on_cpu=not torch.cuda.is_available())
-    added = " ".join(f"{k}={v}" for k, v in env.items() if os.environ.get(k) != v)
+    token_file, vllm_args = take_token_file([a for a in args.vllm_args if a != "--dry-run"])
+    secret, where = serve_secret(os.environ, token_file, create=not dry_run)
+    argv, env = serve_command(args.model, vllm_args, sys.executable, os.environ, on_cpu=not torch.cuda.is_available(),
+                              secret=secret)
+    print(f"stapo serve: {where}", file=sys.stderr, flush=True)
+    added = " ".join(f"{k}={v}" for k, v in env.items() if os.environ.get(k) != v and k != TOKEN_ENV)
     print(f"stapo serve: {added} {' '.join(argv)}", file=sys.stderr, flush=True)
     if dry_run:
         return 0
@@ -93,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Start vLLM's OpenAI-compatible server for training through it "
                                        "(rollout.mode=server, rollout.servers=[HOST:PORT]). Options after "
                                        "MODEL go to vLLM, e.g. --port 8000 --tensor-parallel-size 2; "
+                                       "--token-file PATH: the shared secret's file (read, or created 0600; "
+                                       "default: STAPO_SERVER_TOKEN, else ~/.cache/stapo/server_token); "
                                        "--dry-run prints the server's command line and exits.")
     serve.add_argument("model", help="HF model directory or hub name (the policy's architecture)")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM server options")

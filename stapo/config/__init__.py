@@ -130,11 +130,8 @@ class STAPOConfig:
         return cfg
 
     def to_dict(self) -> dict:
-        """Every field as plain data, the shared secret left out (``rollout.server_token``: written files,
-        checkpoints and W&B never hold it; a resumed run reads ``STAPO_SERVER_TOKEN``)."""
-        data = dataclasses.asdict(self)
-        data["rollout"]["server_token"] = None
-        return data
+        """Every field as plain data."""
+        return dataclasses.asdict(self)
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         text = yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)

@@ -79,10 +79,12 @@ def build_dataclass(cls, data: Any, prefix: str = ""):
     names = [f.name for f in dataclasses.fields(cls)]
     # a removed key -> (its old default, what replaces it): at that default (as a run directory's config.yaml
     # written before holds it) there is nothing to carry over; any other value is an error naming the new key
+    # (the message shows the value only where it says so: a removed secret is never echoed)
     removed = getattr(cls, "REMOVED_KEYS", {})
     for key in data:
         if key in removed and data[key] != removed[key][0]:
-            raise ConfigError(f"{prefix}{key}={data[key]} " + removed[key][1].format(value=data[key]))
+            message = removed[key][1].format(value=data[key])
+            raise ConfigError(f"{prefix}{key}{'' if message.startswith('=') else ' '}{message}")
         if key not in names and key not in removed:
             raise ConfigError(f"unknown config key {prefix + str(key)!r}{_closest(str(key), names, prefix)}")
     kwargs = {}

@@ -17,7 +17,7 @@ __all__ = ["RolloutConfig", "ToolsConfig"]
 class ToolsConfig:
     """Multi-turn tool-integrated episodes (docs/tir.md). Off by default: one prompt, one response."""
 
-    REMOVED_KEYS = {old: (0, f"is reward.tool_{old} now: write reward.tool_{old}={{value}} (tool shaping is a reward "
+    REMOVED_KEYS = {old: (0, f"={{value}} is reward.tool_{old} now: write reward.tool_{old}={{value}} (tool shaping is a reward "
                              "term beside reward.overlong_*: reward.tool_error_penalty, tool_call_budget, tool_call_penalty)")
                     for old in ("error_penalty", "call_budget", "call_penalty")}
 
@@ -64,6 +64,10 @@ class ToolsConfig:
 
 @dataclass
 class RolloutConfig:
+    # a secret in a config or an override sits in /proc/PID/cmdline, which every local process reads
+    REMOVED_KEYS = {"server_token": (None, "is no longer read (a secret on a command line is readable by every local "
+                                           "process): put it in a file only you can read and set "
+                                           "rollout.server_token_file, or export STAPO_SERVER_TOKEN")}
     engine: str = "auto"
     """Rollout engine from the registry (``stapo.rollout.registry``): ``hf`` (transformers, CPU or
     GPU), ``vllm`` (colocated, GPU), a user-registered one, or ``auto`` (vLLM when a GPU and vllm are
@@ -115,11 +119,11 @@ class RolloutConfig:
     """``server`` mode: ``host:port`` of every vLLM server (``stapo serve MODEL``). Requests go to the least
     loaded one; a server that stops answering is left out (a warning names it) until it is back and
     re-synced."""
-    server_token: Union[str, None] = None
-    """``server`` mode: the shared secret the servers were started with (``STAPO_SERVER_TOKEN`` in the
-    environment of ``stapo serve``); default: the trainer's own ``STAPO_SERVER_TOKEN``. Sent as
-    ``Authorization: Bearer``; never written to config.yaml, checkpoints or W&B (a resumed run reads it from
-    the environment). docs/rollout.md, "Security"."""
+    server_token_file: Union[str, None] = None
+    """``server`` mode: a file holding the servers' shared secret (the one ``stapo serve`` names on its first line;
+    only its owner may read it). Read after ``STAPO_SERVER_TOKEN``; default: ``stapo serve``'s default file
+    (``$STAPO_CACHE/server_token``, else ``~/.cache/stapo/server_token``) when it exists. A secret is never given on
+    a command line, where every local process can read it (docs/rollout.md, "Security")."""
     sync_host: Union[str, None] = None
     """``server`` mode: the trainer's address the servers reach for the weight broadcast (its TCPStore and
     gloo sockets bind it, nothing else). Default: 127.0.0.1 when every server is local, else this machine's
@@ -147,7 +151,8 @@ class RolloutConfig:
     (``stapo serve`` sets 900 s): a server waiting longer for a stalled trainer is killed by vLLM's watchdog."""
     sync_join_timeout_s: float = 30.0
     """``server`` mode: every server checks in for a weight sync within this, or the sync is called off and
-    retried without the ones that did not (a server lost while joining never leaves the others waiting)."""
+    retried without the ones that did not (a server lost while joining never leaves the others waiting). At most
+    60: a server waits no longer for the trainer's go."""
     sync_retries: int = 2
     """``server`` mode: times a failed weight sync is retried (with the servers that still answer) before
     the run checkpoints and stops."""

@@ -167,7 +167,7 @@ class MaskConfig:
 
 @dataclass
 class LossConfig:
-    REMOVED_KEYS = {"tis_cap": (None, "was removed: write loss.rollout_is=token loss.rollout_is_threshold={value} "
+    REMOVED_KEYS = {"tis_cap": (None, "={value} was removed: write loss.rollout_is=token loss.rollout_is_threshold={value} "
                                       "(the same truncated importance weights)")}
     clip_low: float = 0.2
     """epsilon_low of the clipped surrogate (ratio floor 1 - clip_low)."""

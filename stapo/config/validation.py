@@ -238,6 +238,7 @@ def _check_offload_training_state(cfg) -> None:
 def _check_rollout_servers(r) -> None:
     """``rollout.mode`` / ``servers`` / ``max_staleness`` (docs/rollout.md, "Rollout servers")."""
     from stapo.rollout.server_client import parse_address
+    from stapo.rollout.weight_group import MAX_JOIN_TIMEOUT_S
 
     _check(r.mode in ("colocated", "server"), f"rollout.mode must be one of ['colocated', 'server'], got {r.mode!r}")
     _check(isinstance(r.servers, list), f"rollout.servers must be a list of host:port, got {r.servers!r}")
@@ -256,8 +257,12 @@ def _check_rollout_servers(r) -> None:
            f"rollout.request_timeout_per_token_s must be >= 0, got {r.request_timeout_per_token_s}")
     for name in ("request_retries", "sync_retries"):
         _check(getattr(r, name) >= 0, f"rollout.{name} must be >= 0, got {getattr(r, name)}")
-    _check(r.server_token is None or (isinstance(r.server_token, str) and r.server_token.strip() != ""),
-           "rollout.server_token must be a non-empty string (or unset: STAPO_SERVER_TOKEN is read)")
+    _check(r.server_token_file is None or r.server_token_file.strip() != "",
+           "rollout.server_token_file must name a file (or be unset: STAPO_SERVER_TOKEN, then stapo serve's default "
+           "file, is read)")
+    _check(r.sync_join_timeout_s <= MAX_JOIN_TIMEOUT_S,
+           f"rollout.sync_join_timeout_s must be <= {MAX_JOIN_TIMEOUT_S:g}, got {r.sync_join_timeout_s}: a server "
+           "waits no longer for the trainer's go")
     _check(r.sync in ("full", "delta"), f"rollout.sync must be one of ['full', 'delta'], got {r.sync!r}")
     _check(r.sync == "full" or r.mode == "server",
            "rollout.sync=delta needs rollout.mode=server: a colocated engine loads the weights from the trainer's "

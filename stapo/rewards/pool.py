@@ -92,7 +92,8 @@ class WorkerPool:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _spawn(self) -> _Worker:
-        env = dict(os.environ)
+        # a user's reward function needs no rollout server's secret (docs/rollout.md, "Security")
+        env = {k: v for k, v in os.environ.items() if k != "STAPO_SERVER_TOKEN"}
         paths = [_PKG_ROOT, env.get("PYTHONPATH")]
         cmd = [sys.executable, "-m", "stapo.rewards._worker", "--memory-mb", str(self.memory_mb)]
         if self.function is not None:  # the user's module must import as it does in this process

@@ -7,12 +7,16 @@ what ``rollout.mode: server`` needs added, unless the options already say otherw
 - ``--worker-extension-cls`` stapo's worker extension (the weight-update session, the policy version);
 - ``--logprobs-mode processed_logprobs``: the sampled token's log-prob under the distribution it was
   drawn from (temperature, top-k, top-p), as the colocated engine reports it;
-- ``--host 127.0.0.1``: loopback only unless ``--host`` says otherwise, and any other address only with
-  a shared secret (``STAPO_SERVER_TOKEN`` in the environment, the trainer's too);
+- ``--host 127.0.0.1``: loopback only unless ``--host`` says otherwise;
+- ``STAPO_SERVER_TOKEN``: the shared secret, always — the user's, else the one in ``--token-file`` or in the
+  default file, created there when missing (`stapo.rollout.server_secret`; ``stapo serve`` names the file on
+  its first line);
 - ``--middleware`` `stapo.rollout.server_guard.ServerGuard`: every route but ``/health`` needs the
-  secret (when set), ``/collective_rpc`` takes stapo's worker methods only, vLLM's other control routes
+  secret, ``/collective_rpc`` takes stapo's worker methods only, vLLM's other control routes
   are refused (docs/rollout.md, "Security"); vLLM's own ``--api-key`` is refused (it guards ``/v1``
   only, and the secret covers it);
+- ``FORWARDED_ALLOW_IPS=`` unless set: the caller's address the guard sees is the connection's, never one an
+  ``X-Forwarded-For`` header names;
 - ``VLLM_SERVER_DEV_MODE=1``: vLLM serves ``/collective_rpc`` and ``/reset_prefix_cache`` only then;
 - ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=900`` unless set: a worker inside a weight sync's receive waits up to
   ``rollout.sync_timeout_s`` (300 s) for the trainer, and the engine's next step waits behind it; at vLLM's
@@ -21,67 +25,91 @@ what ``rollout.mode: server`` needs added, unless the options already say otherw
   and a fixed KV cache (``VLLM_CPU_KVCACHE_SPACE``, GiB).
 
 Every other option goes to vLLM unchanged (``--port``, ``--host``, ``--tensor-parallel-size``,
-``--dtype``, ``--max-model-len``, ...).
+``--dtype``, ``--max-model-len``, ...). Options are read as vLLM's parser reads them (``--api_key`` is
+``--api-key``; it also takes an unambiguous prefix, so ``--hos`` is ``--host``): an option stapo reads must
+be given once, in full.
 """
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Mapping, Sequence
 
-from stapo.rollout.server_guard import GUARD_MIDDLEWARE, TOKEN_ENV
+from stapo.rollout.server_guard import GUARD_MIDDLEWARE
+from stapo.rollout.server_secret import TOKEN_ENV
 from stapo.rollout.vllm_engine import CPU_KV_CACHE_BYTES
 from stapo.rollout.vllm_worker import WORKER_EXTENSION
+from stapo.rollout.weight_group import STEP_TIMEOUT_ENV
 
-__all__ = ["SERVER_MODULE", "is_loopback", "serve_command"]
+__all__ = ["SERVER_MODULE", "serve_command", "take_token_file"]
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LOOPBACK = "127.0.0.1"
-# vLLM's limit on one engine step; above rollout.sync_timeout_s (keep it so) so a stalled sync fails first.
-STEP_TIMEOUT_ENV, STEP_TIMEOUT_S = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", 900
+# vLLM's limit on one engine step; above rollout.sync_timeout_s (keep it so) so a stalled sync fails first
+STEP_TIMEOUT_S = 900
+# options stapo reads, or that change what stapo guards: each given at most once, never abbreviated
+_READ = ("--host", "--api-key", "--max-model-len", "--token-file")
 
 
-def is_loopback(host: str) -> bool:
-    """``localhost``, 127.0.0.0/8 or ::1."""
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+def _name(arg: str) -> str | None:
+    """The option ``arg`` names as vLLM's parser reads it (``--api_key=k`` -> ``--api-key``), else None."""
+    if not arg.startswith("--"):
+        return None
+    key = arg.split("=", 1)[0].split(".", 1)[0]  # `--opt.key value`: a field of --opt's JSON
+    return "--" + key[2:].replace("_", "-")
+
+
+def _check_options(args: Sequence[str]) -> None:
+    """Every option of `_READ` at most once and in full (vLLM's argparse takes the last of repeated options and
+    expands prefixes)."""
+    names = [n for n in map(_name, args) if n is not None]
+    for name in names:
+        full = [o for o in _READ if o != name and o.startswith(name) and len(name) > 3]
+        if full:
+            raise ValueError(f"vLLM would read {name} as {full[0]}: write {full[0]} in full")
+    for option in _READ:
+        if names.count(option) > 1:
+            raise ValueError(f"{option} is given {names.count(option)} times (vLLM would take the last): "
+                             "give it once")
 
 
 def _has(args: Sequence[str], option: str) -> bool:
-    return any(a == option or a.startswith(option + "=") for a in args)
+    return any(_name(a) == option for a in args)
 
 
 def _value(args: Sequence[str], option: str) -> str | None:
     for i, a in enumerate(args):
-        if a.startswith(option + "="):
-            return a.split("=", 1)[1]
-        if a == option and i + 1 < len(args):
-            return args[i + 1]
+        if _name(a) == option:
+            return a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else None)
     return None
 
 
+def take_token_file(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``(--token-file's value or None, the other arguments)``: stapo's own option among vLLM's."""
+    _check_options(args)
+    path, rest, skip = _value(args, "--token-file"), [], False
+    for a in args:
+        if skip or _name(a) == "--token-file":
+            skip = not skip and "=" not in a
+            continue
+        rest.append(a)
+    return path, rest
+
+
 def serve_command(model: str, vllm_args: Sequence[str], python: str, env: Mapping[str, str],
-                  on_cpu: bool) -> tuple[list[str], dict[str, str]]:
-    """``(argv, environment)`` of the server process (pure: the caller executes it)."""
+                  on_cpu: bool, secret: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """``(argv, environment)`` of the server process (pure: the caller executes it); ``secret``: the shared
+    secret it guards its routes with (`stapo.rollout.server_secret.serve_secret`)."""
     if not model or model.startswith("-"):
         raise ValueError("stapo serve needs the model first: stapo serve MODEL [vLLM server options]")
     args = list(vllm_args)
+    _check_options(args)
     if _has(args, "--api-key"):
-        raise ValueError(f"stapo serve guards every route with {TOKEN_ENV} (vLLM's --api-key covers /v1 only): "
-                         f"drop --api-key and set {TOKEN_ENV}=<secret> for stapo serve and the trainer")
+        raise ValueError("stapo serve guards every route with its shared secret (vLLM's --api-key covers /v1 only): "
+                         "drop --api-key (docs/rollout.md, \"Security\")")
     if env.get("VLLM_API_KEY"):
         raise ValueError(f"VLLM_API_KEY makes vLLM demand its own key on /v1 routes, which the trainer does not send: "
-                         f"unset it and use {TOKEN_ENV}, which guards every route")
-    host = _value(args, "--host")
-    if host is not None and not is_loopback(host) and not env.get(TOKEN_ENV):
-        raise ValueError(f"stapo serve --host {host} would let anyone who reaches it change the served weights: "
-                         f"set {TOKEN_ENV}=<secret> in the environment of stapo serve and of the trainer "
-                         "(docs/rollout.md, \"Security\"), or leave --host out to listen on loopback only")
-    if host is None:
+                         f"unset it; {TOKEN_ENV} guards every route")
+    if _value(args, "--host") is None:
         args += ["--host", LOOPBACK]
     args += ["--middleware", GUARD_MIDDLEWARE]
     defaults = [("--worker-extension-cls", WORKER_EXTENSION), ("--logprobs-mode", "processed_logprobs")]
@@ -95,7 +123,12 @@ def serve_command(model: str, vllm_args: Sequence[str], python: str, env: Mappin
     if on_cpu and not _has(args, "--enable-chunked-prefill") and not _has(args, "--no-enable-chunked-prefill"):
         args.append("--no-enable-chunked-prefill")
     out_env = dict(env)
+    if secret is not None:
+        out_env[TOKEN_ENV] = secret
     out_env["VLLM_SERVER_DEV_MODE"] = "1"
+    # uvicorn takes a caller's address from X-Forwarded-For when it connects from loopback; the guard checks a
+    # join's store against the caller's address, so no header may name it (a proxy in front: set this to its IP)
+    out_env.setdefault("FORWARDED_ALLOW_IPS", "")
     out_env.setdefault(STEP_TIMEOUT_ENV, str(STEP_TIMEOUT_S))
     if on_cpu:
         out_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_BYTES // 2**30))

@@ -3,8 +3,8 @@
 Standard library only (``http.client``): the trainer talks to vLLM's OpenAI-compatible server
 (``/v1/completions`` with token-id prompts, ``/v1/models``), its health route and — the server started
 by ``stapo serve`` — its ``/collective_rpc`` and ``/reset_prefix_cache`` routes, which reach stapo's
-worker extension (`stapo.rollout.server_worker`). With a shared secret (``STAPO_SERVER_TOKEN`` or
-``rollout.server_token``) every call carries ``Authorization: Bearer <secret>`` (`stapo.rollout.server_guard`).
+worker extension (`stapo.rollout.server_worker`). Every call carries the shared secret as
+``Authorization: Bearer <secret>`` (`stapo.rollout.server_guard`, `stapo.rollout.server_secret`).
 
 Every failure is a `ServerError` that says what kind it was, because the engine treats them differently:
 a request error (4xx) fails that request only; an unreachable server, a timeout, a 5xx after retries or
@@ -234,7 +234,7 @@ class ServerClient:
             conn.close()
         if status >= 400:
             detail = payload.decode(errors="replace")[-500:]
-            hint = " (the server needs the shared secret: set STAPO_SERVER_TOKEN or rollout.server_token)" \
+            hint = " (the server needs the shared secret: STAPO_SERVER_TOKEN or rollout.server_token_file)" \
                 if status == 401 else ""
             raise ServerError(self.address, f"HTTP {status} on {method} {path}: {detail}{hint}", status=status)
         if not payload:

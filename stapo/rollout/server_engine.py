@@ -50,10 +50,9 @@ from stapo.rollout.server_completions import completion_request, failed_outputs,
 from stapo.rollout.server_partial import SegmentRunner
 from stapo.rollout.server_pool import NoRolloutServers, ServerPool
 from stapo.rollout.server_weights import BroadcastSession, SyncFailed
-from stapo.rollout.serve import is_loopback
 from stapo.rollout.vllm_engine import rollout_from_vllm_outputs, vllm_sampling_kwargs
 from stapo.rollout.weight_delta import SentWeights, TransferStats
-from stapo.rollout.weight_group import route_address
+from stapo.rollout.weight_group import sync_address
 
 __all__ = ["NoRolloutServers", "SYNC_MODES", "ServerEngine", "ServerLimits", "ServerPool", "SyncOutcome",
            "sync_address"]
@@ -90,21 +89,6 @@ class SyncOutcome:
     failed: tuple[str, ...] = ()
     live: int = 0  # servers live after it
     transfer: TransferStats | None = None
-
-
-def sync_address(addresses: Sequence[str], configured: str | None) -> str:
-    """The trainer's address for the weight group: ``rollout.sync_host``, else loopback when every server is
-    local, else this machine's address on the route to the servers (one route for all, or ValueError)."""
-    if configured:
-        return configured
-    hosts = [a.rpartition(":")[0].strip("[]") for a in addresses]
-    if all(is_loopback(h) for h in hosts):
-        return "127.0.0.1"
-    routes = {route_address(h) for h in hosts}
-    if len(routes) > 1:
-        raise ValueError(f"the rollout servers are reached through different addresses of this machine "
-                         f"({sorted(routes)}): set rollout.sync_host to the one they all reach the trainer at")
-    return routes.pop()
 
 
 class ServerEngine:
@@ -166,8 +150,9 @@ class ServerEngine:
             models = client.get("/v1/models", timeout_s=30).get("data") or [{}]
         except ServerError as err:
             if err.status == 401:
-                raise ValueError(f"rollout server {client.address} needs the shared secret it was started with: set "
-                                 "STAPO_SERVER_TOKEN (or rollout.server_token) for the trainer") from None
+                raise ValueError(f"rollout server {client.address} needs the shared secret it was started with: give "
+                                 "the trainer STAPO_SERVER_TOKEN or rollout.server_token_file (`stapo serve` names its "
+                                 "file on its first line)") from None
             if err.status in (403, 404, 500) or err.kind == MALFORMED:
                 raise ValueError(f"rollout server {client.address} does not run stapo's worker extension ({err}): "
                                  "start it with `stapo serve MODEL`") from None

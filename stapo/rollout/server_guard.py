@@ -7,41 +7,56 @@ by name with any string arguments, sleep / wake, weight-transfer engines, LoRA l
 (``--middleware``, read in vLLM's ``build_app``: a class is added with ``app.add_middleware``), which
 
 * answers ``/health`` to anyone (liveness carries no information worth a secret);
-* with ``STAPO_SERVER_TOKEN`` set in the server's environment, answers every other route only to a
-  request carrying ``Authorization: Bearer <secret>`` (401 otherwise; compared in constant time);
+* answers every other route only to a request carrying ``Authorization: Bearer <secret>`` (401 otherwise;
+  compared in constant time). The secret is ``STAPO_SERVER_TOKEN`` in the server's environment, which
+  `stapo serve` always sets (`stapo.rollout.server_secret`); a server without a usable one answers 401 to
+  everything but ``/health`` — it fails closed, on loopback too;
 * serves the inference routes (``/v1/...``, ``/tokenize``, ``/detokenize``, ``/version``, ``/load``,
   ``/metrics``, ``/ping``), ``/reset_prefix_cache`` and ``/collective_rpc`` — the latter only for
-  stapo's own worker methods (`SERVER_RPC_METHODS`) with string arguments and nothing else — and
-  refuses every other route with 403, whatever the credentials (LoRA loading, sleep / wake, pause,
-  vLLM's weight-transfer routes, ``/server_info``, profiling).
+  stapo's own worker methods (`SERVER_RPC_METHODS`) with string arguments and nothing else, and a join of a
+  weight group only at a store on the address the call came from (a server never connects where a caller
+  points it) — and refuses every other route with 403, whatever the credentials (LoRA loading, sleep /
+  wake, pause, vLLM's weight-transfer routes, ``/server_info``, profiling).
 
-The policy is pure (`route_decision`, `rpc_refusal`) and tested without vLLM. What it does not do:
-encrypt (anyone who can read the traffic sees the secret and the weights; keep servers inside the
-cluster), or limit what an authenticated caller may generate. Docs: docs/rollout.md, "Security".
+Routes are decided on the path vLLM's router matches (``--root-path`` removed, `route_path`). The policy is
+pure (`route_decision`, `rpc_refusal`) and tested without vLLM. What it does not do: encrypt (anyone who
+can read the traffic sees the secret and the weights; keep servers inside the cluster), or limit what an
+authenticated caller may generate. Docs: docs/rollout.md, "Security".
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import os
 
+from stapo.rollout.server_secret import TOKEN_ENV, check_secret
 from stapo.rollout.server_worker import SERVER_RPC_METHODS
 
-__all__ = ["GUARD_MIDDLEWARE", "ServerGuard", "TOKEN_ENV", "authorized", "route_decision", "rpc_refusal"]
+__all__ = ["GUARD_MIDDLEWARE", "ServerGuard", "authorized", "route_decision", "route_path", "rpc_refusal"]
 
-TOKEN_ENV = "STAPO_SERVER_TOKEN"
 GUARD_MIDDLEWARE = "stapo.rollout.server_guard.ServerGuard"
 OPEN, AUTHENTICATED, FORBIDDEN = "open", "authenticated", "forbidden"
 _SERVED = frozenset({"/tokenize", "/detokenize", "/version", "/load", "/metrics", "/ping", "/reset_prefix_cache",
                      "/collective_rpc"})
 _FORBIDDEN_V1 = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+_JOIN = "stapo_join_weight_group"
 MAX_RPC_BODY = 1 << 20  # a bucket's JSON layout is a few KiB; anything this large is not stapo's
+
+
+def route_path(scope: dict) -> str:
+    """The path vLLM's router matches: ``scope["path"]`` less a leading ``root_path`` (``--root-path``; as
+    Starlette's ``get_route_path``), with repeated and trailing slashes dropped."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        path = path[len(root):]
+    return "/" + path.strip("/")
 
 
 def route_decision(path: str) -> str:
     """``open`` (no secret needed), ``authenticated`` (served with the secret) or ``forbidden``."""
-    path = "/" + path.strip("/") if path not in ("", "/") else "/"
+    path = "/" + path.strip("/")
     if path == "/health":
         return OPEN
     if path in _SERVED or path.startswith("/metrics/"):
@@ -51,8 +66,21 @@ def route_decision(path: str) -> str:
     return FORBIDDEN
 
 
-def rpc_refusal(body: bytes) -> str | None:
-    """Why a ``/collective_rpc`` body is refused, or None: only `SERVER_RPC_METHODS`, string args, no kwargs."""
+def _same_host(host, peer: str | None) -> bool:
+    """``host`` (an IP address) is the caller's address ``peer`` (loopback addresses are one; None: a UNIX socket,
+    a local caller)."""
+    try:
+        ours = ipaddress.ip_address(host)
+        theirs = ipaddress.ip_address(peer) if peer is not None else ipaddress.ip_address("127.0.0.1")
+    except (TypeError, ValueError):
+        return False
+    ours, theirs = (getattr(a, "ipv4_mapped", None) or a for a in (ours, theirs))
+    return ours == theirs or (ours.is_loopback and theirs.is_loopback)
+
+
+def rpc_refusal(body: bytes, peer: str | None = None) -> str | None:
+    """Why a ``/collective_rpc`` body is refused, or None: only `SERVER_RPC_METHODS`, string args, no kwargs, and
+    a weight-group join only at a store on ``peer``'s address (the caller's, as the connection shows it)."""
     try:
         request = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -60,20 +88,28 @@ def rpc_refusal(body: bytes) -> str | None:
     if not isinstance(request, dict):
         return "the body is not a JSON object"
     method = request.get("method")
-    if method not in SERVER_RPC_METHODS:
+    if not isinstance(method, str) or method not in SERVER_RPC_METHODS:
         return f"method {str(method)[:80]!r} is not one of stapo's worker methods"
     args = request.get("args", [])
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         return "args must be a list of strings"
     if request.get("kwargs"):
         return "keyword arguments are not accepted"
+    if method == _JOIN:
+        try:
+            host = json.loads(args[0]).get("host")
+        except (IndexError, ValueError, AttributeError):
+            return "the join carries no weight-group spec"
+        if not _same_host(host, peer):
+            return (f"the weight group's store {str(host)[:80]!r} is not at the address this call came from ({peer}): "
+                    "set rollout.sync_host to the trainer's address on the route to this server")
     return None
 
 
 def authorized(headers: list[tuple[bytes, bytes]], token: str | None) -> bool:
-    """True without a token; else the request must carry ``Authorization: Bearer <token>``."""
+    """The request carries ``Authorization: Bearer <token>``; False when there is no token."""
     if not token:
-        return True
+        return False
     given = next((v for k, v in headers if k.lower() == b"authorization"), b"")
     return hmac.compare_digest(given, b"Bearer " + token.encode())
 
@@ -83,22 +119,32 @@ class ServerGuard:
 
     def __init__(self, app, token: str | None = None) -> None:
         self.app = app
-        self.token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+        if token is None and os.environ.get(TOKEN_ENV):
+            try:
+                token = check_secret(os.environ[TOKEN_ENV], TOKEN_ENV)
+            except ValueError:
+                token = None  # refused: every route but /health answers 401 (fails closed)
+        self.token = token
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        decision = route_decision(scope.get("path", ""))
+        path = route_path(scope)
+        decision = route_decision(path)
         if decision == OPEN:
             return await self.app(scope, receive, send)
+        if not self.token:
+            return await _refuse(scope, send, 401, f"this server has no usable shared secret ({TOKEN_ENV}): start it "
+                                                   "with `stapo serve`, which always sets one")
         if not authorized(scope.get("headers", []), self.token):
             return await _refuse(scope, send, 401, f"this server needs the shared secret: send "
                                                    f"'Authorization: Bearer <{TOKEN_ENV}>'")
         if decision == FORBIDDEN:
-            return await _refuse(scope, send, 403, f"{scope.get('path')} is not served by stapo serve")
-        if scope["type"] == "http" and scope.get("path", "").rstrip("/") == "/collective_rpc":
+            return await _refuse(scope, send, 403, f"{path} is not served by stapo serve")
+        if scope["type"] == "http" and path == "/collective_rpc":
             body, complete = await _read_body(receive)
-            why = "the body is too large" if not complete else rpc_refusal(body)
+            peer = (scope.get("client") or (None,))[0]
+            why = "the body is too large" if not complete else rpc_refusal(body, peer)
             if why is not None:
                 return await _refuse(scope, send, 403, f"collective_rpc refused: {why}")
             return await self.app(scope, _replay(body, receive), send)

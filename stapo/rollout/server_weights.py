@@ -7,18 +7,19 @@ session — begin, one load per bucket, finish — over the network:
    over its authenticated ``/collective_rpc`` route, to join this session's process group
    (`stapo.rollout.weight_group.GroupSpec`, with a fresh nonce): rank 0 is the trainer, each server's
    workers follow (a tensor-parallel server's workers each receive the full tensors; vLLM's
-   ``load_weights`` shards them). The first broadcast is the nonce: a worker checks it before it takes
-   a byte of weights;
+   ``load_weights`` shards them). The group's first collective is the exchange of proofs of the nonce
+   (`stapo.rollout.weight_group.exchange_proofs`): no weight byte moves to or from a stranger;
 2. ``send`` per bucket: the layout goes as JSON in an RPC and the bytes by ONE ``broadcast`` from rank 0
    (NCCL between GPUs, gloo on CPU — the same session, so vLLM's CPU build runs it in CI); the servers
-   stage them (`stapo.rollout.server_worker`);
+   stage them (`stapo.rollout.server_worker`) and return the checksum of what they received;
 3. ``close``: every server loads what it staged and records the policy version; then its prefix cache is
    dropped (its KV entries came from the old weights).
 
-With ``rollout.sync: delta`` the session takes rank 0's copy of what the servers hold
-(`stapo.rollout.weight_delta.SentWeights`): a bucket may go as its changed words only, each server returns the
-checksum of the bucket it now stages, and a server whose checksum differs from rank 0's is not committed (it is
-aborted, reported as failed and gets a full sync next time).
+Every bucket carries rank 0's checksum (`stapo.rollout.weight_delta.checksum`): a server whose checksum differs
+is not committed (it is aborted and reported as failed; its commit would be refused anyway). With
+``rollout.sync: delta`` the session takes rank 0's copy of what the servers hold
+(`stapo.rollout.weight_delta.SentWeights`): a bucket may go as its changed words only, and a server that failed a
+checksum gets a full sync next time.
 
 Any failure raises `SyncFailed`; ``abort`` then drops the group (which releases a worker blocked in a
 broadcast) and asks every server the session reached to abort too: each keeps the weights it had.
@@ -41,9 +42,9 @@ import torch
 
 from stapo.rollout.bucket_format import pack_bucket_tensor
 from stapo.rollout.server_client import ServerClient, ServerError
-from stapo.rollout.weight_delta import SentWeights, TransferStats
-from stapo.rollout.weight_group import (GroupSpec, call_off, checked_in, let_form, listening_store, new_nonce,
-                                       send_nonce)
+from stapo.rollout.weight_delta import SentWeights, TransferStats, checksum
+from stapo.rollout.weight_group import (GroupSpec, call_off, checked_in, exchange_proofs, let_form, listening_store,
+                                       namespaced, new_nonce)
 
 __all__ = ["BroadcastSession", "SyncFailed", "transfer_backend"]
 
@@ -106,47 +107,54 @@ class BroadcastSession:
         self._group = self._store = None
 
     def open(self) -> None:
-        """Create this session's group (rank 0 here), send the nonce, and wait for every server to join.
+        """Create this session's group (rank 0 here), check every member's proof, and wait for every server to join.
 
         Two steps, so that a server lost while joining never leaves the others waiting in the group's
         formation (a collective that no abort can reach): every worker first checks in on the store
         (`weight_group.check_in`); only when all did within ``join_timeout_s`` does the trainer let them form
         the group — otherwise it calls the session off, the workers that checked in return at once, and
         `SyncFailed` names the servers that did not."""
-        self._store = listening_store(self.sync_host, self.timeout_s)
+        listening = listening_store(self.sync_host, self.timeout_s)
+        self._store = namespaced(listening, self.nonce)
         world = 1 + sum(workers for _, workers in self.servers)
         offsets, offset = [], 1
         for _, workers in self.servers:
             offsets.append(offset)
             offset += workers
-        specs = [GroupSpec(self.sync_host, self._store.port, world, rank_offset=o, backend=self.backend,
+        specs = [GroupSpec(self.sync_host, listening.port, world, rank_offset=o, backend=self.backend,
                            timeout_s=self.timeout_s, nonce=self.nonce, join_timeout_s=self.join_timeout_s)
                  for o in offsets]
         self.reached = [client for client, _ in self.servers]
         joins = self._on_every_server("stapo_join_weight_group", [s.to_json() for s in specs])
         missing = self._await_check_ins(specs, joins)
         if missing:
-            call_off(self._store)
+            call_off(self._store, self.nonce)
             raise SyncFailed(f"server(s) {', '.join(missing)} did not join the weight sync within "
                              f"{self.join_timeout_s:g} s; {self._failed_calls(joins)}", missing)
-        let_form(self._store)
+        let_form(self._store, self.nonce)
         try:
             self._group = specs[0].connect(0, store=self._store, bind_host=self.sync_host)
-            send_nonce(self._group, self.nonce, self.device)
+            strangers = exchange_proofs(self._group, self.nonce, 0, world, self.device)
         except RuntimeError as err:
             raise SyncFailed(f"the weight group did not form ({err}); {self._failed_calls(joins)}",
                              self._failed_addresses(joins)) from None
+        if strangers:
+            named = [c.address for (c, workers), o in zip(self.servers, offsets) if any(o <= r < o + workers
+                                                                                     for r in strangers)]
+            raise SyncFailed(f"rank(s) {strangers} of the weight group did not prove they hold the session's nonce "
+                             "(not the servers asked to join; no weight was sent)", named)
         self._wait(joins, "join")
 
     def _await_check_ins(self, specs: list[GroupSpec], joins: list[Future]) -> list[str]:
-        """Wait until every server's workers checked in (at most ``join_timeout_s``); the servers that did
-        not, or whose join call already failed, in their order."""
+        """Wait until every server's workers checked in or its join call failed (at most ``join_timeout_s``); the
+        servers that did not check in, in their order. A failed join ends no other server's wait: one still on
+        its way is not named with the failed one (and marked down) for being slower."""
         deadline = time.monotonic() + self.join_timeout_s
         while True:
             failed = {c.address for (c, _), j in zip(self.servers, joins) if j.done() and j.exception() is not None}
             waiting = {c.address for (c, workers), spec in zip(self.servers, specs)
-                       if not checked_in(self._store, spec.rank_offset, workers)}
-            if failed or not waiting or time.monotonic() >= deadline:
+                       if not checked_in(self._store, self.nonce, spec.rank_offset, workers)}
+            if waiting <= failed or time.monotonic() >= deadline:
                 return [c.address for c, _ in self.servers if c.address in failed | waiting]
             time.sleep(0.02)
 
@@ -154,7 +162,7 @@ class BroadcastSession:
         """Broadcast one bucket (or its changes) to every server (each stages it)."""
         layout, flat = pack_bucket_tensor(list(bucket))
         if self.sent is None:
-            header, payload = {}, flat
+            header, payload = {"checksum": checksum(flat)}, flat
             self.stats.sent_bytes += flat.numel()
             self.stats.dense_bytes += flat.numel()
         else:
@@ -168,18 +176,18 @@ class BroadcastSession:
                 self._group.broadcast(payload.to(self.device), 0).wait()
         except RuntimeError as err:
             raise SyncFailed(f"the broadcast of a bucket failed ({err})") from None
-        self._check(self._wait(receives, "bucket"), len(layout["names"]), header.get("checksum"), layout["names"][0])
+        self._check(self._wait(receives, "bucket"), len(layout["names"]), header["checksum"], layout["names"][0])
 
-    def _check(self, replies: list, expected: int, checksum: str | None, first: str) -> None:
-        """Every server staged the bucket's ``expected`` tensors, with rank 0's ``checksum`` (delta syncs)."""
+    def _check(self, replies: list, expected: int, ours: str, first: str) -> None:
+        """Every server staged the bucket's ``expected`` tensors, with rank 0's checksum ``ours``."""
         for (client, _), results in zip(self.servers, replies):
             answers = [json.loads(r) if isinstance(r, str) else r for r in results]
             if any(not isinstance(a, dict) or a.get("tensors") != expected for a in answers):
                 raise SyncFailed(f"rollout server {client.address} staged {results} of a {expected}-tensor bucket",
                                  [client.address])
             theirs = {a.get("checksum") for a in answers}
-            if checksum is not None and theirs != {checksum} and client.address not in self.mismatched:
-                self.mismatched[client.address] = f"bucket {first}...: checksum {sorted(theirs)} != rank 0's {checksum}"
+            if theirs != {ours} and client.address not in self.mismatched:
+                self.mismatched[client.address] = f"bucket {first}...: checksum {sorted(theirs)} != rank 0's {ours}"
                 log.warning("weight sync: rollout server %s holds other bytes than the trainer sent (%s); it keeps "
                             "its weights this time and gets a full sync next", client.address,
                             self.mismatched[client.address])

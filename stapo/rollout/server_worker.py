@@ -4,10 +4,12 @@
 through the server's ``/collective_rpc`` route, which `stapo.rollout.server_guard` opens to exactly
 `SERVER_RPC_METHODS` (string arguments only, behind the shared secret). A sync is one session:
 
-1. ``stapo_join_weight_group(spec)``: join the session's process group (`stapo.rollout.weight_group`)
-   and check the session nonce the trainer broadcasts first — before a single weight byte;
+1. ``stapo_join_weight_group(spec)``: join the session's process group (`stapo.rollout.weight_group`),
+   within this server's own time bounds (`GroupSpec.bounded`), and check that rank 0 proves the session
+   nonce — before a single weight byte;
 2. ``stapo_receive_bucket(layout)`` per bucket: receive its bytes by broadcast and STAGE them on the
-   host; the running model is not touched;
+   host; the running model is not touched. Its checksum must match the trainer's (a full sync's bucket as a
+   delta sync's), or the session cannot commit;
 3. ``stapo_commit_weight_update(commit)``: load every staged bucket in ONE layerwise reload (the
    colocated session: begin / load / finish), record the policy version, leave the group.
 
@@ -30,7 +32,9 @@ torch (and transformers for the fingerprint) only.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -39,7 +43,7 @@ import torch
 
 from stapo.rollout.bucket_format import unpack_tensors
 from stapo.rollout.weight_delta import apply_delta, checksum, decode_delta, layout_key
-from stapo.rollout.weight_group import GroupSpec, accept_nonce
+from stapo.rollout.weight_group import STEP_TIMEOUT_ENV, VLLM_STEP_TIMEOUT_S, GroupSpec
 
 __all__ = ["SERVER_RPC_METHODS", "ServerWorkerMixin"]
 
@@ -52,7 +56,7 @@ SERVER_RPC_METHODS = frozenset({
 
 @dataclass
 class _Session:
-    nonce: str
+    nonce: str = field(repr=False)
     group: object  # torch ProcessGroupGloo / ProcessGroupNCCL
     device: torch.device  # where the broadcast lands (the GPU for NCCL)
     opened: float = field(default_factory=time.time)
@@ -71,7 +75,7 @@ class ServerWorkerMixin:
         session = self._stapo_open_session()
         if session is None:
             raise RuntimeError("no weight update session is open on this server")
-        if not nonce or nonce != session.nonce:
+        if not nonce or not hmac.compare_digest(str(nonce).encode(), session.nonce.encode()):
             raise PermissionError("this call does not belong to the open weight update session (wrong nonce)")
         return session
 
@@ -100,39 +104,40 @@ class ServerWorkerMixin:
         return self._stapo_fingerprint
 
     def stapo_join_weight_group(self, spec: str) -> int:
-        """Join the session's group (``spec``: a `GroupSpec` as JSON) and check its nonce; returns this
-        worker's rank in the group. Refused while another session is open (abort it first)."""
+        """Join the session's group (``spec``: a `GroupSpec` as JSON; its time limits clamped to this server's) and
+        check rank 0's proof of the nonce; returns this worker's rank in the group. Refused while another session
+        is open (abort it first)."""
         if self._stapo_open_session() is not None:
             raise RuntimeError("a weight update session is already open on this server (abort it first)")
-        group_spec = GroupSpec.from_json(spec)
+        try:
+            step_timeout_s = float(os.environ.get(STEP_TIMEOUT_ENV) or VLLM_STEP_TIMEOUT_S)
+        except ValueError:
+            step_timeout_s = VLLM_STEP_TIMEOUT_S  # vLLM's own default then
+        if not step_timeout_s > 0:
+            step_timeout_s = VLLM_STEP_TIMEOUT_S
+        group_spec = GroupSpec.from_json(spec).bounded(step_timeout_s)
         rank = group_spec.rank_offset + int(getattr(self, "rank", 0))
         device = torch.device(self.device) if group_spec.backend == "nccl" else torch.device("cpu")
-        group = group_spec.join(rank)  # checks in; forms the group only on the trainer's go
-        try:
-            accept_nonce(group, group_spec.nonce, device)
-        except BaseException:
-            del group  # leave the group: nothing was staged
-            raise
+        group = group_spec.join(rank, device)  # checks in; forms the group only on the trainer's go
         self._stapo_session = _Session(group_spec.nonce, group, device)
         return rank
 
     def stapo_receive_bucket(self, layout: str) -> str:
-        """Receive one bucket by broadcast (its layout, encoding and the session nonce as JSON) and stage it on
-        the host; returns JSON ``{"tensors": count, "checksum": of the resulting bytes (delta syncs) or null}``."""
+        """Receive one bucket by broadcast (its layout, encoding, checksum and the session nonce as JSON) and stage
+        it on the host; returns JSON ``{"tensors": count, "checksum": of the resulting bytes}``."""
         spec = json.loads(layout)
         session = self._stapo_session_for(spec.get("nonce", ""))
         raw = torch.empty(int(spec.get("payload_nbytes", spec["nbytes"])), dtype=torch.uint8, device=session.device)
         if raw.numel():  # an unchanged bucket of a delta sync sends nothing
             session.group.broadcast(raw, 0).wait()
-        if "checksum" not in spec:  # rollout.sync: full
-            host = raw if raw.device.type == "cpu" else raw.cpu()
-            session.staged.append((spec, host, None))
-            return json.dumps({"tensors": len(unpack_tensors(spec, host)), "checksum": None})
-        session.keep = True
-        result, staged = self._stapo_decode(spec, raw, session.device)
+        if "encoding" in spec:  # rollout.sync: delta
+            session.keep = True
+            result, staged = self._stapo_decode(spec, raw, session.device)
+        else:  # rollout.sync: full
+            result, staged = raw, (spec, raw if raw.device.type == "cpu" else raw.cpu(), None)
         count = len(unpack_tensors(spec, result))  # validates the layout against the bytes
         mine = checksum(result)
-        if mine != spec["checksum"]:
+        if mine != spec.get("checksum"):
             session.mismatched.append(f"{spec['names'][0]}...: {mine} != {spec['checksum']}")
         session.staged.append(staged)
         return json.dumps({"tensors": count, "checksum": mine})
@@ -200,7 +205,7 @@ class ServerWorkerMixin:
         session = self._stapo_open_session()
         if session is None:
             return False
-        if nonce and nonce != session.nonce:
+        if nonce and not hmac.compare_digest(str(nonce).encode(), session.nonce.encode()):
             raise PermissionError("the abort names another weight update session than the open one")
         self._stapo_session = None
         return True

@@ -1,40 +1,65 @@
-"""The process group of one weight sync into vLLM servers, and the handshake that proves who sends.
+"""The process group of one weight sync into vLLM servers, and the proofs that keep strangers out of it.
 
 A sync session (``rollout.mode: server``; `stapo.rollout.server_weights`) joins the trainer (rank 0,
 the broadcast's source) and every server worker in a group of its own: gloo on CPU, NCCL between GPUs.
-Two things keep it closed:
+The session's random nonce travels only in the authenticated HTTP call that asks a server to join
+(`GroupSpec.nonce`); everything else is tied to it:
 
-* **where it listens**: the trainer's TCPStore binds ``rollout.sync_host`` (a socket bound to that
-  address only, handed to the store), not every interface; gloo's own sockets bind the same address
-  on the trainer's side and, on a server's side, the address it reaches the trainer from;
-* **who sends**: the session's random nonce travels only in the authenticated HTTP call that asks a
-  server to join (`GroupSpec.nonce`); the trainer broadcasts it as the group's FIRST message, and a
-  worker that receives anything else leaves the group before it loads a byte (`accept_nonce`).
-  Whoever took rank 0's place in the store without the secret cannot feed a server weights.
+* **where it listens**: the trainer's TCPStore binds ``rollout.sync_host`` only (a socket bound to that
+  address, handed to the store); gloo's sockets bind the same address on the trainer's side and, on a
+  server's, its address on the route to the trainer. A server joins only a store at the address its join
+  call came from (`stapo.rollout.server_guard`), within its own time bounds (`GroupSpec.bounded`);
+* **the store**: a TCPStore authenticates nobody and lists its keys to any client (``list_keys``). So every
+  key the join waits for is named by an HMAC of the nonce (`proof`) — a worker's check-in, the trainer's go
+  — and cannot be created by anyone without the nonce before its owner creates it; the go's value is a proof
+  as well. gloo's own rendezvous keys sit under a prefix derived the same way (`namespaced`);
+* **the group**: its first collective is an all-gather of every rank's proof (`exchange_proofs`): the
+  trainer sends no weight byte unless every member proved it holds the nonce, and a worker takes none
+  unless rank 0 did.
 
-Traffic is not encrypted: keep the weight group inside the cluster (docs/rollout.md, "Security").
-Needs torch only (vLLM's worker imports it).
+A process that knows only the store's port can still delete or overwrite keys it has listed: the session then
+fails within its time limits and is retried — it never admits that process. Traffic is not encrypted: keep
+the weight group inside the cluster (docs/rollout.md, "Security"). Needs torch only (vLLM's worker imports it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import hmac
+import ipaddress
 import json
+import math
 import secrets
 import socket
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["GroupSpec", "NONCE_BYTES", "accept_nonce", "call_off", "checked_in", "let_form", "listening_store",
-           "new_nonce", "route_address", "send_nonce"]
+__all__ = ["GroupSpec", "MAX_JOIN_TIMEOUT_S", "NONCE_BYTES", "STEP_TIMEOUT_ENV", "call_off", "checked_in",
+           "exchange_proofs", "is_loopback", "let_form", "listening_store", "namespaced", "new_nonce", "proof",
+           "route_address", "sync_address"]
 
 NONCE_BYTES = 16
+# vLLM's limit on one engine step (its default 300 s; `stapo serve` sets 900 s): a worker inside a sync step
+# holds up the engine's next one, so a server ends every step it takes part in before that limit (30 s before it,
+# or a tenth of it when that is less)
+STEP_TIMEOUT_ENV, VLLM_STEP_TIMEOUT_S, STEP_MARGIN_S = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", 300.0, 30.0
+MAX_JOIN_TIMEOUT_S = 60.0  # a server waits at most this for the trainer's go, whatever a join asks
 
 
 def new_nonce() -> str:
     """A fresh session nonce (hex, ``NONCE_BYTES`` random bytes)."""
     return secrets.token_hex(NONCE_BYTES)
+
+
+def proof(nonce: str, label: str) -> str:
+    """HMAC-SHA256 of ``label`` keyed by the session nonce (hex): only a holder of the nonce can compute it."""
+    raw = bytes.fromhex(nonce) if nonce else b""
+    if len(raw) != NONCE_BYTES:
+        raise ValueError(f"a session nonce is {NONCE_BYTES} bytes as hex, got {len(raw)} bytes")
+    return hmac.new(raw, label.encode(), hashlib.sha256).hexdigest()
 
 
 def route_address(peer_host: str) -> str:
@@ -45,6 +70,38 @@ def route_address(peer_host: str) -> str:
             return sock.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, 127.0.0.0/8 or ::1."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def sync_address(addresses: Sequence[str], configured: str | None) -> str:
+    """The trainer's address for the weight group: ``rollout.sync_host`` (a name resolved: a server checks the
+    store's address against the one the trainer calls from), else loopback when every server is local, else this
+    machine's address on the route to the servers (one route for all, or ValueError)."""
+    if configured:
+        try:
+            return str(ipaddress.ip_address(configured.strip("[]")))
+        except ValueError:
+            try:
+                return socket.getaddrinfo(configured, None, type=socket.SOCK_STREAM)[0][4][0]
+            except OSError as err:
+                raise ValueError(f"rollout.sync_host {configured!r} does not resolve ({err})") from None
+    hosts = [a.rpartition(":")[0].strip("[]") for a in addresses]
+    if all(is_loopback(h) for h in hosts):
+        return "127.0.0.1"
+    routes = {route_address(h) for h in hosts}
+    if len(routes) > 1:
+        raise ValueError(f"the rollout servers are reached through different addresses of this machine "
+                         f"({sorted(routes)}): set rollout.sync_host to the one they all reach the trainer at")
+    return routes.pop()
 
 
 def listening_store(host: str, timeout_s: float):
@@ -66,13 +123,25 @@ def listening_store(host: str, timeout_s: float):
     return store
 
 
+def namespaced(store, nonce: str):
+    """The session's view of ``store``: every key (gloo's included) under a prefix only the nonce gives."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(proof(nonce, "store")[:32] + "/", store)
+
+
+def _finite_positive(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"weight-group spec: {name} must be a finite number > 0, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupSpec:
     """Where and how a server's workers join the trainer's weight group for one session.
 
     Rank 0 is the trainer (the broadcast's source, hosting the TCPStore at ``host:port``); a server's
     workers take ranks ``rank_offset + worker rank``. JSON-able: it crosses vLLM's ``/collective_rpc``.
-    ``nonce``: the session's secret (module docstring).
+    ``nonce``: the session's secret (module docstring; never in a repr).
     """
 
     host: str
@@ -81,12 +150,21 @@ class GroupSpec:
     rank_offset: int = 0
     backend: str = "gloo"  # gloo (CPU tensors) or nccl (GPU tensors)
     timeout_s: float = 300.0
-    nonce: str = ""
+    nonce: str = dataclasses.field(default="", repr=False)
     join_timeout_s: float = 30.0  # how long a worker that checked in waits for the trainer's go
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"weight-transfer backend must be gloo or nccl, got {self.backend!r}")
+        ints = (("port", 1, 65535), ("world_size", 2, 1 << 20), ("rank_offset", 0, 1 << 20))
+        for name, low, high in ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"weight-group spec: {name} must be an integer in [{low}, {high}], got {value!r}")
+        _finite_positive(self.timeout_s, "timeout_s")
+        _finite_positive(self.join_timeout_s, "join_timeout_s")
+        if not isinstance(self.host, str) or not isinstance(self.nonce, str):
+            raise ValueError("weight-group spec: host and nonce must be strings")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -99,32 +177,48 @@ class GroupSpec:
             raise ValueError(f"not a weight-group spec: {text[:200]!r}")
         return cls(**data)
 
+    def bounded(self, step_timeout_s: float) -> "GroupSpec":
+        """This spec within a server's own bounds, whatever the caller asked: each step ends before vLLM's
+        engine-step limit ``step_timeout_s`` (module constants), the wait for the go within ``MAX_JOIN_TIMEOUT_S``."""
+        timeout = min(self.timeout_s, step_timeout_s - min(STEP_MARGIN_S, step_timeout_s / 10))
+        return dataclasses.replace(self, timeout_s=timeout,
+                                   join_timeout_s=min(self.join_timeout_s, timeout, MAX_JOIN_TIMEOUT_S))
+
     def store(self):
-        """A client of the session's store (a worker's side). It connects within ``join_timeout_s``: a
-        trainer gone before the worker got there must not keep the worker (and its server) waiting longer."""
+        """A client of the session's store (a worker's side), `namespaced`. It connects within
+        ``join_timeout_s``: a trainer gone before the worker got there must not keep the worker (and its
+        server) waiting longer."""
         import torch.distributed as dist
 
-        return dist.TCPStore(self.host, self.port, None, False,
-                             timeout=datetime.timedelta(seconds=min(self.join_timeout_s, self.timeout_s)))
+        client = dist.TCPStore(self.host, self.port, None, False,
+                               timeout=datetime.timedelta(seconds=min(self.join_timeout_s, self.timeout_s)))
+        return namespaced(client, self.nonce)
 
-    def join(self, rank: int):
-        """A worker's side of the session's two-step join: check in on the store, wait for the trainer's
-        go (PermissionError if it called the session off, or gave none within ``join_timeout_s``), then
-        form the group."""
+    def join(self, rank: int, device: torch.device):
+        """A worker's side of the session: check in on the store, wait for the trainer's go (PermissionError if
+        it called the session off, or gave none within ``join_timeout_s``), form the group, and prove the
+        nonce both ways (`exchange_proofs`). Returns the group."""
+        if not 1 <= rank < self.world_size:  # rank 0 is the trainer's
+            raise ValueError(f"weight-group spec: a server's rank must be in [1, {self.world_size}), got {rank}")
         store = self.store()
-        store.set(f"{_READY}{rank}", "1")
+        store.set(_ready_key(self.nonce, rank), "1")
+        go = _go_key(self.nonce)
         try:
-            store.wait([_GO], datetime.timedelta(seconds=self.join_timeout_s))
+            store.wait([go], datetime.timedelta(seconds=self.join_timeout_s))
         except RuntimeError:  # (a timeout, or the trainer's store gone)
             raise PermissionError("the trainer gave no go for the weight group: session called off") from None
-        if store.get(_GO) != b"form":
+        if not hmac.compare_digest(store.get(go), proof(self.nonce, "form").encode()):
             raise PermissionError("the trainer called the weight sync off before the group formed")
-        return self.connect(rank, store=store)
+        group = self.connect(rank, store=store)
+        if exchange_proofs(group, self.nonce, rank, self.world_size, device):
+            raise PermissionError("the weight group's rank 0 did not prove it holds this session's nonce: it is not "
+                                  "the trainer that opened the session; left the group, nothing loaded")
+        return group
 
     def connect(self, rank: int, store=None, bind_host: str | None = None):
-        """This process's member of the group (a torch ``ProcessGroupGloo`` / ``ProcessGroupNCCL``);
-        rank 0 passes the store it hosts, the others connect to it. gloo's sockets bind ``bind_host``
-        (default: this machine's address on the route to the store)."""
+        """This process's member of the group (a torch ``ProcessGroupGloo`` / ``ProcessGroupNCCL``) over
+        ``store`` (the `namespaced` one; default: a client of the session's store). gloo's sockets bind
+        ``bind_host`` (default: this machine's address on the route to the store)."""
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -138,42 +232,37 @@ class GroupSpec:
         return dist.ProcessGroupGloo(store, rank, self.world_size, options)
 
 
-_READY, _GO = "stapo/ready/", "stapo/go"
+def _ready_key(nonce: str, rank: int) -> str:
+    return "ready/" + proof(nonce, f"ready {rank}")
 
 
-def checked_in(store, first_rank: int, count: int) -> bool:
-    """The trainer's side: have ranks ``first_rank`` .. ``first_rank + count - 1`` checked in?"""
-    return store.check([f"{_READY}{r}" for r in range(first_rank, first_rank + count)])
+def _go_key(nonce: str) -> str:
+    return "go/" + proof(nonce, "go")
 
 
-def let_form(store) -> None:
+def checked_in(store, nonce: str, first_rank: int, count: int) -> bool:
+    """The trainer's side (``store``: `namespaced`): have ranks ``first_rank`` .. ``first_rank + count - 1``
+    checked in?"""
+    return store.check([_ready_key(nonce, r) for r in range(first_rank, first_rank + count)])
+
+
+def let_form(store, nonce: str) -> None:
     """Every worker checked in: let them form the group."""
-    store.set(_GO, "form")
+    store.set(_go_key(nonce), proof(nonce, "form"))
 
 
-def call_off(store) -> None:
+def call_off(store, nonce: str) -> None:
     """Not every worker checked in: the ones waiting return at once, no group forms."""
-    store.set(_GO, "off")
+    store.set(_go_key(nonce), "off")
 
 
-def _nonce_tensor(nonce: str, device) -> torch.Tensor:
-    raw = bytes.fromhex(nonce) if nonce else b""
-    if len(raw) != NONCE_BYTES:
-        raise ValueError(f"a session nonce is {NONCE_BYTES} bytes as hex, got {nonce!r}")
-    return torch.tensor(list(raw), dtype=torch.uint8, device=device)
-
-
-def send_nonce(group, nonce: str, device) -> None:
-    """Rank 0: the session's first broadcast (`accept_nonce` on the workers)."""
-    group.broadcast(_nonce_tensor(nonce, device), 0).wait()
-
-
-def accept_nonce(group, nonce: str, device) -> None:
-    """A worker: receive the first broadcast and check it is the nonce its authenticated join carried;
-    PermissionError otherwise (the caller leaves the group, nothing loaded)."""
-    expected = _nonce_tensor(nonce, device)
-    got = torch.empty_like(expected)
-    group.broadcast(got, 0).wait()
-    if not secrets.compare_digest(bytes(got.cpu().tolist()), bytes(expected.cpu().tolist())):
-        raise PermissionError("the weight group's first message is not this session's nonce: the sender is "
-                              "not the trainer that opened the session; left the group, nothing loaded")
+def exchange_proofs(group, nonce: str, rank: int, world_size: int, device) -> list[int]:
+    """The group's first collective: every rank contributes its proof of the nonce and receives all of them.
+    Returns the ranks whose proof is wrong among those this rank checks (rank 0: every member; a worker: rank
+    0); the caller then leaves the group before a weight byte moves."""
+    mine = torch.tensor(list(bytes.fromhex(proof(nonce, f"member {rank}"))), dtype=torch.uint8, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    group.allgather([everyone], [mine]).wait()
+    checked = range(1, world_size) if rank == 0 else (0,)
+    return [r for r in checked if not hmac.compare_digest(bytes(everyone[r].cpu().tolist()),
+                                                          bytes.fromhex(proof(nonce, f"member {r}")))]

@@ -1,7 +1,7 @@
 """``rollout.mode: server``: the `ServerEngine` a config asks for, and what the servers allow the data.
 
 Where the rollout servers' settings become components (the server-mode part of
-`stapo.trainer.components`): the secret (``rollout.server_token`` or ``STAPO_SERVER_TOKEN``), every limit
+`stapo.trainer.components`): the secret (``STAPO_SERVER_TOKEN`` or ``rollout.server_token_file``), every limit
 (`ServerLimits`), the fingerprint of the trainer's model and tokenizer the servers are checked against,
 and the longest prompt the servers' ``max_model_len`` leaves room for. docs/rollout.md, "Rollout servers".
 """
@@ -16,7 +16,7 @@ import torch
 from stapo.config import STAPOConfig
 from stapo.rollout.fingerprint import model_fingerprint, tokenizer_fingerprint
 from stapo.rollout.server_engine import ServerEngine, ServerLimits
-from stapo.rollout.server_guard import TOKEN_ENV
+from stapo.rollout.server_secret import trainer_secret
 
 __all__ = ["build_server_engine", "prompt_length_limit"]
 
@@ -39,7 +39,7 @@ def build_server_engine(cfg: STAPOConfig, model_path: str, tokenizer, dtype: tor
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     log.info("rollout engine: vLLM servers %s", ", ".join(r.servers))
     return ServerEngine(r.servers, pad, sends_weights=dist_rank == 0, limits=limits,
-                        token=r.server_token or os.environ.get(TOKEN_ENV) or None, sync_host=r.sync_host,
+                        token=trainer_secret(os.environ, r.server_token_file), sync_host=r.sync_host,
                         fingerprint=fingerprint, sync=r.sync)
 
 

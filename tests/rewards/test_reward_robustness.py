@@ -231,3 +231,15 @@ def test_forked_child_gets_its_own_workers_and_leaves_the_parents_alone(verifier
     assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0
     assert set(verifier.pool.pids()) == parent_workers
     assert verifier.score([boxed("x^2-1")], ["(x-1)(x+1)"]) == [1.0]
+
+
+def test_workers_do_not_inherit_the_rollout_servers_secret(monkeypatch):
+    """A reward worker runs code chosen by the run (sympy on policy output, a user's reward function): it gets no
+    ``STAPO_SERVER_TOKEN``, the credential that lets a process change what the rollout servers serve."""
+    monkeypatch.setenv("STAPO_SERVER_TOKEN", "lane-secret-not-for-workers")
+    with MathVerifier(timeout_s=30.0, num_workers=1) as verifier:
+        verifier.pool.warmup()
+        (pid,) = verifier.pool.pids()
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert not any(entry.startswith(b"STAPO_SERVER_TOKEN=") for entry in environ)
+    assert any(entry.startswith(b"PYTHONPATH=") for entry in environ)  # the environment itself was read

@@ -17,10 +17,10 @@ from stapo.rollout import SamplingParams
 from stapo.rollout.server_client import MALFORMED, ServerClient, ServerError, parse_address
 from stapo.rollout.server_completions import completion_request, outputs_from_completion
 from stapo.rollout.server_engine import NoRolloutServers, ServerPool
-from stapo.rollout.serve import serve_command
+from stapo.rollout.serve import serve_command, take_token_file
 from stapo.rollout.vllm_engine import request_seeds, rollout_from_vllm_outputs, vllm_sampling_kwargs
 from stapo.rollout.bucket_format import pack_bucket_tensor, unpack_tensors
-from stapo.rollout.weight_group import GroupSpec
+from stapo.rollout.weight_group import GroupSpec, namespaced, new_nonce
 
 
 def test_a_request_carries_the_token_ids_and_the_colocated_seed():
@@ -122,10 +122,16 @@ def test_stapo_serve_listens_on_loopback_and_guards_its_routes():
     assert argv[argv.index("--middleware") + 1] == "stapo.rollout.server_guard.ServerGuard"
     argv, _ = serve_command("/m", ["--host", "127.0.0.1"], "py", {}, on_cpu=False)
     assert argv.count("--host") == 1
-    with pytest.raises(ValueError, match="stapo serve --host 0.0.0.0 would let anyone .* STAPO_SERVER_TOKEN"):
-        serve_command("/m", ["--host", "0.0.0.0"], "py", {}, on_cpu=False)
-    argv, env = serve_command("/m", ["--host=10.0.0.5"], "py", {"STAPO_SERVER_TOKEN": "s3cret"}, on_cpu=False)
+    argv, env = serve_command("/m", ["--host=10.0.0.5"], "py", {}, on_cpu=False, secret="s3cret")
     assert "--host=10.0.0.5" in argv and env["STAPO_SERVER_TOKEN"] == "s3cret" and "s3cret" not in argv
+    assert env["FORWARDED_ALLOW_IPS"] == ""  # uvicorn then takes no caller's address from X-Forwarded-For
+    assert take_token_file(["--port", "1", "--token_file", "/s", "--dtype", "x"]) == ("/s", ["--port", "1", "--dtype",
+                                                                                             "x"])
+    assert take_token_file(["--token-file=/s", "--port", "1"]) == ("/s", ["--port", "1"])
+    with pytest.raises(ValueError, match="--host is given 2 times"):
+        serve_command("/m", ["--host", "127.0.0.1", "--host", "0.0.0.0"], "py", {}, on_cpu=False)
+    with pytest.raises(ValueError, match="drop --api-key"):
+        serve_command("/m", ["--api_key", "k"], "py", {}, on_cpu=False)
     with pytest.raises(ValueError, match="drop --api-key"):
         serve_command("/m", ["--api-key", "k"], "py", {}, on_cpu=False)
     with pytest.raises(ValueError, match="VLLM_API_KEY"):
@@ -155,13 +161,13 @@ def test_a_bucket_crosses_a_gloo_group_exactly():
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    spec = GroupSpec("127.0.0.1", store.port, world_size=2, rank_offset=1, timeout_s=60)
-    assert GroupSpec.from_json(spec.to_json()) == spec
+    spec = GroupSpec("127.0.0.1", store.port, world_size=2, rank_offset=1, timeout_s=60, nonce=new_nonce())
+    assert GroupSpec.from_json(spec.to_json()) == spec and spec.nonce not in repr(spec)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=_receive, args=(1, spec.to_json(), out))
     proc.start()
-    group = spec.connect(0, store=store)
+    group = spec.connect(0, store=namespaced(store, spec.nonce))
     layout, flat = pack_bucket_tensor(_bucket())
     assert [o % 16 for o in layout["offsets"]] == [0, 0, 0]
     group.broadcast(flat, 0).wait()

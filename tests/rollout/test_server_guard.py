@@ -1,6 +1,6 @@
 """The closed control plane of `stapo serve` (stapo.rollout.server_guard), as a plain ASGI app: which
-routes need the secret, which are refused whatever the credentials, which worker methods pass. The real
-server runs it in tests/vllm_cpu/test_server_faults.py."""
+routes need the secret, which are refused whatever the credentials, which worker methods pass, where a join may
+point a server. The real server runs it in tests/vllm_cpu/test_server_faults.py and test_server_security.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import json
 
 import pytest
 
-from stapo.rollout.server_guard import AUTHENTICATED, FORBIDDEN, OPEN, ServerGuard, route_decision, rpc_refusal
+from stapo.rollout.server_guard import (AUTHENTICATED, FORBIDDEN, OPEN, ServerGuard, route_decision, route_path,
+                                        rpc_refusal)
 from stapo.rollout.server_worker import SERVER_RPC_METHODS
+from stapo.rollout.weight_group import GroupSpec, new_nonce
 
 
 @pytest.mark.parametrize("path, decision", [
@@ -25,8 +27,27 @@ def test_each_route_is_open_authenticated_or_refused(path, decision):
     assert route_decision(path) == decision
 
 
+@pytest.mark.parametrize("path, root, routed", [
+    ("/v1/models", "", "/v1/models"), ("/metrics/collective_rpc", "/metrics", "/collective_rpc"),
+    ("/v1/sleep", "/v1", "/sleep"), ("/api/health", "/api", "/health"), ("/v1/models", "/api", "/v1/models"),
+    ("/apix/sleep", "/api", "/apix/sleep"), ("/api", "/api", "/"), ("//collective_rpc/", "", "/collective_rpc"),
+])
+def test_routes_are_decided_on_the_path_the_router_matches(path, root, routed):
+    """Starlette routes ``path`` less ``--root-path``: with ``--root-path /metrics``, /metrics/collective_rpc IS
+    /collective_rpc (its body is checked) and /v1/sleep under ``--root-path /v1`` IS /sleep (refused)."""
+    assert route_path({"path": path, "root_path": root}) == routed
+
+
+def join(host: str) -> bytes:
+    spec = GroupSpec(host, 29500, world_size=2, rank_offset=1, nonce=new_nonce())
+    return json.dumps({"method": "stapo_join_weight_group", "args": [spec.to_json()]}).encode()
+
+
 def test_only_stapos_worker_methods_with_string_arguments_pass():
-    assert all(rpc_refusal(json.dumps({"method": m, "args": ["x"]}).encode()) is None for m in SERVER_RPC_METHODS)
+    ours = [json.dumps({"method": m, "args": ["x"]}).encode() for m in SERVER_RPC_METHODS - {"stapo_join_weight_group"}]
+    assert all(rpc_refusal(body) is None for body in ours)
+    for method in ([], {}, 7, None, ["stapo_server_state"]):  # not a string: refused, never an exception (a 500)
+        assert "not one of stapo's worker methods" in rpc_refusal(json.dumps({"method": method}).encode())
     assert "not one of stapo's worker methods" in rpc_refusal(b'{"method": "__class__", "args": []}')
     assert "not one of stapo's worker methods" in rpc_refusal(b'{"method": "stapo_load_weights", "args": []}')
     assert "not one of stapo's worker methods" in rpc_refusal(b'{"method": "execute_model"}')
@@ -36,8 +57,24 @@ def test_only_stapos_worker_methods_with_string_arguments_pass():
     assert rpc_refusal(b"[1]") == "the body is not a JSON object" and rpc_refusal(b"{") == "the body is not JSON"
 
 
-def call(path: str, body: bytes = b"", token: str | None = None) -> tuple[int, bytes | None]:
-    """One HTTP request through ``guard`` in front of an app that echoes the body it receives."""
+def test_a_join_may_point_a_server_only_at_the_callers_own_address():
+    """A server never connects where a caller points it: the store of a join must be at the address the call came
+    from (loopback addresses are one; a UNIX socket's caller is local)."""
+    assert rpc_refusal(join("10.0.0.5"), peer="10.0.0.5") is None
+    assert rpc_refusal(join("127.0.0.1"), peer="127.0.0.1") is None
+    assert rpc_refusal(join("::1"), peer="127.0.0.1") is None
+    assert rpc_refusal(join("10.0.0.5"), peer="::ffff:10.0.0.5") is None
+    assert rpc_refusal(join("127.0.0.1"), peer=None) is None
+    for host, peer in (("10.0.0.9", "10.0.0.5"), ("192.0.2.1", "127.0.0.1"), ("127.0.0.1", "10.0.0.5"),
+                       ("trainer.local", "10.0.0.5"), ("10.0.0.5", None)):
+        assert "is not at the address this call came from" in rpc_refusal(join(host), peer=peer), (host, peer)
+    bad = json.dumps({"method": "stapo_join_weight_group", "args": []}).encode()
+    assert rpc_refusal(bad, peer="127.0.0.1") == "the join carries no weight-group spec"
+
+
+def call(path: str, body: bytes = b"", token: str | None = None, root_path: str = "",
+         guard_token: str | None = "s3cret", client: tuple | None = ("127.0.0.1", 50000)) -> tuple[int, bytes | None]:
+    """One HTTP request through ``ServerGuard(token=guard_token)`` in front of an app that echoes the body."""
     seen = {}
 
     async def app(scope, receive, send):
@@ -56,7 +93,8 @@ def call(path: str, body: bytes = b"", token: str | None = None) -> tuple[int, b
     async def send(message):
         sent.append(message)
     headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-    asyncio.run(ServerGuard(app, token="s3cret")({"type": "http", "path": path, "headers": headers}, receive, send))
+    scope = {"type": "http", "path": path, "root_path": root_path, "headers": headers, "client": client}
+    asyncio.run(ServerGuard(app, token=guard_token)(scope, receive, send))
     return sent[0]["status"], seen.get("body")
 
 
@@ -71,20 +109,30 @@ def test_the_guard_answers_401_403_or_passes_the_request_on_unchanged():
     ours = json.dumps({"method": "stapo_server_state", "args": []}).encode()
     assert call("/collective_rpc", ours, token="s3cret") == (200, ours)  # replayed whole
     assert call("/collective_rpc", b" " * (2 << 20), token="s3cret")[0] == 403  # too large
+    assert call("/collective_rpc", json.dumps({"method": ["x"]}).encode(), token="s3cret")[0] == 403  # not a 500
+    assert call("/collective_rpc", join("127.0.0.1"), token="s3cret")[0] == 200
+    assert call("/collective_rpc", join("192.0.2.1"), token="s3cret") == (403, None)  # never reaches the worker
 
 
-def test_without_a_secret_the_routes_stay_guarded_but_open_to_loopback_callers():
-    async def app(scope, receive, send):
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
-    statuses = []
+def test_under_a_root_path_the_guard_checks_the_route_the_router_takes():
+    foreign = json.dumps({"method": "execute_model", "args": []}).encode()
+    # --root-path /metrics: /metrics/collective_rpc is routed to /collective_rpc, its body checked
+    assert call("/metrics/collective_rpc", foreign, token="s3cret", root_path="/metrics") == (403, None)
+    assert call("/v1/sleep", token="s3cret", root_path="/v1")[0] == 403  # routed to /sleep
+    assert call("/api/v1/models", token="s3cret", root_path="/api")[0] == 200
+    assert call("/api/health", root_path="/api")[0] == 200
 
-    async def send(message):
-        statuses.append(message.get("status"))
 
-    async def receive():
-        return {"type": "http.request", "body": b'{"method": "stapo_server_state"}', "more_body": False}
-    guard = ServerGuard(app, token="")
-    for path in ("/v1/models", "/server_info", "/collective_rpc"):
-        asyncio.run(guard({"type": "http", "path": path, "headers": []}, receive, send))
-    assert [s for s in statuses if s is not None] == [200, 403, 200]
+def test_without_a_usable_secret_every_route_but_health_is_refused(monkeypatch):
+    """A guard without a secret fails closed, on loopback too (`stapo serve` always gives it one)."""
+    for env in (None, "", "  ", "a b"):
+        if env is None:
+            monkeypatch.delenv("STAPO_SERVER_TOKEN", raising=False)
+        else:
+            monkeypatch.setenv("STAPO_SERVER_TOKEN", env)
+        ours = json.dumps({"method": "stapo_server_state", "args": []}).encode()
+        assert call("/collective_rpc", ours, guard_token=None)[0] == 401, env
+        assert call("/v1/models", token="a b", guard_token=None)[0] == 401, env
+        assert call("/health", guard_token=None)[0] == 200
+    monkeypatch.setenv("STAPO_SERVER_TOKEN", "from-the-env")
+    assert call("/v1/models", token="from-the-env", guard_token=None)[0] == 200

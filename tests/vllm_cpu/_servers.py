@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from conftest import ROOT, plain_env
+from conftest import LANE_TOKEN, ROOT, plain_env
 
 START_TIMEOUT_S = 900  # a cold start on a busy 2-core machine; ~30 s on a quiet one
 _NEXT_CORE = itertools.count()
@@ -32,8 +32,9 @@ class VLLMServer:
     of its queue starved the other's OpenMP threads — an engine step stalled for minutes, until vLLM's
     watchdog killed the engine or the idle server went away."""
 
-    def __init__(self, model_dir: Path, log_path: Path, port: int | None = None, dtype: str = "float32") -> None:
-        self.model_dir, self.log_path, self.dtype = model_dir, log_path, dtype
+    def __init__(self, model_dir: Path, log_path: Path, port: int | None = None, dtype: str = "float32",
+                 args: tuple[str, ...] = (), **env: str) -> None:
+        self.model_dir, self.log_path, self.dtype, self.args, self.env = model_dir, log_path, dtype, args, env
         self.port = port or free_port()
         self.core = next(_NEXT_CORE) % len(os.sched_getaffinity(0))
         self.proc: subprocess.Popen | None = None
@@ -44,9 +45,9 @@ class VLLMServer:
 
     def start(self) -> "VLLMServer":
         cmd = [sys.executable, "-m", "stapo.cli", "serve", str(self.model_dir),  # loopback: stapo serve's default
-               "--port", str(self.port), "--dtype", self.dtype, "--max-model-len", "512", "--seed", "0"]
+               "--port", str(self.port), "--dtype", self.dtype, "--max-model-len", "512", "--seed", "0", *self.args]
         log = self.log_path.open("ab")
-        env = plain_env(VLLM_CPU_OMP_THREADS_BIND=str(self.core))
+        env = plain_env(VLLM_CPU_OMP_THREADS_BIND=str(self.core), **self.env)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         return self
@@ -86,6 +87,14 @@ class VLLMServer:
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+def lane_token_file(directory: Path) -> Path:
+    """A file holding the lane's secret (mode 0600), for ``rollout.server_token_file``."""
+    path = directory / "server_token"
+    path.write_text(LANE_TOKEN + "\n")
+    path.chmod(0o600)
+    return path
 
 
 def servers_override(*servers: VLLMServer) -> str:

@@ -18,15 +18,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from _servers import VLLMServer, servers_override
+from _servers import VLLMServer, lane_token_file, servers_override
 from conftest import FAULT_FIGURES, LANE_TOKEN, ROOT, plain_env
 from test_train import COMMON
 
 from stapo.rollout import SamplingParams
 from stapo.rollout.server_client import ServerClient, ServerError
 from stapo.rollout.server_engine import ServerEngine
-from stapo.rollout.weight_group import (GroupSpec, checked_in, let_form, listening_store, new_nonce, route_address,
-                                       send_nonce)
+from stapo.rollout.weight_group import (GroupSpec, checked_in, exchange_proofs, let_form, listening_store, namespaced,
+                                       new_nonce, route_address)
 from stapo.run_dir import METRICS_FILE, read_metrics
 
 pytestmark = pytest.mark.timeout(1800)
@@ -90,28 +90,29 @@ def test_no_secret_is_401_a_foreign_method_403_and_only_loopback_listens(both):
 
 
 def test_a_process_that_is_not_the_trainer_cannot_change_the_served_weights(both, prompts):
-    """Without the secret nothing is reached; with a hijacked rank 0 (a sender that does not know the
-    session's nonce) the server leaves the group before it takes a byte."""
+    """Without the secret nothing is reached; a rank 0 that got as far as the group but does not hold the session's
+    nonce (the group's first collective checks it) is left before the server takes a byte."""
     start = time.monotonic()
     server, engine = both[0], ServerEngine([both[0].address], pad_token_id=0, token=LANE_TOKEN)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
     before, held = engine.generate(prompts, 1, greedy), state(server)["version"]
-    store = listening_store("127.0.0.1", 30)
-    spec = GroupSpec("127.0.0.1", store.port, world_size=2, rank_offset=1, timeout_s=30, nonce=new_nonce())
+    nonce, listening = new_nonce(), listening_store("127.0.0.1", 30)
+    store = namespaced(listening, nonce)
+    spec = GroupSpec("127.0.0.1", listening.port, world_size=2, rank_offset=1, timeout_s=30, nonce=nonce)
     assert status(server.address, "/collective_rpc", {"method": "stapo_join_weight_group", "args": [spec.to_json()]}) == 401
     client = ServerClient(server.address, token=LANE_TOKEN)
     with ThreadPoolExecutor(1) as pool:
         join = pool.submit(client.rpc, "stapo_join_weight_group", spec.to_json(), timeout_s=60)
-        while not checked_in(store, 1, 1):  # the worker checked in; the impostor gives the go itself
+        while not checked_in(store, nonce, 1, 1):  # the worker checked in; the go is given
             time.sleep(0.02)
-        let_form(store)
-        impostor = spec.connect(0, store=store, bind_host="127.0.0.1")
-        send_nonce(impostor, new_nonce(), torch.device("cpu"))  # not the nonce of the authenticated join
-        with pytest.raises(ServerError, match="not this session's nonce"):
+        let_form(store, nonce)
+        impostor = spec.connect(0, store=store, bind_host="127.0.0.1")  # ... and an impostor takes rank 0
+        assert exchange_proofs(impostor, new_nonce(), 0, 2, torch.device("cpu")) == [1]  # not the session's nonce
+        with pytest.raises(ServerError, match="rank 0 did not prove it holds this session's nonce"):
             join.result(timeout=60)
     assert state(server)["session_open"] is False and state(server)["version"] == held
     assert torch.equal(engine.generate(prompts, 1, greedy).response_ids, before.response_ids)
-    figure("impostor rank 0 refused (nonce), weights unchanged", time.monotonic() - start)
+    figure("impostor rank 0 refused (proof of the nonce), weights unchanged", time.monotonic() - start)
 
 
 def _train(out, model_dir, *overrides, env=None, imports=()) -> subprocess.Popen:
@@ -334,7 +335,8 @@ def test_a_server_with_another_dtype_or_tokenizer_is_one_clear_error_at_start(bo
             from stapo.trainer.server_setup import build_server_engine
 
             cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", f"rollout.servers=[{server.address}]",
-                                               "model.dtype=fp32", f"rollout.server_token={LANE_TOKEN}"])
+                                               "model.dtype=fp32",
+                                               f"rollout.server_token_file={lane_token_file(tmp_path)}"])
             build_server_engine(cfg, str(warm_model_dir), AutoTokenizer.from_pretrained(warm_model_dir), torch.float32)
     finally:
         server.kill()

@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-from _servers import servers_override
-from conftest import FP32_LOGPROB_BOUND, HERE, LANE_TOKEN
+from _servers import lane_token_file, servers_override
+from conftest import FP32_LOGPROB_BOUND, HERE
 
 sys.path.insert(0, str(HERE.parent / "trainer"))
 from test_multinode import NODES, REWARD, _tails, rank_output, start_nodes, stop_nodes, wait_nodes  # noqa: E402
@@ -30,7 +30,7 @@ def _run(config, logs, overrides) -> None:
 
 def test_two_nodes_train_through_a_server_checkpoint_and_resume(servers, tmp_path, tiny_model_dir, arithmetic_jsonl):
     overrides = [f"trainer.total_steps={STEPS}", f"reward.function={REWARD}", "rollout.mode=server",
-                 f"rollout.server_token={LANE_TOKEN}",  # the launchers' environment does not carry it
+                 f"rollout.server_token_file={lane_token_file(tmp_path)}",  # the launchers' environment has no secret
                  servers_override(servers[0]), "model.dtype=fp32"]
     straight = _write_config(tmp_path / "straight.yaml", tmp_path / "straight", tiny_model_dir, arithmetic_jsonl)
     _run(straight, tmp_path / "logs_straight", overrides)
