@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _bounds import assert_steps_fp32_noise, report
+from _bounds import assert_steps_fp32_noise
 from conftest import FP32_LOGPROB_BOUND, run
 
 from stapo.run_dir import METRICS_FILE, SAMPLES_FILE, read_metrics
@@ -77,6 +77,8 @@ def test_two_torchrun_ranks_with_zero3_and_an_engine_each(warm_model_dir, tmp_pa
                   "rollout.offload_training_state=true",
                   launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
     assert [r["step"] for r in steps] == [1, 2]
+    # two engines on 2 cores and a 2-rank recompute: 1.4e-5 on the EPYC (2.5x one engine's figure); 10x the
+    # bound, still over 30x under a stale sync (tests/vllm_cpu/_bounds.py)
     assert_steps_fp32_noise(steps, "2 ranks, ZeRO-3, an engine each", bound=10 * FP32_LOGPROB_BOUND)
 
 
@@ -90,6 +92,7 @@ def test_two_ranks_share_one_tensor_parallel_engine(warm_model_dir, tmp_path):
                   "rollout.tensor_parallel_size=2",
                   launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
     assert [r["step"] for r in steps] == [1, 2]
+    # the TP-2 engine sums its shards' partial products: 1.4e-5 on the EPYC; 10x the bound as above
     assert_steps_fp32_noise(steps, "2 ranks, one TP-2 engine", bound=10 * FP32_LOGPROB_BOUND)
     assert all(r["time_rollout_max"] >= r["time_rollout_min"] > 0 for r in steps)  # both ranks generated
 
@@ -140,6 +143,5 @@ def test_lora_run_syncs_the_merged_adapters(warm_model_dir, tmp_path):
     steps = train(tmp_path / "lora", warm_model_dir, "trainer.total_steps=2", "trainer.save_every=0",
                   "model.lora.enabled=true", "optim.lr=1e-3", "trainer.export_hf=false")
     assert [r["step"] for r in steps] == [1, 2]
-    assert_steps_fp32_noise(steps, "LoRA run", key="mismatch_logp_abs_mean")
-    for r in steps:
-        report(f"LoRA run, step {r['step']}: mismatch_logp_abs_max", r["mismatch_logp_abs_max"])
+    # the max, not the mean (3.8e-7): the trainer's W x + s B A x against vLLM's merged W': 1.1e-5 on the EPYC
+    assert_steps_fp32_noise(steps, "LoRA run")
