@@ -28,7 +28,11 @@ def test_chunked_entropy_gradient_matches_full_logits_autograd(n, chunk, tempera
     ((a * lp_ref).sum() + (b * ent_ref).sum()).backward()
     torch.testing.assert_close(ent, ent_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-5)
+    # W's gradient sums the chunks' products: against a float64 reference the chunked op's is 4.8e-5 off
+    # (|grad| <= 25.7), the full logits' 5e-6; at rtol 1e-5 that used 78-87% of the tolerance on every kernel
+    # path measured (ATen AVX512 / AVX2 / scalar, MKL default / compatible), so another CPU's blocking could
+    # cross it. rtol 1e-4: 2e-6 relative is fp32 accumulation, a wrong gradient is off by far more.
+    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)
 
 
 def test_entropy_gradient_by_hand_on_two_tokens():

@@ -9,11 +9,11 @@ from stapo.rollout.sampling import processed_logprobs
 from stapo.distributed.policy import PolicyInputs
 
 
-def teacher_forced_logits(model, rollout: Rollout) -> torch.Tensor:
+def teacher_forced_logits(model, rollout: Rollout, grad: bool = False) -> torch.Tensor:
     """(B, T, V) logits that predict each response token, from the trainer's padded inputs builder."""
     inputs = PolicyInputs.from_parts(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids,
                                      rollout.response_mask)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         logits = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
                        position_ids=inputs.position_ids).logits
     start, t_len = inputs.prompt_length - 1, rollout.response_ids.shape[1]
@@ -21,9 +21,9 @@ def teacher_forced_logits(model, rollout: Rollout) -> torch.Tensor:
     return logits[:, start: start + t_len]  # column Lp-1+t predicts response token t
 
 
-def teacher_forced(model, rollout: Rollout, temperature=1.0, top_k=-1, top_p=1.0) -> torch.Tensor:
+def teacher_forced(model, rollout: Rollout, temperature=1.0, top_k=-1, top_p=1.0, grad: bool = False) -> torch.Tensor:
     """(B, T) processed logprobs of the response tokens under one teacher-forced forward."""
-    pred = teacher_forced_logits(model, rollout)
+    pred = teacher_forced_logits(model, rollout, grad)
     dist = processed_logprobs(pred.flatten(0, 1), temperature, top_k, top_p).view_as(pred)
     return dist.gather(-1, rollout.response_ids.unsqueeze(-1)).squeeze(-1)
 

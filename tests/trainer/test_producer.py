@@ -46,7 +46,9 @@ def test_every_batch_is_at_most_k_versions_old_and_as_fresh_as_allowed(k):
         batch = producer.take(step)
         versions.append(batch.policy_version)
         assert batch.rollout.policy_version.tolist() == [batch.policy_version] * 2
-        time.sleep(0.05)  # the update: long enough for the producer to run ahead as far as allowed
+        # the update, until the producer ran ahead as far as allowed (batches up to step + k; a fixed 50 ms
+        # sleep here was a timing window a busy machine could miss)
+        wait_for(lambda: draws.position >= min(step + 1 + k, 6))
         with producer.paused():
             producer.advance(step + 1)
     producer.close()
@@ -125,8 +127,16 @@ def test_the_resume_points_stay_consistent_under_concurrent_takes():
     producer.close()
 
 
+def wait_for(condition, timeout_s: float = 60.0) -> None:
+    """Poll ``condition`` (a thread's progress) instead of sleeping a fixed time a busy machine may overrun."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the producer made no progress in 60 s"
+        time.sleep(0.002)
+
+
 class Segmented:
-    """A batch of 40 'tokens' generated 5 ms apart that a sync can cut (partial rollouts): it keeps the
+    """A batch of 80 'tokens' generated 5 ms apart that a sync can cut (partial rollouts): it keeps the
     versions of the tokens it made and goes on after the sync."""
 
     def __init__(self) -> None:
@@ -135,7 +145,7 @@ class Segmented:
 
     def produce(self, index, version):
         made = self.versions.setdefault(index, [])
-        while len(made) < 40:
+        while len(made) < 80:
             if self.cut.is_set():
                 return None
             time.sleep(0.005)
@@ -148,13 +158,13 @@ def test_a_sync_cuts_a_partial_batch_instead_of_waiting_and_the_batch_goes_on():
     producer = RolloutProducer(seg.produce, dict, max_staleness=1, first_index=0, version=0, stop_index=3,
                                interrupt=seg.cut.set, resume=seg.cut.clear)
     producer.take(0)  # batch 0: version 0 throughout
-    time.sleep(0.05)  # batch 1 under way with version 0
-    start = time.monotonic()
+    wait_for(lambda: seg.versions.get(1))  # batch 1 under way with version 0
     with producer.paused(interrupt=True):  # the sync after step 0
-        waited = time.monotonic() - start
+        # the sync got the engine with batch 1 unfinished: it cut the batch instead of waiting for it (a
+        # count, not the 100 ms window this was, which a busy machine could overrun; the batch takes 0.4 s)
+        assert len(seg.versions[1]) < 80, seg.versions[1]
         producer.advance(1)
     batch = producer.take(1)
-    assert waited < 0.1, waited  # a whole batch takes 0.2 s: the sync did not wait for it
     made = seg.versions[1]
     assert made[0] == 0 and made[-1] == 1 and made == sorted(made) and batch.policy_version == 0
     producer.close()

@@ -13,8 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 import vllm  # noqa: F401  (the lane needs the real vLLM)
+# the log-prob bound and the measurements behind it (tests import them from here)
+from _bounds import FIGURES, FP32_LOGPROB_BOUND, ON_GPU  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -22,13 +23,6 @@ _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_POR
 
 # The shared secret of the lane's servers (`stapo serve` and every trainer get it from the environment).
 LANE_TOKEN = "lane-secret-4d1c"
-
-# Sampler logprobs vs the trainer's teacher-forced recompute (fp32, tiny Qwen3), before and after a weight
-# sync (docs/gpu.md): at most ~1e-6 on vLLM's CPU build 0.32; on one H200 with vLLM 0.26 (its fp32 GPU
-# kernels against the trainer's CPU recompute) up to 6.8e-4, and a request's logprobs there depend on the
-# batch it ran in (same tokens, the 4th decimal moves), so the GPU bound is a measured one, not 1e-5.
-ON_GPU = torch.cuda.is_available()
-FP32_LOGPROB_BOUND = 2e-3 if ON_GPU else 1e-5
 
 
 def plain_env(**extra: str) -> dict[str, str]:
@@ -61,6 +55,16 @@ def warm_model_dir(_tiny_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def colocated_run(warm_model_dir, tmp_path_factory):
+    """`stapo train` with the colocated engine, 4 steps (test_train.py): also the reference the server-mode
+    runs' mismatch is compared with (test_server.py: the same config, model, prompts and seeds)."""
+    from test_train import train
+
+    out = tmp_path_factory.mktemp("vllm_train") / "run"
+    return out, train(out, warm_model_dir, "trainer.total_steps=4", "trainer.save_every=1", "trainer.keep_last=4")
+
+
+@pytest.fixture(scope="session")
 def servers(warm_model_dir, tmp_path_factory):
     """Two real vLLM servers (`stapo serve`, loopback) serving the warm model, for the whole lane; the
     fault tests at the end of test_server.py kill and restart them."""
@@ -79,6 +83,14 @@ FAULT_FIGURES: list[str] = []  # "what: figure" lines of the fault-injection sui
 
 
 def pytest_terminal_summary(terminalreporter):
+    from _machine import describe
+
+    terminalreporter.write_sep("-", "the machine the lane ran on (tests/vllm_cpu/_machine.py)")
+    terminalreporter.write_line(describe())
+    if FIGURES:
+        terminalreporter.write_sep("-", "numeric figures, each against its bound (tests/vllm_cpu/_bounds.py)")
+        for line in FIGURES:
+            terminalreporter.write_line(line)
     if FAULT_FIGURES:
         terminalreporter.write_sep("-", "server fault-injection figures (tests/vllm_cpu/test_server_faults.py)")
         for line in FAULT_FIGURES:

@@ -8,6 +8,8 @@ cd "$(dirname "$0")/../.."
 bash tests/vllm_cpu/setup_env.sh
 VENV=${STAPO_VLLM_CPU_VENV:-.vllm-cpu-venv}
 case $VENV in /*) ;; *) VENV=$PWD/$VENV ;; esac  # absolute: a worktree may share one venv
+# The CPU, the ISA features that pick vLLM's and torch's kernels, versions: what the numeric figures come from.
+"$VENV/bin/python" tests/vllm_cpu/_machine.py
 # Keep vLLM's CPU KV cache small (2-core, shared CI boxes).
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # DeepSpeed JIT-builds its CPU comm op into TORCH_EXTENSIONS_DIR; the main venv's DeepSpeed and this

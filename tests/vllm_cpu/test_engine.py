@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-from conftest import FP32_LOGPROB_BOUND, HERE, ON_GPU, run
+from _bounds import BATCH_NOISE, assert_fp32_noise, report
+from conftest import FP32_LOGPROB_BOUND, HERE, run
 
 from stapo.rollout import SamplingParams, VLLMEngine
 
@@ -71,10 +72,11 @@ def test_several_calls_in_one_submission_sample_what_they_sample_alone(engine, p
     for call, merged in zip(calls, together, strict=True):
         alone = engine.generate(*call)
         assert torch.equal(merged.response_ids, alone.response_ids) and merged.finish_reason == alone.finish_reason
-        if ON_GPU:  # vLLM's GPU kernels are not batch-invariant: same tokens, logprobs within the bound
-            assert (merged.sampling_logprobs - alone.sampling_logprobs).abs().max() <= FP32_LOGPROB_BOUND
-        else:
-            assert torch.equal(merged.sampling_logprobs, alone.sampling_logprobs)
+        # the same tokens; the log-probs of one request in two batches (bit-equal on the EPYC the bounds were
+        # measured on, but vLLM's kernels need not be batch-invariant on every CPU, and are not on a GPU)
+        moved = float((merged.sampling_logprobs - alone.sampling_logprobs).abs().max())
+        report("one call merged with another vs alone: max |log-prob difference|", moved)
+        assert moved <= BATCH_NOISE
     assert [len(r) for r in together] == [6, 2]
 
 
@@ -111,7 +113,8 @@ def test_engine_inside_the_trainers_one_rank_group(tiny_model_dir):
     assert result["in_process"] is True
     assert result["rank_left_set"] is False and result["launched"] is False
     assert result["caller_rngs_untouched_by_build"] is True
-    assert result["perturbed_max_abs_diff"] <= FP32_LOGPROB_BOUND, result
+    report("engine in the trainer's group, perturbed weights synced: mismatch max", result["perturbed_max_abs_diff"])
+    assert_fp32_noise(result["perturbed_max_abs_diff"], "engine in the trainer's group, after a sync")
     assert result["restored"] and result["seed_reproduces"] and result["caller_rngs_untouched_by_generate"]
     if torch.cuda.is_available():  # sleep mode exists on CUDA only: it must free memory there
         assert result["freed_fraction"] > 0.1, result

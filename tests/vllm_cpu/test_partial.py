@@ -12,7 +12,8 @@ import time
 
 import pytest
 import torch
-from conftest import FP32_LOGPROB_BOUND, HERE, LANE_TOKEN, run
+from _bounds import BATCH_NOISE, report
+from conftest import HERE, LANE_TOKEN, run
 
 from stapo.rollout import SamplingParams
 from stapo.rollout.partial import PartialBatch, segment_seed
@@ -62,7 +63,9 @@ def test_a_response_cut_by_a_sync_continues_as_a_fresh_request_from_its_prefix(s
         direct = outputs_from_completion(engine.pool.clients[0].post("/v1/completions", body), 1).outputs[0]
         assert sample.tokens[n:] == list(direct.token_ids), k
         lp = torch.tensor([next(iter(e.values())) for e in direct.logprobs])
-        assert (torch.tensor(sample.logprobs[n:]) - lp).abs().max() <= FP32_LOGPROB_BOUND
+        moved = float((torch.tensor(sample.logprobs[n:]) - lp).abs().max())  # one request in two batches
+        report(f"partial rollout {k}: continuation vs the same request alone, max |log-prob difference|", moved)
+        assert moved <= BATCH_NOISE
     rollout = batch.to_rollout(pad_token_id=0)
     assert rollout.token_version[rollout.response_mask].unique().tolist() == [100, 101]
     engine.close()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _bounds import assert_steps_fp32_noise
 from conftest import FP32_LOGPROB_BOUND, run
 
 from stapo.run_dir import METRICS_FILE, SAMPLES_FILE, read_metrics
@@ -44,24 +45,17 @@ def fixed_answer_logprob(model_dir: Path) -> float:
     return logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).sum().item()
 
 
-@pytest.fixture(scope="module")
-def four_steps(tmp_path_factory, warm_model_dir):
-    out = tmp_path_factory.mktemp("vllm_train") / "run"
-    return out, train(out, warm_model_dir, "trainer.total_steps=4", "trainer.save_every=1", "trainer.keep_last=4")
-
-
-def test_vllm_samples_from_the_trainers_policy_after_every_sync(four_steps, warm_model_dir):
-    out, steps = four_steps
+def test_vllm_samples_from_the_trainers_policy_after_every_sync(colocated_run, warm_model_dir):
+    out, steps = colocated_run
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     # step 1 samples the loaded weights; steps 2-4 the weights synced after each update: a sync that
-    # leaves any layer behind shows up here (before the tied-head fix: 4e-4 .. 1e-3 on this model)
-    for r in steps:
-        assert r["mismatch_logp_abs_mean"] <= FP32_LOGPROB_BOUND, r
+    # leaves any layer behind shows up here (before the tied-head fix: a mean of 4e-4 .. 1e-3 on this model)
+    assert_steps_fp32_noise(steps, "colocated run")
     assert fixed_answer_logprob(out / "final") != pytest.approx(fixed_answer_logprob(warm_model_dir), abs=1e-3)
 
 
-def test_resumed_run_regenerates_the_same_rollouts(four_steps, warm_model_dir, tmp_path):
-    out, steps = four_steps
+def test_resumed_run_regenerates_the_same_rollouts(colocated_run, warm_model_dir, tmp_path):
+    out, steps = colocated_run
     resumed = tmp_path / "run"
     train(resumed, warm_model_dir, "trainer.total_steps=2", "trainer.save_every=1")  # steps 1-2
     (resumed / "checkpoints").joinpath("latest").write_text("step_1")  # as if killed during step 2
@@ -83,7 +77,9 @@ def test_two_torchrun_ranks_with_zero3_and_an_engine_each(warm_model_dir, tmp_pa
                   "rollout.offload_training_state=true",
                   launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
     assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["mismatch_logp_abs_max"] <= 10 * FP32_LOGPROB_BOUND for r in steps), steps
+    # two engines on 2 cores and a 2-rank recompute: 1.4e-5 on the EPYC (2.5x one engine's figure); 10x the
+    # bound, still over 30x under a stale sync (tests/vllm_cpu/_bounds.py)
+    assert_steps_fp32_noise(steps, "2 ranks, ZeRO-3, an engine each", bound=10 * FP32_LOGPROB_BOUND)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="TP of 2 needs 2 GPUs")
@@ -96,7 +92,8 @@ def test_two_ranks_share_one_tensor_parallel_engine(warm_model_dir, tmp_path):
                   "rollout.tensor_parallel_size=2",
                   launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
     assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["mismatch_logp_abs_max"] <= 10 * FP32_LOGPROB_BOUND for r in steps), steps
+    # the TP-2 engine sums its shards' partial products: 1.4e-5 on the EPYC; 10x the bound as above
+    assert_steps_fp32_noise(steps, "2 ranks, one TP-2 engine", bound=10 * FP32_LOGPROB_BOUND)
     assert all(r["time_rollout_max"] >= r["time_rollout_min"] > 0 for r in steps)  # both ranks generated
 
 
@@ -121,9 +118,9 @@ def eval_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_worker_eval(four_steps, eval_data, tmp_path_factory):
+def one_worker_eval(colocated_run, eval_data, tmp_path_factory):
     dest = tmp_path_factory.mktemp("eval") / "tp1"
-    return dest, eval_final(four_steps[0], eval_data, dest)
+    return dest, eval_final(colocated_run[0], eval_data, dest)
 
 
 def test_stapo_eval_with_vllm(one_worker_eval):
@@ -134,10 +131,10 @@ def test_stapo_eval_with_vllm(one_worker_eval):
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="TP of 2 needs 2 GPUs")
-def test_stapo_eval_over_a_tensor_parallel_engine(four_steps, eval_data, one_worker_eval, tmp_path):
+def test_stapo_eval_over_a_tensor_parallel_engine(colocated_run, eval_data, one_worker_eval, tmp_path):
     """--tensor-parallel-size 2: vLLM's own two workers (one process of ours); per-request seeds, so
     the same samples as one worker (on CPU in fp32 they came out identical)."""
-    assert eval_final(four_steps[0], eval_data, tmp_path / "tp2", tensor_parallel_size=2) == one_worker_eval[1]
+    assert eval_final(colocated_run[0], eval_data, tmp_path / "tp2", tensor_parallel_size=2) == one_worker_eval[1]
 
 
 def test_lora_run_syncs_the_merged_adapters(warm_model_dir, tmp_path):
@@ -146,4 +143,5 @@ def test_lora_run_syncs_the_merged_adapters(warm_model_dir, tmp_path):
     steps = train(tmp_path / "lora", warm_model_dir, "trainer.total_steps=2", "trainer.save_every=0",
                   "model.lora.enabled=true", "optim.lr=1e-3", "trainer.export_hf=false")
     assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["mismatch_logp_abs_mean"] <= FP32_LOGPROB_BOUND for r in steps), steps
+    # the max, not the mean (3.8e-7): the trainer's W x + s B A x against vLLM's merged W': 1.1e-5 on the EPYC
+    assert_steps_fp32_noise(steps, "LoRA run")
