@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["EXIT_STATUS", "RunInterrupted", "StopRequest", "stop_on_signals"]
+__all__ = ["EXIT_STATUS", "HEALTH_EXIT_STATUS", "HealthStop", "RunInterrupted", "StopRequest", "stop_on_signals"]
 
 log = logging.getLogger("stapo.trainer")
 
@@ -36,6 +36,18 @@ class RunInterrupted(Exception):
         saved = f"checkpoint {checkpoint} saved; run the same command to resume" if checkpoint else \
             "nothing to save yet"
         super().__init__(f"{signal_name} at step {step}: {saved}")
+
+
+#: ``health.on_alarm: stop`` (docs/health.md): not a signal's status, so a script can tell the two apart
+HEALTH_EXIT_STATUS = 3
+
+
+class HealthStop(RunInterrupted):
+    """A health alarm stopped the run (``health.on_alarm: stop``) after saving ``checkpoint`` at ``step``."""
+
+    def __init__(self, alarm: str, step: int, checkpoint: Path | None) -> None:
+        super().__init__(alarm, step, checkpoint)
+        self.exit_status = HEALTH_EXIT_STATUS
 
 
 class StopRequest:
