@@ -7,6 +7,7 @@
     stapo tools                          # registered tools, their limits, this machine's sandbox, parsers
     stapo eval MODEL_DIR --benchmark math500
     stapo inspect RUN_DIR                # spurious-token report of a run recorded with inspect.record_every
+    stapo health RUN_DIR                 # the run's health timeline: monitors, alarms, rollbacks (docs/health.md)
 
 User mistakes (missing file, unknown key, bad value, unreadable data or checkpoint) print one line,
 not a traceback. Ctrl-C / SIGTERM during training save a checkpoint and exit with 130 / 143.
@@ -175,6 +176,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """The run's health timeline (docs/health.md): a table on stdout, the figure beside it."""
+    from stapo.health.timeline import read_timeline, render_timeline
+    from stapo.plots import plot_health
+    from stapo.run_dir import HEALTH_FILE
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"no such run directory: {run_dir}")
+    if args.every < 1:
+        raise UserError(f"--every must be >= 1, got {args.every}")
+    timeline = read_timeline(run_dir)
+    print(render_timeline(timeline, every=args.every))
+    print(f"\nfigure: {plot_health(timeline, Path(args.out) if args.out else run_dir / HEALTH_FILE)}")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Replace this process with vLLM's server, set up for ``rollout.mode: server`` (docs/rollout.md)."""
     import torch
@@ -231,6 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("run_dir", help="the run's output_dir")
     inspect.add_argument("--out", help="report directory (default: RUN_DIR/inspect)")
     inspect.set_defaults(func=cmd_inspect)
+
+    health = sub.add_parser("health", help="a run's health timeline: accuracy, entropy, each monitor, alarms and "
+                                           "rollbacks (a table, and a PNG beside it); works on a running run")
+    health.add_argument("run_dir", help="the run's output_dir")
+    health.add_argument("--every", type=int, default=10, metavar="N", help="a table row every N steps (default 10) "
+                        "and at every evaluation and event")
+    health.add_argument("--out", help="the figure's path (default: RUN_DIR/health.png)")
+    health.set_defaults(func=cmd_health)
 
     serve = sub.add_parser("serve", help="a vLLM server for rollout.mode=server (vLLM's own, with stapo's "
                                          "worker extension)",

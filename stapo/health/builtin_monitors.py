@@ -74,9 +74,29 @@ def grad_norm(window: Window, z: float = 6.0, floor: float = 0.1) -> float | Non
     return robust_z(window, "grad_norm", rel_floor=floor)
 
 
+@register_monitor("update_kl", reads=("approx_kl",), threshold="z", fires="above")
+def update_kl(window: Window, z: float = 6.0, abs_floor: float = 1e-3) -> float | None:
+    """Updates growing: robust z of ``approx_kl`` (how far the step's updates moved the policy from
+    theta_old on its kept tokens), scale at least ``abs_floor`` nats; PPO's early-stop signal."""
+    return robust_z(window, "approx_kl", abs_floor=abs_floor)
+
+
+@register_monitor("reward_drop", reads=("accuracy",), threshold="drop", fires="above")
+def reward_drop(window: Window, drop: float = 0.1, span: int = 10) -> float | None:
+    """Training accuracy falling: the best mean of ``accuracy`` over ``span`` consecutive steps of the
+    window minus the mean of the last ``span`` steps, above ``drop`` (0.1: ten points). The sampled
+    rollouts' accuracy, every step, where held-out accuracy comes every ``trainer.eval_every`` steps."""
+    x = window.current("accuracy")
+    values = [*window.history("accuracy"), x]
+    if x is None or len(values) < 2 * span:
+        return None
+    means = [statistics.fmean(values[i:i + span]) for i in range(len(values) - span + 1)]
+    return max(means) - means[-1]
+
+
 @register_monitor("clip_frac", reads=("clip_frac_low", "clip_frac_high"), threshold="z", fires="above")
 def clip_frac(window: Window, z: float = 6.0, abs_floor: float = 0.005) -> float | None:
-    """Updates leaving the trust region: robust z of ``clip_frac_low + clip_frac_high``, scale at least
+    """Updates leaving the trust region: robust z of ``clip_frac_low`` + ``clip_frac_high``, scale at least
     ``abs_floor`` (half a percent of the kept tokens)."""
     both = [{"clip": r["clip_frac_low"] + r["clip_frac_high"]} if "clip_frac_low" in r and "clip_frac_high" in r
             else {} for r in window.rows]
