@@ -57,11 +57,12 @@ def summarize_run(run, run_dir: Path, attempts: list[dict], drop_points: float) 
                alarms=[{k: e[k] for k in ("step", "monitor", "onset", "action")} for e in timeline.alarms()],
                rollbacks=[{k: e[k] for k in ("step", "restored_step", "onset", "lr")} for e in timeline.rollbacks()],
                wall_s=round(sum(a["wall_s"] for a in attempts), 1), cpu_s=round(sum(a["cpu_s"] for a in attempts), 1))
-    if run.arm == "warn":  # replays are exact only where no action changed the run
-        row["replay"] = {f"{name}|{variant}|{p}": _replay(timeline.series(name), threshold, spec["fires"], p)
-                         for name, spec in timeline.monitors.items() if timeline.series(name)
-                         for variant, threshold in _variants({**spec, "param": _param(name)}).items()
-                         for p in PATIENCES}
+    if run.arm == "warn":  # replays are exact only where no action changed the run; [alarm step, onset] if any
+        replays = {f"{name}|{variant}|{p}": _replay(timeline.series(name), threshold, spec["fires"], p)
+                   for name, spec in timeline.monitors.items() if timeline.series(name)
+                   for variant, threshold in _variants({**spec, "param": _param(name)}).items() for p in PATIENCES}
+        row["judged"] = [name for name in timeline.monitors if timeline.series(name)]
+        row["replay"] = {key: hit for key, hit in replays.items() if hit is not None}
     return row
 
 
@@ -119,7 +120,8 @@ def _first(row: dict, monitor: str, variant: str, patience: int) -> int | None:
 
 
 def _monitors(rows: list[dict]) -> list[str]:
-    return list(dict.fromkeys(k.split("|")[0] for r in rows for k in r.get("replay", {})))
+    """The monitors that judged in any of ``rows`` (those whose metrics the runs log)."""
+    return list(dict.fromkeys(name for r in rows for name in r.get("judged", [])))
 
 
 def _lead_cell(unstable: list[dict], stable: list[dict], monitor: str, variant: str, patience: int) -> str:
@@ -139,8 +141,8 @@ def lead_table(rows: list[dict], unstable_lr: float, stable_lr: float) -> str:
     head = " | ".join(f"{v} thr., patience {p}" for v, p in variants)
     lines = [f"| monitor | {head} |", "|---|" + "---|" * len(variants)]
     for m in monitors:
-        cells = [_lead_cell(unstable, stable, m, v, p) if any(f"{m}|{v}|{p}" in r.get("replay", {}) for r in unstable)
-                 else "–" for v, p in variants]
+        cells = [_lead_cell(unstable, stable, m, v, p) if v == "default" or _param(m) in LOOSE else "–"
+                 for v, p in variants]
         lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ docs/health.md and its figure::
 
     nice -n 19 python bench/health.py --out /tmp/health_study          # the study (hours of CPU)
     python bench/health.py --report --out /tmp/health_study            # results.jsonl, tables, figure
-    python bench/health.py --smoke --out /tmp/health_smoke             # 3 runs x 5 steps (the tests)
+    python bench/health.py --smoke --out /tmp/health_smoke             # 2 runs x 5 steps (the tests)
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 from stapo.cli import builtin_recipe  # noqa: E402
 from stapo.run_dir import METRICS_FILE, read_metrics  # noqa: E402
 from _health_report import BEGIN, END, plot_runs, render, summarize_run  # noqa: E402  (bench/ is on sys.path)
-from _train_runs import SMOKE  # noqa: E402
-from stability import is_finished, read_timings, run_one  # noqa: E402
+from _train_runs import SMOKE, replace_block  # noqa: E402
+from stability import Run as StabilityRun, is_finished, read_timings, run_one  # noqa: E402
 
 # ---- the study's fixed settings (docs/health.md, "Settings") -------------------------------------
 MASKS = ("none", "stapo")
@@ -55,23 +55,20 @@ FIGURE = ROOT / "docs" / "images" / "health_study.png"
 
 
 @dataclass(frozen=True)
-class Run:
-    mask: str
-    seed: int
-    lr: float
-    arm: str  # "warn" or "rollback"
+class Run(StabilityRun):
+    arm: str = "warn"  # or "rollback"
 
     @property
     def name(self) -> str:
-        return f"{self.mask}_seed{self.seed}_lr{self.lr:g}" + ("_rollback" if self.arm == "rollback" else "")
+        return super().name + ("_rollback" if self.arm == "rollback" else "")
 
     def twin(self) -> "Run":
         return Run(self.mask, self.seed, self.lr, "warn")
 
 
-def study_grid(seeds=SEEDS, masks=MASKS) -> list[Run]:
+def study_grid(seeds=SEEDS, masks=MASKS, lrs=(UNSTABLE_LR, STABLE_LR)) -> list[Run]:
     """The warn arm seed-major (both lrs of seed 0, then seed 1, ...), then the rollback arm."""
-    warn = [Run(m, s, lr, "warn") for s in seeds for lr in (UNSTABLE_LR, STABLE_LR) for m in masks]
+    warn = [Run(m, s, lr, "warn") for s in seeds for lr in lrs for m in masks]
     return warn + [Run(m, s, UNSTABLE_LR, "rollback") for s in seeds for m in masks]
 
 
@@ -130,12 +127,7 @@ def write_report(grid: list[Run], out: Path, results: Path, doc: Path, figure: P
     results.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     plot_runs(rows, figure)
     link = {path: Path(os.path.relpath(path, doc.parent)).as_posix() for path in (results, figure)}
-    text = doc.read_text(encoding="utf-8") if doc.is_file() else f"{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{doc}: no {BEGIN} ... {END} block to replace")
-    head, rest = text.split(BEGIN, 1)
-    doc.write_text(head + render(rows, link[results], link[figure], DROP_POINTS) + rest.split(END, 1)[1],
-                   encoding="utf-8")
+    replace_block(doc, BEGIN, END, render(rows, link[results], link[figure], DROP_POINTS))
     print(f"[health] {sum(r['status'] != 'pending' for r in rows)} of {len(rows)} runs reported; written "
           f"{results}, {doc}, {figure}", file=sys.stderr)
 
@@ -145,14 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the study's run directories (not committed)")
     parser.add_argument("--recipe", type=Path, default=builtin_recipe())
     parser.add_argument("--parallel", type=int, default=2, help="runs at once (default 2)")
-    parser.add_argument("--smoke", action="store_true", help="seed 0, mask none: 3 runs x 5 steps (tests)")
+    parser.add_argument("--smoke", action="store_true", help="seed 0, mask none: 2 runs x 5 steps (tests)")
     parser.add_argument("--report", action="store_true", help="write results, tables and figure; run nothing")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--doc", type=Path, default=DOC)
     parser.add_argument("--figure", type=Path, default=FIGURE)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args(argv)
-    grid = study_grid((0,), ("none",)) if args.smoke else study_grid()
+    grid = study_grid((0,), ("none",), (UNSTABLE_LR,)) if args.smoke else study_grid()
     if args.report:
         write_report(grid, args.out, args.results, args.doc, args.figure)
         return 0
