@@ -346,7 +346,7 @@ class STAPOTrainer:
     # ---- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         sampler, ahead = self.rollouts.resume_state(self.step_count)  # async: later batches are regenerated
-        self.health.watch.checkpoint_saved(self.step_count)  # healthy when no monitor has a streak
+        self.health.watch.checkpoint_saved(self.step_count)  # a rollback candidate when no monitor has a streak
         state = {
             "step": self.step_count,
             "skipped_steps": self.skipped_steps,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stapo.cli import main
 from stapo.config import STAPOConfig
 from stapo.run_dir import read_metrics
 from stapo.telemetry.metrics import training_metrics
@@ -25,7 +26,7 @@ HOOK = HERE / "_collapse_hook.py"
 SPIKE_STEP = 6  # iteration 6 runs at 3000x the lr: step 7's rollouts come from a collapsed policy
 
 
-def _config(path: Path, out: Path, model_dir, data) -> Path:
+def _config(path: Path, out: Path, model_dir, data, *extra: str) -> Path:
     STAPOConfig.from_yaml(None, [
         f"model.path={model_dir}", f"data.source={data}", f"trainer.output_dir={out}",
         "trainer.train_batch_size=4", "trainer.mini_batch_size=2", "trainer.micro_batch_size=4",
@@ -35,7 +36,7 @@ def _config(path: Path, out: Path, model_dir, data) -> Path:
         "trainer.export_hf=false", "logging.plot=false", "logging.log_samples_every=0",
         f"reward.function={HERE / '_rewards.py'}:digit_one_reward",
         "health.on_alarm=rollback", "health.window=10", "health.warmup=3", "health.patience=2",
-        "health.rollback_lr_scale=0.5", "health.keep_healthy=2",
+        "health.rollback_lr_scale=0.5", "health.keep_healthy=2", *extra,
     ]).to_yaml(path)
     return path
 
@@ -55,7 +56,7 @@ def _model_states(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_collapse_is_rolled_back_and_a_kill_mid_rollback_resumes_exactly(tmp_path, tiny_model_dir,
-                                                                            arithmetic_jsonl):
+                                                                            arithmetic_jsonl, capsys):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     done = _train(_config(tmp_path / "a.yaml", straight, tiny_model_dir, arithmetic_jsonl))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -80,6 +81,11 @@ def test_a_collapse_is_rolled_back_and_a_kill_mid_rollback_resumes_exactly(tmp_p
     assert restored.keys() == healthy.keys() and all(torch.equal(restored[k], healthy[k]) for k in healthy)
     assert not (straight / "checkpoints" / "step_6").exists()  # saved while quiet, not healthy: pruned
 
+    assert main(["health", str(straight)]) == 0  # the timeline of this recorded run
+    table = capsys.readouterr().out
+    assert "ALARM entropy_collapse (onset 7) -> rollback" in table and "ROLLBACK to step 4, lr 0.0005" in table
+    assert (straight / "health.png").is_file()
+
     config = _config(tmp_path / "b.yaml", killed, tiny_model_dir, arithmetic_jsonl)
     died = _train(config, kill_in_rollback=True)
     assert died.returncode == -9, died.stderr[-3000:]
@@ -95,3 +101,22 @@ def test_a_collapse_is_rolled_back_and_a_kill_mid_rollback_resumes_exactly(tmp_p
     for step, row in want_steps.items():
         for key, value in row.items():
             assert got_steps[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+
+
+def test_stop_saves_a_checkpoint_exits_with_status_3_and_the_same_command_resumes(tmp_path, tiny_model_dir,
+                                                                                 arithmetic_jsonl):
+    out = tmp_path / "run"
+    config = _config(tmp_path / "c.yaml", out, tiny_model_dir, arithmetic_jsonl, "health.on_alarm=stop",
+                     "trainer.total_steps=9")
+    stopped = _train(config)
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    assert "stapo train: stopped by health alarm (entropy_collapse" in stopped.stderr
+    assert f"checkpoint {out / 'checkpoints' / 'step_8'} saved; run the same command to resume" in stopped.stderr
+    events = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") in ("alarm", "stop")]
+    assert [(e["event"], e["step"]) for e in events][-1] == ("stop", 8)
+    assert {e["action"] for e in events if e["event"] == "alarm"} == {"stop"}
+    resumed = _train(config)  # the alarm stays raised while the entropy stays down: no second stop
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "at step 8" in resumed.stderr
+    steps = [int(r["step"]) for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, 10))
