@@ -15,12 +15,15 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
-from stapo.health.timeline import Timeline
 from stapo.run_dir import read_metrics
+
+if TYPE_CHECKING:  # the figure takes a timeline; drawing one needs no torch
+    from stapo.health.timeline import Timeline
 
 # One panel per entry; a tuple puts several series in one panel.
 DEFAULT_KEYS: tuple[str | tuple[str, ...], ...] = (
