@@ -13,23 +13,26 @@ REPEAT_NGRAM = 4  # a token repeats when it closes a 4-gram already seen earlier
 
 def repeated_ngram_tokens(ids: torch.Tensor, mask: torch.Tensor, n: int = REPEAT_NGRAM) -> torch.Tensor:
     """Per row of ``ids`` (B, T): how many tokens close an ``n``-gram that occurred earlier in the same row.
-    Only n-grams whose ``n`` tokens all lie in ``mask`` (the policy's response tokens) count; exact
-    (n-grams are compared as token tuples, no hashing). A response looping on one phrase scores near its
-    length, arithmetic chains like ``7+5=12. 12-3=9.`` score low."""
+    Only n-grams whose ``n`` tokens all lie in ``mask`` (the policy's response tokens) count; exact (each
+    (row, n-gram) gets a dense id, one token at a time, no hashing). A response looping on one phrase
+    scores near its length, arithmetic chains like ``7+5=12. 12-3=9.`` score low."""
     batch, length = ids.shape
     counts = torch.zeros(batch, dtype=torch.long, device=ids.device)
     if length < n:
         return counts
-    grams = ids.unfold(1, n, 1)  # (B, T - n + 1, n)
-    valid = mask.unfold(1, n, 1).all(dim=-1)
+    valid = mask.unfold(1, n, 1).all(dim=-1)  # (B, T - n + 1): n-grams of policy tokens only
+    grams = ids.unfold(1, n, 1)[valid].long()  # (N, n)
     rows = torch.arange(batch, device=ids.device)[:, None].expand_as(valid)[valid]
-    pos = torch.arange(grams.shape[1], device=ids.device).expand_as(valid)[valid]
+    pos = torch.arange(valid.shape[1], device=ids.device).expand_as(valid)[valid]
     if rows.numel() == 0:
         return counts
-    _, inverse = torch.unique(torch.cat([rows[:, None], grams[valid]], dim=1), dim=0, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1,), grams.shape[1], dtype=torch.long, device=ids.device)
-    first = first.scatter_reduce(0, inverse, pos, reduce="amin")
-    return counts.index_add_(0, rows, (pos > first[inverse]).long())
+    vocab, key = int(grams.max()) + 1, rows
+    for j in range(n):  # (dense id of (row, tokens < j)) * vocab + token j: below N * vocab, no overflow
+        key = torch.unique(key, return_inverse=True)[1] * vocab + grams[:, j]
+    key = torch.unique(key, return_inverse=True)[1]
+    first = torch.full((int(key.max()) + 1,), valid.shape[1], dtype=torch.long, device=ids.device)
+    first = first.scatter_reduce(0, key, pos, reduce="amin")
+    return counts.index_add_(0, rows, (pos > first[key]).long())
 
 
 def control_token_sums(response_ids: torch.Tensor, mask: torch.Tensor, logprobs: torch.Tensor,
