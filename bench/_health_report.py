@@ -41,9 +41,8 @@ def summarize_run(run, run_dir: Path, attempts: list[dict], drop_points: float) 
     row = {"run": run.name, "arm": run.arm, "mask": run.mask, "seed": run.seed, "lr": run.lr}
     try:
         timeline = read_timeline(run_dir)
-    except ValueError:
-        twin = run.arm == "rollback"
-        return {**row, "status": "twin" if twin and not attempts and run_dir.parent.is_dir() else "pending"}
+    except ValueError:  # not started (a rollback run may never be: bench/health.py marks those "twin")
+        return {**row, "status": "pending"}
     curve = timeline.evals
     finished = bool(curve) and bool(timeline.steps) and curve[-1][0] == run_total(run_dir) and \
         int(timeline.steps[-1]["step"]) == curve[-1][0]
@@ -97,8 +96,8 @@ def _done(rows: list[dict], arm: str, lr: float) -> list[dict]:
 
 
 def runs_table(rows: list[dict]) -> str:
-    lines = ["| arm | lr | mask | seed | status | held-out accuracy at each eval | peak (step) | final | first 5-point drop "
-             "| alarms (monitor @ step, onset) | rollbacks (step → restored, lr) | wall min |",
+    lines = ["| arm | lr | mask | seed | status | held-out accuracy at each eval | peak (step) | final "
+             "| first 5-point drop | alarms (monitor @ step, onset) | rollbacks (step → restored, lr) | wall min |",
              "|---|---:|---|---:|---|---|---:|---:|---:|---|---|---:|"]
     for r in rows:
         if "eval_curve" not in r:
@@ -125,13 +124,16 @@ def _monitors(rows: list[dict]) -> list[str]:
 
 
 def _lead_cell(unstable: list[dict], stable: list[dict], monitor: str, variant: str, patience: int) -> str:
-    """``before the drop k/n (median lead) · after a/n · stable alarmed f/m``."""
+    """``k/n (median lead; p before the peak) · a · f/m``: first alarm before the drop in k of the n runs
+    with a drop, p of those even before the run's peak; a at or after the drop; f of m stable runs alarmed."""
     dropped = [r for r in unstable if r["drop_step"] is not None]
-    leads = [r["drop_step"] - s for r in dropped if (s := _first(r, monitor, variant, patience)) is not None]
-    early = sorted(x for x in leads if x > 0)
-    median = f" (median {statistics.median(early):g})" if early else ""
+    firsts = [(r, s) for r in dropped if (s := _first(r, monitor, variant, patience)) is not None]
+    early = [(r, s) for r, s in firsts if s < r["drop_step"]]
+    lead = f"median {statistics.median(r['drop_step'] - s for r, s in early):g}; " if early else ""
+    before_peak = sum(s < r["peak_step"] for r, s in early)
+    detail = f" ({lead}{before_peak} before the peak)" if early else ""
     false = sum(_first(r, monitor, variant, patience) is not None for r in stable)
-    return f"{len(early)}/{len(dropped)}{median} · {len(leads) - len(early)} · {false}/{len(stable)}"
+    return f"{len(early)}/{len(dropped)}{detail} · {len(firsts) - len(early)} · {false}/{len(stable)}"
 
 
 def lead_table(rows: list[dict], unstable_lr: float, stable_lr: float) -> str:
@@ -181,8 +183,9 @@ def render(rows: list[dict], results_link: str, figure_link: str, drop_points: f
         "",
         f"**Lead times and false alarms** (warn arm; replays of the logged statistics). Per cell: lr "
         f"{unstable_lr:g} runs whose first alarm came before their first {drop_points:g}-point drop, out of those "
-        f"with a drop (median lead in steps) · alarms at or after the drop · lr {stable_lr:g} (stable) runs with "
-        f"any alarm. Loose thresholds: z 4, ratio 0.7, drop 0.05, level 0.7.",
+        f"with a drop (median lead in steps; how many of these alarms came even before the run's peak) · runs "
+        f"whose first alarm came at or after the drop · lr {stable_lr:g} (stable) runs with any alarm. Loose "
+        f"thresholds: z 4, ratio 0.7, drop 0.05, level 0.7.",
         "",
         lead_table(rows, unstable_lr, stable_lr),
         "",

@@ -120,9 +120,16 @@ def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], parall
             future.result()
 
 
-def write_report(grid: list[Run], out: Path, results: Path, doc: Path, figure: Path) -> None:
-    timings = read_timings(out)
-    rows = [summarize_run(run, out / run.name, timings.get(run.name, []), DROP_POINTS) for run in grid]
+def write_report(grid: list[Run], out: Path, results: Path, doc: Path, figure: Path, verify=VERIFY_TWIN) -> None:
+    timings, by_run = read_timings(out), {}
+    for run in grid:  # warn runs come first: a rollback run's row can look at its twin's
+        row = summarize_run(run, out / run.name, timings.get(run.name, []), DROP_POINTS)
+        twin = by_run.get(run.twin()) if run.arm == "rollback" else None
+        if row["status"] == "pending" and twin is not None and twin["status"] == "done" and not twin["alarms"] \
+                and (run.mask, run.seed) != verify:
+            row["status"] = "twin"  # never made: it would repeat its twin, which stands for it
+        by_run[run] = row
+    rows = list(by_run.values())
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     plot_runs(rows, figure)
@@ -145,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args(argv)
     grid = study_grid((0,), ("none",), (UNSTABLE_LR,)) if args.smoke else study_grid()
+    verify = ("none", 0) if args.smoke else VERIFY_TWIN
     if args.report:
-        write_report(grid, args.out, args.results, args.doc, args.figure)
+        write_report(grid, args.out, args.results, args.doc, args.figure, verify)
         return 0
     extra = [*FIXED, *(SMOKE + SMOKE_EXTRA if args.smoke else []), *args.overrides]
-    run_study(grid, args.out, args.recipe, extra, args.parallel, verify=("none", 0) if args.smoke else VERIFY_TWIN)
+    run_study(grid, args.out, args.recipe, extra, args.parallel, verify)
     return 0
 
 
