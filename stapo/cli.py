@@ -10,7 +10,8 @@
     stapo health RUN_DIR                 # the run's health timeline: monitors, alarms, rollbacks (docs/health.md)
 
 User mistakes (missing file, unknown key, bad value, unreadable data or checkpoint) print one line,
-not a traceback. Ctrl-C / SIGTERM during training save a checkpoint and exit with 130 / 143.
+not a traceback. Ctrl-C / SIGTERM during training save a checkpoint and exit with 130 / 143; a health alarm
+with ``health.on_alarm=stop`` saves one and exits with 3 (docs/health.md).
 """
 
 from __future__ import annotations

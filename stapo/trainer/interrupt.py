@@ -2,7 +2,8 @@
 
 A signal only sets a flag; the loop checks it between steps (:meth:`StopRequest.agreed`), saves a
 checkpoint and raises :class:`RunInterrupted`, which ``stapo train`` prints as one line and turns into
-the exit status schedulers expect (130 for SIGINT, 143 for SIGTERM). Why the step boundary and not at
+the exit status schedulers expect (130 for SIGINT, 143 for SIGTERM; :class:`HealthStop`, a health alarm
+with ``health.on_alarm: stop``, exits with 3 the same way). Why the step boundary and not at
 once: an interrupted step has updated the weights for some mini-batches and not others, and a
 checkpoint of that state would not resume to the run an uninterrupted one makes. A second Ctrl-C
 stops at once, without a checkpoint (the last periodic one stays). With several ranks every rank
