@@ -207,6 +207,8 @@ def render(rows: list[dict], results_link: str, figure_link: str, drop_points: f
 def plot_runs(rows: list[dict], out_png: Path, unstable_lr: float = 2e-4) -> Path:
     """One panel per (mask, seed): held-out accuracy without and with rollback at the unstable lr and at the
     stable lr; the warn run's alarms as red ticks, rollbacks as purple lines."""
+    from matplotlib.ticker import PercentFormatter
+
     from stapo.plots import new_figure, save_figure
 
     keys = list(dict.fromkeys((r["mask"], r["seed"]) for r in rows))
@@ -223,7 +225,8 @@ def plot_runs(rows: list[dict], out_png: Path, unstable_lr: float = 2e-4) -> Pat
                     ax.axvline(a["step"], color="tab:red", linewidth=0.7, linestyle=":")
             for b in r["rollbacks"]:
                 ax.axvline(b["step"], color="tab:purple", linewidth=0.9)
-        ax.set_title(f"{mask}, seed {seed}", fontsize=9)
+        ax.set_title(f"{mask}, seed {seed}: held-out accuracy", fontsize=9)
+        ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
