@@ -67,3 +67,13 @@ def run_training(cmd: list[str], what: str, log_path: Path | None = None) -> Non
         tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
     if proc.returncode != 0:
         raise TrainingFailed(f"{what} failed (exit {proc.returncode}):\n{tail}", proc.returncode)
+
+
+def replace_block(doc: Path, begin: str, end: str, block: str) -> None:
+    """Put ``block`` (which starts with ``begin`` and ends with ``end``) where ``begin ... end`` is in ``doc``
+    (a new file holds only the block); the prose around it stays as written."""
+    text = doc.read_text(encoding="utf-8") if doc.is_file() else f"{begin}\n{end}\n"
+    if begin not in text or end not in text:
+        raise ValueError(f"{doc}: no {begin} ... {end} block to replace")
+    head, rest = text.split(begin, 1)
+    doc.write_text(head + block + rest.split(end, 1)[1], encoding="utf-8")

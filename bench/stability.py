@@ -54,7 +54,7 @@ from stapo.run_dir import CONFIG_FILE, METRICS_FILE, latest_checkpoint, read_met
 from stapo.telemetry.metrics import training_metrics  # noqa: E402
 
 from _stability_report import BEGIN, END, plot_curves, render  # noqa: E402  (bench/ is on sys.path)
-from _train_runs import SMOKE, TrainingFailed, run_training, train_command  # noqa: E402
+from _train_runs import SMOKE, TrainingFailed, replace_block, run_training, train_command  # noqa: E402
 
 # ---- the study's fixed settings (docs/stability.md, "Settings") ----------------------------------
 MASKS = ("none", "stapo", "entropy_top", "stare", "clip_cov")  # the last two joined after the first 15 runs
@@ -331,12 +331,7 @@ def write_report(grid: list[Run], out: Path, results: Path, doc: Path, figure: P
     rows = [json.loads(line) for line in results.read_text(encoding="utf-8").splitlines() if line.strip()]
     plot_curves(rows, figure)
     link = {path: Path(os.path.relpath(path, doc.parent)).as_posix() for path in (results, figure)}
-    text = doc.read_text(encoding="utf-8") if doc.is_file() else f"{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{doc}: no {BEGIN} ... {END} block to replace")
-    head, rest = text.split(BEGIN, 1)
-    block = render(rows, link[results], link[figure], COLLAPSE_POINTS)
-    doc.write_text(head + block + rest.split(END, 1)[1], encoding="utf-8")
+    replace_block(doc, BEGIN, END, render(rows, link[results], link[figure], COLLAPSE_POINTS))
     print(f"[stability] {sum(r['status'] != 'pending' for r in rows)} of {len(rows)} runs finished; "
           f"written {results}, {doc}, {figure}", file=sys.stderr)
 

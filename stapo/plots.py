@@ -6,6 +6,7 @@ pyplot: no display, no global backend switch, safe in headless jobs and threads.
     from stapo.plots import plot_training_curves, plot_comparison
     plot_training_curves("runs/stapo/metrics.jsonl", "runs/stapo/curves.png")
     plot_comparison({"GRPO": "runs/grpo", "STAPO": "runs/stapo"}, "ablation.png")
+    plot_health(read_timeline("runs/stapo"), "runs/stapo/health.png")   # stapo.health.timeline
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from stapo.run_dir import read_metrics
+
+if TYPE_CHECKING:  # the figure takes a timeline; drawing one needs no torch
+    from stapo.health.timeline import Timeline
 
 # One panel per entry; a tuple puts several series in one panel.
 DEFAULT_KEYS: tuple[str | tuple[str, ...], ...] = (
@@ -141,3 +146,32 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
             acc -= values[i - window]
         out.append(acc / min(i + 1, window))
     return out
+
+
+def plot_health(timeline: Timeline, out_png: str | Path) -> Path:
+    """``stapo health``'s figure (docs/health.md): held-out and training accuracy, entropy, and one panel per
+    monitor with values (its statistic and threshold); alarms as red lines, each rollback's failed stretch
+    shaded from the restored checkpoint to the rollback."""
+    steps = [int(r["step"]) for r in timeline.steps]
+    monitors = [m for m in timeline.monitors if timeline.series(m)]
+    fig, axes = new_figure(2 + len(monitors), panel_size=(4.2, 2.8))
+    acc = axes[0]
+    if timeline.evals:
+        acc.plot(*zip(*timeline.evals), marker="o", markersize=3, label="held-out")
+    acc.plot(steps, [r.get("accuracy", math.nan) for r in timeline.steps], linewidth=0.8, alpha=0.7,
+             label="training (sampled)")
+    acc.legend(fontsize=7)
+    _finish(acc, "accuracy", ("accuracy",))
+    axes[1].plot(steps, [r["entropy_mean"] for r in timeline.steps], linewidth=1.0)
+    _finish(axes[1], "entropy_mean", ("entropy_mean",))
+    for ax, name in zip(axes[2:], monitors):
+        spec = timeline.monitors[name]
+        ax.plot(*zip(*timeline.series(name)), linewidth=1.0)
+        ax.axhline(spec["threshold"], color="tab:red", linewidth=0.8, linestyle="--")
+        _finish(ax, f"{name} ({'>' if spec['fires'] == 'above' else '<'} {spec['threshold']:g})", (name,))
+    for ax in axes:
+        for alarm in timeline.alarms():
+            ax.axvline(alarm["step"], color="tab:red", linewidth=0.8, linestyle=":")
+        for rollback in timeline.rollbacks():
+            ax.axvspan(rollback["restored_step"], rollback["step"], color="tab:purple", alpha=0.15)
+    return save_figure(fig, out_png)

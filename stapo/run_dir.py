@@ -7,6 +7,7 @@ A training run writes everything into ``trainer.output_dir``::
     token_records/       inspector records (step_XXXXXX.pt, step_XXXXXX_mbK.pt)
     checkpoints/         step_N/ checkpoints + ``latest``   final/   the exported HF model
     curves.png           training curves                inspect/        ``stapo inspect`` output
+    health.png           ``stapo health``'s timeline
 
 This module is the bottom floor: the trainer writes these files, and plotting, the inspector and
 the command line read them through the names and readers here, so none of them imports
@@ -32,6 +33,7 @@ CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
 MERGED_DIR = "merged"  # final/merged: a LoRA run's merged model (final/ itself holds the adapter)
 CURVES_FILE = "curves.png"
+HEALTH_FILE = "health.png"  # `stapo health`'s figure
 INSPECT_DIR = "inspect"
 PREVIOUS_RUNS_DIR = "previous_runs"
 #: ``.shared-probe-<token>``: written by global rank 0 at start and looked for by every rank, then deleted
@@ -40,7 +42,7 @@ SHARED_PROBE_PREFIX = ".shared-probe-"
 
 #: What a training run writes into its output_dir; a fresh start moves an earlier run's copies aside.
 RUN_ARTIFACTS = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR, RECORDS_DIR, CHECKPOINT_DIR,
-                 FINAL_DIR, CURVES_FILE, INSPECT_DIR)
+                 FINAL_DIR, CURVES_FILE, INSPECT_DIR, HEALTH_FILE)
 
 # Inside CHECKPOINT_DIR: ``step_N/`` directories, complete once CLIENT_FILE is in them, and a
 # ``latest`` text file naming the newest complete one.

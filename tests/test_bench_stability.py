@@ -68,8 +68,10 @@ def test_stability_smoke_runs_resumes_and_reports(tmp_path):
     assert "the rerun reproduced all" in log and (rerun / "inspect" / "index.md").is_file()
     assert sorted(p.name for p in (rerun / "token_records").iterdir()) == [
         "step_000001.pt", "step_000001_mb1.pt", "step_000002.pt", "step_000002_mb1.pt"]
-    tampered = metrics.read_text().replace('"grad_norm": ', '"grad_norm": 1', 1)
-    metrics.write_text(tampered)
+    lines = metrics.read_text().splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if '"loss"' in line)  # step 1's row (event rows come between)
+    lines[first] = lines[first].replace('"grad_norm": ', '"grad_norm": 1', 1)
+    metrics.write_text("".join(lines))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--inspect", "stapo_seed0_lr0.0002", "--out",
                            str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "does not reproduce" in proc.stderr and "steps [1]" in proc.stderr

@@ -8,7 +8,7 @@ examples/recipes/*.yaml. How each kind of line runs (in this process, offline, o
 * ``stapo masks ...`` and ``--help`` lines: as written.
 * ``stapo serve MODEL ...`` prints the vLLM server's command line (``--dry-run``), starting nothing, with
   ``STAPO_SERVER_TOKEN`` set as the server examples set it first;
-* ``stapo inspect ...`` and ``stapo status ...`` run and ``stapo eval ...`` dry-runs against one tiny training run;
+* ``stapo inspect ...``, ``stapo health ...`` and ``stapo status ...`` run and ``stapo eval ...`` dry-runs against one tiny training run;
   placeholders (``RUN_DIR``, ``MODEL``, ``my.jsonl``, ...) become that run and its files (PLACEHOLDERS).
 * ``python examples/X.py ARGS``: dry — the script's config (EXAMPLES: how it reads its arguments)
   through ``stapo train --dry-run``; training them takes minutes.
@@ -95,7 +95,8 @@ def _recipe_commands(recipe: Path) -> list[DocCommand]:
 def doc_commands() -> list[DocCommand]:
     commands = [c for page in PAGES for c in _markdown_commands(page)]
     commands += [c for recipe in RECIPES for c in _recipe_commands(recipe)]
-    names = (["stapo", "eval"], ["stapo", "inspect"], ["stapo", "serve"], ["stapo", "status"])
+    names = (["stapo", "eval"], ["stapo", "inspect"], ["stapo", "serve"], ["stapo", "status"],
+             ["stapo", "health"])
     return [c for c in commands if c.argv not in names]  # a command named in prose
 
 
@@ -193,7 +194,7 @@ def test_doc_command_runs(command, request, monkeypatch, capsys):
         _bench_check(argv)
         return
     stapo = _stapo_argv(argv)
-    if stapo[:1] in (["inspect"], ["eval"], ["status"]):  # also under a launcher (`torchrun ... -m stapo.cli eval MODEL`)
+    if stapo[:1] in (["inspect"], ["eval"], ["status"], ["health"]):  # also under a launcher (`torchrun ... -m stapo.cli eval MODEL`)
         table = _placeholders(request.getfixturevalue("tiny_run"))
     else:
         table = {"CONFIG": TINY, "CONFIG.yaml": TINY}

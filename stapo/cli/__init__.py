@@ -1,4 +1,4 @@
-"""stapo command line: train, list masks, tools and recipes, evaluate, inspect runs.
+"""stapo command line: train, list masks, tools and recipes, evaluate, inspect runs and their health.
 
     stapo train                          # the built-in tiny CPU recipe (demo)
     stapo train tiny_tir                 # a recipe by name (stapo recipes lists them)
@@ -10,11 +10,13 @@
     stapo eval MODEL_DIR --benchmark math500
     stapo status RUN_DIR                 # where a run is, its last checkpoint, the command that resumes it
     stapo inspect RUN_DIR                # spurious-token report of a run recorded with inspect.record_every
+    stapo health RUN_DIR                 # the run's health timeline: monitors, alarms, rollbacks (docs/health.md)
 
 User mistakes (missing file, unknown key or option, bad value, unreadable data or checkpoint, a user module
 that fails to import) print one line, not a traceback. Ctrl-C / SIGTERM during training save a checkpoint
-and exit with 130 / 143. One module per job: ``train`` (train, dry run), ``catalog`` (masks, tools,
-recipes), ``runs`` (status, inspect), ``common`` (what they share); this one parses and dispatches.
+and exit with 130 / 143; a health alarm with ``health.on_alarm=stop`` saves one and exits with 3
+(docs/health.md). One module per job: ``train`` (train, dry run), ``catalog`` (masks, tools,
+recipes), ``runs`` (status, inspect, health), ``common`` (what they share); this one parses and dispatches.
 
 May import: every other folder of ``stapo`` (the top row of docs/index.md, "Layout").
 """

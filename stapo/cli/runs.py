@@ -1,4 +1,5 @@
-"""Reading a run directory: ``stapo status`` (where a run is and how to go on) and ``stapo inspect``."""
+"""Reading a run directory: ``stapo status`` (where a run is and how to go on), ``stapo inspect`` and
+``stapo health``."""
 
 from __future__ import annotations
 
@@ -86,6 +87,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """The run's health timeline (docs/health.md): a table on stdout, the figure beside it."""
+    from stapo.health.timeline import read_timeline, render_timeline
+    from stapo.plots import plot_health
+    from stapo.run_dir import HEALTH_FILE
+
+    run_dir = _run_dir(args.run_dir)
+    if args.every < 1:
+        raise UserError(f"--every must be >= 1, got {args.every}")
+    timeline = read_timeline(run_dir)
+    print(render_timeline(timeline, every=args.every))
+    print(f"\nfigure: {plot_health(timeline, Path(args.out) if args.out else run_dir / HEALTH_FILE)}")
+    return 0
+
+
 def add_run_parsers(sub) -> None:
     status = sub.add_parser("status", help="where a run is: its last step and metrics, last checkpoint, and the "
                                            "command that resumes it")
@@ -96,3 +112,11 @@ def add_run_parsers(sub) -> None:
     inspect.add_argument("run_dir", help="the run's output_dir")
     inspect.add_argument("--out", help=f"report directory (default: RUN_DIR/{INSPECT_DIR})")
     inspect.set_defaults(func=cmd_inspect)
+
+    health = sub.add_parser("health", help="a run's health timeline: accuracy, entropy, each monitor, alarms and "
+                                           "rollbacks (a table, and a PNG beside it); works on a running run")
+    health.add_argument("run_dir", help="the run's output_dir")
+    health.add_argument("--every", type=int, default=10, metavar="N", help="a table row every N steps (default 10) "
+                        "and at every evaluation and event")
+    health.add_argument("--out", help="the figure's path (default: RUN_DIR/health.png)")
+    health.set_defaults(func=cmd_health)

@@ -13,8 +13,8 @@ valid key, and values are type-checked and validated.
     cfg = STAPOConfig.from_yaml("examples/recipes/qwen3_8b_stapo.yaml", overrides=["optim.lr=2e-6"])
 
 May import: ``stapo.rollout`` (the engine registry, for validation), ``stapo.losses`` (the mask
-registry), ``stapo.rewards``, ``stapo.data``, ``stapo.tools`` (the tool and parser registries) and the
-rest below them (docs/index.md, "Layout").
+registry), ``stapo.rewards``, ``stapo.data``, ``stapo.tools`` (the tool and parser registries),
+``stapo.health`` (the monitor registry) and the rest below them (docs/index.md, "Layout").
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from stapo.config.health_section import HealthConfig
 from stapo.config.loading import ConfigError, apply_overrides, build_dataclass, load_yaml
 from stapo.config.rollout_sections import RolloutConfig, ToolsConfig
 from stapo.config.sections import (DataConfig, InspectConfig, LoggingConfig, LoraConfig, LossConfig, MaskConfig,
@@ -36,7 +37,7 @@ from stapo.data import PAPER_INSTRUCTION  # the default of data.instruction; re-
 
 log = logging.getLogger("stapo.config")
 
-__all__ = ["STAPOConfig", "ConfigError", "PAPER_INSTRUCTION", "DataConfig", "InspectConfig", "LoggingConfig",
+__all__ = ["STAPOConfig", "ConfigError", "PAPER_INSTRUCTION", "DataConfig", "HealthConfig", "InspectConfig", "LoggingConfig",
            "LoraConfig", "LossConfig", "MaskConfig", "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "TinyConfig",
            "ToolsConfig", "TrainerConfig", "ZeroConfig", "validate"]
 
@@ -69,6 +70,8 @@ class STAPOConfig:
     """Metric sinks."""
     inspect: InspectConfig = field(default_factory=InspectConfig)
     """Spurious-token recording."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """Training-health monitors and what an alarm does (docs/health.md)."""
 
     def __post_init__(self) -> None:
         validate(self)

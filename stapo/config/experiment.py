@@ -46,7 +46,7 @@ RUN_SETTINGS = (
     "rollout.tensor_parallel_size", "rollout.sleep_level", "rollout.offload_training_state",
     "rollout.max_batch_size", "rollout.sync", "rollout.server_", "rollout.sync_", "rollout.request_",
     "rollout.health_", "rollout.producer_close_timeout_s", "rollout.tools.max_workers",
-    "rollout.tools.eval_without_tools", "zero.", "logging.", "inspect.",
+    "rollout.tools.eval_without_tools", "zero.", "logging.", "inspect.", "health.",
 )
 
 

@@ -7,6 +7,7 @@ values and their relations (batch sizes that divide, the registries' names, ...)
 from __future__ import annotations
 
 import math
+from stapo.config.health_section import ON_ALARM
 from stapo.config.loading import ConfigError, coerce_params
 from stapo.rewards.modes import REWARD_MODES
 from stapo.rewards.user_function import parse_function_spec
@@ -19,6 +20,7 @@ _CHOICES = {
     "loss.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "loss.advantage_scale": ("group", "none"),
     "trainer.zero_stage": (0, 1, 2, 3),
+    "health.on_alarm": ON_ALARM,
 }
 
 
@@ -117,6 +119,7 @@ def validate(cfg) -> None:
     _check(mask_error is None, str(mask_error))
     _validate_lora(cfg.model.lora)
     _check_data(cfg.data)
+    _check_health(cfg)
 
 
 def _check_data(data) -> None:
@@ -142,6 +145,36 @@ def _check_correction(cfg) -> None:
         RolloutCorrection(**cfg.rollout_correction)
     except ValueError as err:
         _check(False, f"loss.{err}")
+
+
+def _check_health(cfg) -> None:
+    """``health``: sizes, the monitors and their parameters (the live registry: ``--import``-ed monitors
+    count), and what a rollback needs (docs/health.md)."""
+    from stapo.health import build_monitor
+
+    h = cfg.health
+    _check(h.window >= 3, f"health.window must be >= 3 (a median needs a few earlier steps), got {h.window}")
+    _check(0 <= h.warmup <= h.window, f"health.warmup must be in [0, health.window={h.window}], got {h.warmup}")
+    _check(h.patience >= 1, f"health.patience must be >= 1, got {h.patience}")
+    _check(h.keep_healthy >= 1, f"health.keep_healthy must be >= 1, got {h.keep_healthy}")
+    _check(0 < h.rollback_lr_scale <= 1, f"health.rollback_lr_scale must be in (0, 1], got {h.rollback_lr_scale}")
+    _check(h.max_rollbacks >= 1, f"health.max_rollbacks must be >= 1, got {h.max_rollbacks}")
+    stray = sorted(set(h.params) - set(h.monitors))
+    _check(not stray, f"health.params sets {stray}: not an active monitor (add it to health.monitors)")
+    for name, params in h.params.items():
+        _check(isinstance(params, dict), f"health.params.{name} must be a mapping of parameters, e.g. "
+               f"{{{name}: {{z: 8}}}}, got {params!r}")
+    for name in h.monitors:
+        try:
+            build_monitor(name, **h.params.get(name, {}))
+        except ValueError as err:
+            _check(False, f"health.monitors: {err}")
+    if h.on_alarm == "rollback":
+        _check(cfg.trainer.save_every > 0, "health.on_alarm=rollback restores a checkpoint saved during the run: "
+               "set trainer.save_every > 0 (checkpoints every N steps)")
+        _check(cfg.rollout.max_staleness == 0,
+               f"health.on_alarm=rollback needs rollout.max_staleness=0 (got {cfg.rollout.max_staleness}): batches "
+               "generated ahead by the failing policy would be trained after the rollback; use warn or stop")
 
 
 def _mask_error(mask) -> str | None:

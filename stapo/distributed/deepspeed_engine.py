@@ -277,6 +277,20 @@ def current_lr(engine) -> float:
     return float(engine.get_lr()[0])
 
 
+def base_lrs(engine) -> list[float]:
+    """The lr schedule's base lr of every param group (what the warm-up factor multiplies)."""
+    return list(engine.lr_scheduler.base_lrs)
+
+
+def set_base_lrs(engine, lrs: list[float]) -> None:
+    """New base lrs from the next step on, warm-up included: the scheduler's (saved in checkpoints, so a
+    resume keeps them) and each group's current lr, rescaled by the same factor."""
+    scheduler = engine.lr_scheduler
+    for group, old, new in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, lrs):
+        group["lr"] *= new / old
+    scheduler.base_lrs = list(lrs)
+
+
 def _enable_activation_checkpointing(model) -> None:
     """transformers >= 5.2x names it ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
     is its deprecated alias); older releases have only the alias. A PeftModel forwards either."""

@@ -35,6 +35,7 @@ from stapo.losses.builtin_masks import (
     NoMask,
     ProbOnlyMask,
     STAPOMask,
+    spurious_probe,
 )
 from stapo.losses import weighting_masks  # noqa: E402,F401  (registers stare and clip_cov)
 from stapo.losses.weighting_masks import ClipCovMask, STAREMask
@@ -72,6 +73,7 @@ __all__ = [
     "ProbOnlyMask",
     "HighEntropyLowProbMask",
     "EntropyTopMask",
+    "spurious_probe",
     "STAREMask",
     "ClipCovMask",
     # surrogate (Eq. 1)

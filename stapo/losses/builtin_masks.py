@@ -25,10 +25,10 @@ import math
 
 import torch
 
-from stapo.losses.masks import TokenMask, TokenStats, register_mask
+from stapo.losses.masks import TokenMask, TokenStats, build_mask, register_mask
 from stapo.losses.reduce import masked_quantile
 
-__all__ = ["NoMask", "STAPOMask", "ProbOnlyMask", "HighEntropyLowProbMask", "EntropyTopMask"]
+__all__ = ["NoMask", "STAPOMask", "ProbOnlyMask", "HighEntropyLowProbMask", "EntropyTopMask", "spurious_probe"]
 
 DEFAULT_TAU_P = 2e-3
 DEFAULT_ENTROPY_QUANTILE = 0.8
@@ -122,3 +122,10 @@ class EntropyTopMask(TokenMask):
     def silence(self, stats: TokenStats):
         tau_h = _entropy_threshold(stats, self.entropy_quantile)
         return stats.entropy < tau_h, {"tau_h": tau_h}
+
+
+def spurious_probe(mask: TokenMask) -> TokenMask:
+    """The S2T criterion (``stapo`` mask) at the active mask's ``tau_p`` / ``entropy_quantile`` where it
+    has them, the paper's defaults otherwise: ``spurious_frac`` then follows a tau_p / tau_h sweep."""
+    params = {name: getattr(mask, name) for name in ("tau_p", "entropy_quantile") if hasattr(mask, name)}
+    return build_mask("stapo", **params)

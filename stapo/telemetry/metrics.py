@@ -15,7 +15,8 @@ THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every
 - ``response_length_mean``, ``response_length_max``, ``response_clip_ratio`` (fraction truncated at
   the max response length), ``overlong_penalty_mean`` (DAPO's soft overlong penalty per response, 0
   unless ``reward.overlong_buffer``), ``reward_failures`` (responses whose scorer hung or raised and
-  scored ``reward.failure_value``)
+  scored ``reward.failure_value``), ``repetition_frac`` (response tokens that close a 4-gram already seen
+  in the same response: loops)
 - ``entropy_mean`` (mean over valid response tokens)
 - ``silenced_frac`` (silenced / valid tokens under the active mask), ``spurious_frac`` (fraction of
   valid tokens meeting STAPO's criterion ``A > 0 ∧ p < τ_p ∧ H < τ_h`` at the active mask's ``tau_p`` /
@@ -76,9 +77,18 @@ turns per episode), ``tool_calls_mean``,
 ``tool_errors_mean`` (per episode), ``tool_error_frac`` (errors / calls), ``context_token_frac`` (context
 tokens / all response tokens: what the model read but did not write), ``tool_penalty_mean`` (the tool
 shaping per episode, 0 unless configured), ``time_tools`` (seconds the episode loop waited for tools, part
-of ``time_rollout``, mean over ranks), and at evaluation ``eval_tool_calls_mean``; with
+of ``time_rollout``, mean over ranks), ``control_token_frac``, ``control_token_prob`` (the call format's
+single-token tags, e.g. ``<tool_call>``: their share of the policy's tokens and the mean sampling probability
+of those emitted, NaN when none was; only for a format whose tags are single tokens), and at evaluation
+``eval_tool_calls_mean``; with
 ``rollout.tools.eval_without_tools``: ``eval_no_tools_accuracy``, ``eval_no_tools_reward_mean``,
 ``eval_no_tools_response_length_mean`` (the held-out prompts offering no tools, one turn each).
+
+Health (docs/health.md): ``health_<monitor>``, each active monitor's statistic (from the step its window
+is warm). Besides step rows the file holds **event rows** (:meth:`MetricsLogger.log_event`: ``step``,
+``event`` and the event's fields, no step metrics): ``health`` (the monitors and their thresholds, at the
+start of each session), ``alarm`` (a monitor past its threshold for ``health.patience`` steps, with the
+action taken), ``rollback`` and ``stop``.
 
 Non-finite values (a skipped step's loss) are stored as the strings ``"NaN"``, ``"Infinity"``,
 ``"-Infinity"`` so every line stays valid JSON; :func:`stapo.run_dir.read_metrics` turns them back
@@ -102,7 +112,7 @@ STEP_METRIC_KEYS: tuple[str, ...] = (
     "step", "epoch",
     "reward_mean", "reward_std", "accuracy",
     "response_length_mean", "response_length_max", "response_clip_ratio", "overlong_penalty_mean",
-    "reward_failures",
+    "reward_failures", "repetition_frac",
     "entropy_mean", "silenced_frac", "spurious_frac", "keep_frac", "mask_tau_h", "probe_tau_h",
     "upweighted_frac", "downweighted_frac", "weight_mean",
     "clip_frac_low", "clip_frac_high", "approx_kl", "loss", "grad_norm", "lr",
@@ -124,7 +134,7 @@ OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "e
                                          "eval_tool_calls_mean", "eval_no_tools_accuracy",
                                          "eval_no_tools_reward_mean", "eval_no_tools_response_length_mean",
                                          "rollout_is_mean", "rollout_is_max", "rollout_is_eff_sample_size",
-                                         "rollout_is_clipped_frac")
+                                         "rollout_is_clipped_frac", "control_token_frac", "control_token_prob")
 #: Metrics measured from wall time: they differ between two runs of the same training.
 TIMING_METRIC_KEYS: tuple[str, ...] = (
     "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",
@@ -165,7 +175,7 @@ def _truncate_jsonl(path: Path, step: int) -> int:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for row in kept:
-            f.write(json.dumps({k: v if isinstance(v, list) else _json_value(k, v)
+            f.write(json.dumps({k: v if isinstance(v, (list, dict)) else _json_value(k, v)
                                 for k, v in row.items()}, allow_nan=False,
                                ensure_ascii=False) + "\n")
         f.flush()
@@ -266,6 +276,15 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
         self._console.show_step(step, restored)
+
+    def log_event(self, step: int, event: str, fields: dict[str, Any]) -> None:
+        """Append an event row ``{"step": step, "event": event, **fields}`` (health alarms and actions) to
+        metrics.jsonl only: it is not a step's metrics (no TensorBoard scalar, no progress line)."""
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log_event() called after close()")
+        row = {k: v if isinstance(v, (list, dict)) else _json_value(k, v) for k, v in fields.items()}
+        if self.is_main:
+            self._write_line(self._file, {"step": int(step), "event": event, **row})
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Append samples to ``samples.jsonl``; print the first with silenced tokens marked.

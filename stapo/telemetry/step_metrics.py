@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from stapo.health import control_token_sums, repeated_ngram_tokens
 from stapo.losses import MaskResult, TokenStats
 from stapo.distributed.process_group import all_reduce_max, reduce_metrics
 from stapo.telemetry.mfu import causal_context_length, forward_flops, phase_throughput
@@ -72,7 +73,8 @@ class StepSums(dict):
             self.add_value("sync_compared_words", 0.0 if transfer is None else float(transfer.compared_words))
 
 
-def _rollout_sums(rollout, rewards: torch.Tensor, scores: torch.Tensor, group_size: int) -> dict[str, float]:
+def _rollout_sums(rollout, rewards: torch.Tensor, scores: torch.Tensor, group_size: int,
+                  control_ids: torch.Tensor | None = None) -> dict[str, float]:
     lengths = rollout.response_mask.sum(dim=1).float()  # (B,)
     groups = rewards.view(-1, group_size)  # (P, G)
     zero_std = (groups == groups[:, :1]).all(dim=1)  # all rewards equal -> A = 0 for the group
@@ -87,7 +89,10 @@ def _rollout_sums(rollout, rewards: torch.Tensor, scores: torch.Tensor, group_si
         "zero_std_groups": float(zero_std.sum()),
         "prompt_tokens": float(rollout.prompt_mask.sum()),
         "context_tokens": float(rollout.context_mask.sum()),  # episodes' tool/template tokens: read, not trained
+        "repeated_tokens": float(repeated_ngram_tokens(rollout.response_ids, rollout.response_mask).sum()),
         **_episode_sums(rollout.episodes),
+        **({} if control_ids is None else {k: float(v) for k, v in control_token_sums(
+            rollout.response_ids, rollout.response_mask, rollout.sampling_logprobs, control_ids).items()}),
     }
 
 
@@ -179,11 +184,12 @@ def skipped_updates(sums: StepSums) -> int:
 
 def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_size: int, world_size: int,
                  scored, sums: StepSums, timer: PhaseTimer, entropy_coef: float = 0.0, model_config=None,
-                 peak_flops: float | None = None) -> dict[str, float]:
+                 peak_flops: float | None = None, control_ids: torch.Tensor | None = None) -> dict[str, float]:
     """The documented per-step metrics from plain values, reduced once across ranks. ``scored``: the
-    iteration's :class:`~stapo.trainer.scored_rollout.ScoredRollout`."""
+    iteration's :class:`~stapo.trainer.scored_rollout.ScoredRollout`; ``control_ids``: a tool format's
+    control tokens (tool episodes), counted in the responses."""
     rollout = scored.rollout
-    local = {**_rollout_sums(rollout, scored.rewards, scored.scores, group_size), **sums}
+    local = {**_rollout_sums(rollout, scored.rewards, scored.scores, group_size, control_ids), **sums}
     maxima = {key: all_reduce_max(float(local.pop(key))) for key in MAX_KEYS if key in local}  # not sums
     generation = timer.seconds.get("rollout", 0.0)  # this rank's; the ranks' spread shows an uneven deal
     slowest, fastest = all_reduce_max(generation), -all_reduce_max(-generation)
@@ -205,6 +211,10 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
     optional.update(sync_metrics(s))
     if "tool_calls_sum" in s:  # only with rollout.tools: multi-turn episodes
         optional.update(_episode_metrics(s, n, world_size))
+    if "control_tokens" in s:  # tool episodes whose format has single-token control tags
+        optional["control_token_frac"] = s["control_tokens"] / max(s["length_sum"], 1.0)
+        optional["control_token_prob"] = s["control_prob_sum"] / s["control_tokens"] if s["control_tokens"] \
+            else float("nan")
     if "rollout_is_weight_sum" in s:  # only with importance weights (loss.rollout_is)
         optional.update(_is_diagnostics(s, maxima["rollout_is_max"]))
     return {
@@ -216,6 +226,7 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
         "response_length_mean": s["length_sum"] / n,
         "response_length_max": all_reduce_max(float(rollout.response_mask.sum(dim=1).max())),
         "response_clip_ratio": s["truncated"] / n,
+        "repetition_frac": s["repeated_tokens"] / max(s["length_sum"], 1.0),
         "overlong_penalty_mean": s["overlong_penalty_sum"] / n,
         "reward_failures": s["reward_failures"],
         "entropy_mean": s["entropy_sum"] / valid,

@@ -54,6 +54,7 @@ class ToolCallParser:
     max_chars: int = 100_000  # a call's text longer than this is an error (before decoding its JSON)
 
     stop = ()  # strings that end a turn holding a call (a class attribute, overridden per format)
+    control = ()  # the format's tags (class attribute); those that are single tokens are counted (docs/health.md)
 
     def __post_init__(self):
         self.tools = tuple(self.tools)
@@ -88,6 +89,7 @@ class Qwen3Parser(ToolCallParser):
     """Qwen3's <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (its chat template)."""
 
     stop = (CLOSE,)
+    control = (OPEN, CLOSE)
 
     def parse(self, text: str) -> ParsedTurn:
         calls, pos = [], 0

@@ -146,8 +146,9 @@ class CheckpointManager:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         return stale
 
-    def save(self, engine, step: int, client_state: dict[str, Any]) -> Path:
-        """Write checkpoint ``step_<step>``; returns its path once it is complete on all ranks."""
+    def save(self, engine, step: int, client_state: dict[str, Any], *, protect: tuple[int, ...] = ()) -> Path:
+        """Write checkpoint ``step_<step>``; returns its path once it is complete on all ranks. Pruning to
+        ``keep_last`` spares the steps in ``protect`` (the healthy checkpoints a rollback may need)."""
         final = self.root / checkpoint_name(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
         if get_rank() == 0:
@@ -169,14 +170,14 @@ class CheckpointManager:
         if get_rank() == 0:
             _replace_dir(tmp, final)
             _write_text_atomic(self.root / LATEST, final.name)
-            self._prune(keep=final)
+            self._prune(keep=final, protect={checkpoint_name(s) for s in protect})
         barrier()
         return final
 
-    def _prune(self, keep: Path) -> None:
+    def _prune(self, keep: Path, protect: set[str] = frozenset()) -> None:
         done = complete_checkpoints(self.output_dir)
         for path in done[: max(0, len(done) - self.keep_last)]:
-            if path != keep:
+            if path != keep and path.name not in protect:
                 shutil.rmtree(path)
 
     def load(self, engine, path: str | os.PathLike | None = None, *, restore_rng: bool = True) -> dict[str, Any]:

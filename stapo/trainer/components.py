@@ -288,6 +288,16 @@ def build_scorer(cfg: STAPOConfig, reward_fn: RewardFn | None) -> tuple[BatchSco
     return scorer, scorer.close
 
 
+def build_health(cfg: STAPOConfig):
+    """The run's :class:`~stapo.health.HealthWatch`: ``health.monitors`` with ``health.params``, its window,
+    warm-up, patience and the healthy checkpoints it keeps (docs/health.md)."""
+    from stapo.health import HealthWatch, build_monitor
+
+    h = cfg.health
+    monitors = [build_monitor(name, **h.params.get(name, {})) for name in h.monitors]
+    return HealthWatch(monitors, window=h.window, warmup=h.warmup, patience=h.patience, keep_healthy=h.keep_healthy)
+
+
 def builtin_rows(n: int, seed: int, terms: int) -> list[dict]:
     from stapo.tiny import arithmetic_problems
 

@@ -2,7 +2,8 @@
 
 A signal only sets a flag; the loop checks it between steps (:meth:`StopRequest.agreed`), saves a
 checkpoint and raises :class:`RunInterrupted`, which ``stapo train`` prints as one line and turns into
-the exit status schedulers expect (130 for SIGINT, 143 for SIGTERM). Why the step boundary and not at
+the exit status schedulers expect (130 for SIGINT, 143 for SIGTERM; :class:`HealthStop`, a health alarm
+with ``health.on_alarm: stop``, exits with 3 the same way). Why the step boundary and not at
 once: an interrupted step has updated the weights for some mini-batches and not others, and a
 checkpoint of that state would not resume to the run an uninterrupted one makes. A second Ctrl-C
 stops at once, without a checkpoint (the last periodic one stays). With several ranks every rank
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["EXIT_STATUS", "RunInterrupted", "StopRequest", "stop_on_signals"]
+__all__ = ["EXIT_STATUS", "HEALTH_EXIT_STATUS", "HealthStop", "RunInterrupted", "StopRequest", "stop_on_signals"]
 
 log = logging.getLogger("stapo.trainer")
 
@@ -36,6 +37,18 @@ class RunInterrupted(Exception):
         saved = f"checkpoint {checkpoint} saved; run the same command to resume" if checkpoint else \
             "nothing to save yet"
         super().__init__(f"{signal_name} at step {step}: {saved}")
+
+
+#: ``health.on_alarm: stop`` (docs/health.md): not a signal's status, so a script can tell the two apart
+HEALTH_EXIT_STATUS = 3
+
+
+class HealthStop(RunInterrupted):
+    """A health alarm stopped the run (``health.on_alarm: stop``) after saving ``checkpoint`` at ``step``."""
+
+    def __init__(self, alarm: str, step: int, checkpoint: Path | None) -> None:
+        super().__init__(alarm, step, checkpoint)
+        self.exit_status = HEALTH_EXIT_STATUS
 
 
 class StopRequest:

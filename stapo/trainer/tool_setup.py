@@ -16,7 +16,8 @@ from stapo.config import STAPOConfig
 
 log = logging.getLogger("stapo.trainer")
 
-__all__ = ["build_tools", "tool_schemas", "episode_engine", "build_tiny_tir_model", "tiny_tir_rows"]
+__all__ = ["build_tools", "tool_schemas", "episode_engine", "control_token_ids", "build_tiny_tir_model",
+           "tiny_tir_rows"]
 
 
 def build_tools(cfg: STAPOConfig, *, note: bool = False) -> dict:
@@ -50,6 +51,22 @@ def episode_engine(cfg: STAPOConfig, engine, tokenizer):
 
     return EpisodeEngine(engine, tokenizer, build_tool_parser(t.parser, tools=tuple(t.names)), build_tools(cfg, note=True),
                          max_turns=t.max_turns, max_tokens=cfg.rollout.max_response_length, max_workers=t.max_workers)
+
+
+def control_token_ids(cfg: STAPOConfig, tokenizer):
+    """The call format's tags that are single tokens of ``tokenizer`` (Qwen3's ``<tool_call>`` and
+    ``</tool_call>``), as a LongTensor: the control tokens the step metrics count for the health monitors
+    (docs/health.md). None without tools or without such tags."""
+    import torch
+
+    from stapo.tools import build_tool_parser
+
+    t = cfg.rollout.tools
+    if not t.enabled:
+        return None
+    added = tokenizer.get_added_vocab()
+    ids = [added[tag] for tag in build_tool_parser(t.parser, tools=tuple(t.names)).control if tag in added]
+    return torch.tensor(ids, dtype=torch.long) if ids else None
 
 
 def build_tiny_tir_model(cfg: STAPOConfig, progress: bool) -> str:

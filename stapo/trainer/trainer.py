@@ -22,10 +22,10 @@ import torch
 
 from stapo.config import STAPOConfig
 from stapo.losses import (TokenMask, TokenStats, build_mask, group_advantages, mismatch_sums, registered_name,
-                          truncated_keep, truncated_rows)
+                          spurious_probe, truncated_keep, truncated_rows)
 from stapo.rollout import Rollout
 from stapo.rollout.server_engine import NoRolloutServers
-from stapo.trainer import components as build
+from stapo.trainer import components as build, tool_setup
 from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, read_metrics
 from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_final
 from stapo.trainer.interrupt import RunInterrupted, stop_on_signals
@@ -35,6 +35,7 @@ from stapo.distributed.training_offload import offloaded
 from stapo.telemetry.metrics import MetricsLogger
 from stapo.trainer.preflight import plan_run
 from stapo.trainer.recording import TokenRecorder
+from stapo.trainer.recovery import Recovery
 from stapo.distributed.deepspeed_engine import current_lr
 from stapo.distributed.lora import reference_scope
 from stapo.distributed.zero3_trace import REFERENCE
@@ -46,13 +47,6 @@ from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metri
 from stapo.trainer.update import TrainBatch, policy_stats, rollout_entropy, update_minibatch
 
 log = logging.getLogger("stapo.trainer")
-
-
-def spurious_probe(mask: TokenMask) -> TokenMask:
-    """The S2T criterion (``stapo`` mask) at the active mask's ``tau_p`` / ``entropy_quantile`` where it
-    has them, the paper's defaults otherwise: ``spurious_frac`` then follows a tau_p / tau_h sweep."""
-    params = {name: getattr(mask, name) for name in ("tau_p", "entropy_quantile") if hasattr(mask, name)}
-    return build_mask("stapo", **params)
 
 
 class TrainingAborted(RuntimeError):
@@ -96,6 +90,7 @@ class STAPOTrainer:
         self.mask = mask if mask is not None else build_mask(cfg.mask.name, **cfg.mask.params)
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
         self.reward_terms = build.build_reward_terms(cfg)  # added to the scores: overlong, tool shaping
+        self.control_ids = tool_setup.control_token_ids(cfg, self.tokenizer)  # tool format's tags (health)
         longest_prompt = prompt_length_limit(cfg, self.rollout_engine)  # servers may hold fewer tokens
         self.train_data, self.eval_data = build.main_rank_first(  # rank 0 fills the datasets cache first
             self.dist, lambda: build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset, longest_prompt))
@@ -118,6 +113,7 @@ class STAPOTrainer:
                                       all_minibatches=cfg.inspect.record_minibatches == "all")
         self.rollouts = Rollouts(cfg, self.dist, self.rollout_engine, self.model, self.sampler, self.train_data,
                                  self.score, self.reward_terms, training_offload=self.training_offload)  # lines 3-5: prompts, generation, rewards, sync
+        self.health = Recovery(self, build.build_health(cfg))  # monitors and health.on_alarm (docs/health.md)
         self.step_count = 0
         self.skipped_steps = 0
         self._consecutive_skips = 0
@@ -168,7 +164,7 @@ class STAPOTrainer:
                                 skipped_steps=self.skipped_steps, group_size=cfg.rollout.group_size,
                                 world_size=self.dist.world_size, scored=scored, sums=sums, timer=timer,
                                 entropy_coef=cfg.loss.entropy_coef, model_config=self.model.config,
-                                peak_flops=self.peak_flops)
+                                peak_flops=self.peak_flops, control_ids=self.control_ids)
         server = dict(server=cfg.rollout.mode == "server", delta=cfg.rollout.sync == "delta")
         try:
             with timer("sync"):
@@ -250,8 +246,10 @@ class STAPOTrainer:
                     metrics = self.step()
                     if cfg.trainer.eval_every and self.step_count % cfg.trainer.eval_every == 0:
                         metrics.update(self.evaluate())
+                    alarms = self.health.observe(metrics)  # the monitors' statistics join the row
                     self.logger.log(self.step_count, metrics)
-                    if cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0:
+                    saved = bool(alarms) and self.health.respond(alarms)  # warn / stop / rollback
+                    if not saved and cfg.trainer.save_every and self.step_count % cfg.trainer.save_every == 0:
                         self.save_checkpoint()
                 self._stop_if_asked(stop)
         except NoRolloutServers as err:
@@ -344,15 +342,17 @@ class STAPOTrainer:
     # ---- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         sampler, ahead = self.rollouts.resume_state(self.step_count)  # async: later batches are regenerated
+        self.health.watch.checkpoint_saved(self.step_count)  # a rollback candidate when no monitor has a streak
         state = {
             "step": self.step_count,
             "skipped_steps": self.skipped_steps,
             "sampler": sampler,  # RNG states of every rank are saved by the manager
             "rollouts_ahead": ahead,
             "mask": self.mask.state_dict(),  # a weighting mask's schedule (STARE's W, M and gate)
+            "health": self.health.watch.state_dict(),
             "config": self.config.to_dict(),
         }
-        return self.checkpoints.save(self.engine, self.step_count, state)
+        return self.checkpoints.save(self.engine, self.step_count, state, protect=self.health.watch.protected())
 
     def _set_aside_previous_run(self, how: str) -> None:
         """A run starting from scratch never appends to, or overwrites, an earlier run's files."""
@@ -368,6 +368,7 @@ class STAPOTrainer:
         self.step_count, self.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
         self.sampler.load_state_dict(state["sampler"])
         self.mask.load_state_dict(state.get("mask", {}))
+        self.health.watch.load_state_dict(state.get("health"))
         self.logger.truncate_after(self.step_count)
         self.rollouts.sync(self.step_count)
         log.info("resumed from %s at step %d", path, self.step_count)

@@ -91,7 +91,7 @@ def test_kl_coef_builds_a_frozen_reference_and_logs_kl(tmp_path, tiny_model_dir,
 def test_spurious_probe_follows_the_configured_thresholds(tmp_path, tiny_model_dir, arithmetic_jsonl):
     from stapo import STAPOTrainer
     from stapo.losses import build_mask
-    from stapo.trainer.trainer import spurious_probe
+    from stapo.losses import spurious_probe
 
     probe = spurious_probe(build_mask("prob_only", tau_p=0.05))
     assert (probe.tau_p, probe.entropy_quantile) == (0.05, 0.8)  # the paper's q where the mask has none

@@ -103,6 +103,7 @@ def test_a_run_with_tools_logs_episodes_and_evaluates_with_and_without_tools(tmp
         assert all(k in row for k in STEP_METRIC_KEYS + TOOL_KEYS)
         assert not set(row) - set(STEP_METRIC_KEYS) - set(OPTIONAL_METRIC_KEYS)
         assert row["tool_calls_mean"] > 0 and 0 < row["context_token_frac"] < 1 and row["turns_mean"] > 1
+        assert 0 < row["control_token_frac"] < 1 and 0 < row["control_token_prob"] <= 1  # <tool_call>, </tool_call>
         assert row["tool_penalty_mean"] == pytest.approx(-0.1 * row["tool_calls_mean"])  # call_budget 0
         assert all(math.isfinite(row[k]) for k in TOOL_KEYS)
     for row in evals:

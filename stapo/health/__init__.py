@@ -1,0 +1,24 @@
+"""stapo.health: see a collapse coming from the step metrics (docs/health.md).
+
+Monitors (``monitors.py``, the built-ins in ``builtin_monitors.py``) are pure functions of a window of
+logged step metrics, registered by name; :class:`HealthWatch` (``watch.py``) turns them into alarms
+and knows which checkpoints a rollback may return to; ``token_stats.py`` holds the token statistics
+the step metrics add for them (repetition, a tool format's control tokens); ``timeline.py`` reads a run
+directory back for ``stapo health RUN_DIR``. What an alarm does (warn, stop, rollback) is the
+trainer's (``stapo.trainer.recovery``).
+
+May import: torch, ``stapo.registry`` and ``stapo.run_dir`` only (docs/index.md, "Layout"): it reads
+step values and run files, never the trainer, the config or a model.
+"""
+
+from stapo.health import builtin_monitors  # noqa: F401  (registers the built-ins)
+from stapo.health.monitors import (MONITORS, Monitor, Window, build_monitor, monitor_params, register_monitor,
+                                   robust_z)
+from stapo.health.token_stats import control_token_sums, repeated_ngram_tokens
+from stapo.health.watch import Alarm, HealthWatch, metric_key
+
+BUILTIN_MONITORS: tuple[str, ...] = tuple(MONITORS)
+
+__all__ = ["MONITORS", "BUILTIN_MONITORS", "Alarm", "HealthWatch", "Monitor", "Window", "build_monitor",
+           "control_token_sums", "metric_key", "monitor_params", "register_monitor", "repeated_ngram_tokens",
+           "robust_z"]
