@@ -90,12 +90,15 @@ class Generation:
             cut = False
             for t, segment in zip(live, segments, strict=True):
                 self.versions_known &= segment.version is not None
-                if self.tools is not None and t.turn_text:  # continues a turn a sync cut
-                    segment = self.tools.stop_across_cut(t.turn_text, segment)
+                if self.tools is not None:
+                    segment = self.tools.read(t.turn_text, segment)
                 t.add(segment)
                 if segment.finish == "interrupted":
                     cut = True
                     self.interrupted += bool(segment.tokens)
+                    if len(t.tokens) >= self.budget:  # cut right at its last token: nothing left to ask for
+                        t.end_turn()
+                        t.close("length")
                 elif self.tools is None or segment.finish in ("length", "error"):
                     t.end_turn()
                     t.close(segment.finish)

@@ -14,7 +14,7 @@ runs every live episode's next segment in one `generate_segments` call per round
    counted or given gradient. An episode without room for a policy token after them ends with ``length``.
 
 An episode whose turn a weight sync cut continues the turn with its next segment; a stop string the cut
-split in two is found across the cut (`stop_across_cut`), so the turn ends where an uncut one would.
+split in two is found across the cut (`read`), so the turn ends where an uncut one would.
 """
 
 from __future__ import annotations
@@ -112,16 +112,19 @@ class ToolEpisodes:
             results[b][k] = result
         return results
 
-    def stop_across_cut(self, before: str, segment: Segment) -> Segment:
-        """``segment`` continues a turn whose text so far is ``before``: the engine checked its stop strings in
-        the new text only, so one that began before the cut ends the turn here, at the token completing it."""
+    def read(self, before: str, segment: Segment) -> Segment:
+        """``segment`` as the episode reads it: its text decoded here from its tokens (what the parser and the
+        verifier see, whatever an engine's own text leaves out) and, when it continues a turn a sync cut (whose
+        text so far is ``before``), cut at a stop string that began before the cut: the engine checked its stop
+        strings in the new text only."""
+        text = self.tokenizer.decode(segment.tokens, skip_special_tokens=True)
         stops = self.parser.stop
         width = max(map(len, stops), default=1) - 1  # a stop string split by the cut has this much before it
         head = before[len(before) - width:] if width else ""
-        if not head or not any(0 <= (head + segment.text).find(s) < len(head) for s in stops):
-            return segment
+        if not head or not any(0 <= (head + text).find(s) < len(head) for s in stops):
+            return Segment(segment.tokens, segment.logprobs, text, segment.finish, segment.version)
         for k in range(1, len(segment.tokens) + 1):
             text = self.tokenizer.decode(segment.tokens[:k], skip_special_tokens=True)
             if any(s in head + text for s in stops):
                 return Segment(segment.tokens[:k], segment.logprobs[:k], text, "stop", segment.version)
-        return segment
+        return Segment(segment.tokens, segment.logprobs, text, segment.finish, segment.version)

@@ -122,8 +122,8 @@ def vllm_request_kwargs(sampling: SamplingParams) -> dict:
     base = dict(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=sampling.top_k if sampling.top_k > 0 else -1, stop_token_ids=list(sampling.stop_token_ids),
                 logprobs=0, skip_special_tokens=True)
-    if sampling.stop:
-        base["stop"] = list(sampling.stop)
+    if sampling.stop:  # the text keeps the stop string, as the token ids and the HF engine do
+        base.update(stop=list(sampling.stop), include_stop_str_in_output=True)
     return base
 
 

@@ -22,6 +22,7 @@ import torch
 from stapo.rollout.batch import EpisodeInfo, Rollout, left_pad, right_pad
 from stapo.rollout.engine import Segment, SegmentRequest
 from stapo.rollout.sampling import derived_seed
+from stapo.tools import ParsedTurn
 
 __all__ = ["Trajectory", "assemble", "prompt_seeds", "segment_seed"]
 
@@ -60,7 +61,7 @@ class Trajectory:
     errors: int = 0
     tool_seconds: float = 0.0
     sessions: dict = field(default_factory=dict)  # tool name -> its session in this episode
-    pending: object = None  # a finished turn's parsed calls, waiting for their tool turn
+    pending: ParsedTurn | None = None  # a finished turn's parsed calls, waiting for their tool turn
 
     @property
     def done(self) -> bool:

@@ -48,11 +48,11 @@ class TurnPolicy(RolloutEngine):
         written = next(k for k in range(len(target), -1, -1) if context[len(context) - k:] == target[:k])
         new, finish = [], "stop"
         for token in target[written:]:
-            if len(new) == request.max_new_tokens:
-                finish = "length"
-                break
             if cut is not None and len(new) == cut:
                 finish = "interrupted"
+                break
+            if len(new) == request.max_new_tokens:
+                finish = "length"
                 break
             new.append(token)
             if token in sampling.stop_token_ids or any(
@@ -146,3 +146,11 @@ def test_one_turn_samples_follow_the_seed_scheme(tokenizer):
     policy.cuts = {1: 1}
     with pytest.raises(RuntimeError, match="interrupted"):
         generate(policy, [[5]], 1, SamplingParams(seed=0))
+
+
+def test_a_sample_cut_at_its_last_token_ends_with_length(tokenizer):
+    policy = TurnPolicy(tokenizer, ["\\boxed{12345}<|im_end|>"], "never", cuts={0: 3})
+    batch = Generation([[5, 6]], 1, SamplingParams(seed=1, max_new_tokens=3))
+    assert batch.advance(policy) is False  # cut after 3 tokens: the budget is spent
+    assert batch.advance(policy) is True and len(policy.calls) == 1  # nothing left to ask for
+    assert batch.rollout(0).finish_reason == ["length"] and batch.rollout(0).response_lengths.tolist() == [3]

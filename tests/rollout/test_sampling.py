@@ -95,4 +95,5 @@ def test_one_vllm_request_per_sample_with_the_processed_logprob():
     base = vllm_request_kwargs(SamplingParams(temperature=0.7, top_k=0, stop=("</tool_call>",), stop_token_ids=(5,),
                                               seed=9, max_new_tokens=3))
     assert base == {"n": 1, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "stop_token_ids": [5], "logprobs": 0,
-                    "skip_special_tokens": True, "stop": ["</tool_call>"]}  # seed and max_tokens: per request
+                    "skip_special_tokens": True, "stop": ["</tool_call>"],
+                    "include_stop_str_in_output": True}  # seed and max_tokens: per request
