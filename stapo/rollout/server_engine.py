@@ -138,6 +138,8 @@ class ServerEngine(RolloutEngine):
         self.sends_weights = sends_weights
         self.sync_host = sync_address(addresses, sync_host) if sends_weights else sync_host
         self.fingerprint = fingerprint
+        self.policy_version: int | None = None  # what the servers hold after the last sync
+        self.last_sync: SyncOutcome | None = None
         self.failed_requests = 0  # requests that failed with a request error (their segments are empty)
         self._instances: dict[str, str] = {}  # address -> the worker instance whose model was checked
         self._workers: dict[str, int] = {}
