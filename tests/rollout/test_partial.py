@@ -147,3 +147,12 @@ def test_a_5xx_mid_stream_is_retried_on_the_same_server_not_marked_down(streamin
     assert engine.pool.down == [] and f"rollout server {streaming.address}: attempt 1 of 2 failed" in caplog.text
     assert "streamed an error" in caplog.text and "is down" not in caplog.text
     engine.close()
+
+
+def test_partial_rollouts_of_tool_episodes_are_a_valid_setting():
+    from stapo.config import STAPOConfig
+
+    cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.servers=[127.0.0.1:8000]", "rollout.partial=true",
+                                       "rollout.max_staleness=1", "rollout.tools.enabled=true",
+                                       "rollout.tools.names=[calculator]"])
+    assert cfg.rollout.partial and cfg.rollout.tools.enabled
