@@ -1,8 +1,9 @@
-"""Benchmark: `VLLMEngine.generate` vs plain `vllm.LLM.generate` on the same prompts and sampling.
+"""Benchmark: `stapo.rollout.generate` on a `VLLMEngine` vs plain `vllm.LLM.generate` on the same requests.
 
-Both sides use the SAME `vllm.LLM` (the engine's own) and the same per-request seeded sampling
-parameters (vLLM's seeded sampling is slower than unseeded), so the ratio is stapo's overhead only:
-request building and the conversion of vLLM's outputs into a `Rollout`. Runs alternate (plain, stapo, plain, ...) after a
+Both sides use the SAME `vllm.LLM` (the engine's own) and the same requests: one sample each with its own
+seed (stapo's seed scheme; vLLM's seeded sampling is slower than unseeded), so the ratio is stapo's overhead
+only: the driver's requests, the conversion of vLLM's outputs into segments and their assembly into a
+`Rollout`. Runs alternate (plain, stapo, plain, ...) after a
 warm-up; prints the median seconds of each and the ratio (issue #13 target: <= 1.2x).
 
     python bench/vllm_generate.py                          # builtin tiny model, 256 prompts x 8
@@ -55,8 +56,8 @@ def main(argv=None) -> int:
     import torch
     import vllm
 
-    from stapo.rollout import SamplingParams, VLLMEngine
-    from stapo.rollout.vllm_engine import vllm_sampling_kwargs
+    from stapo.rollout import Generation, SamplingParams, VLLMEngine, generate
+    from stapo.rollout.sampling import vllm_request_kwargs
 
     model = args.model
     if model == "builtin:tiny":
@@ -69,9 +70,10 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, vocab - 1, (args.prompts, args.prompt_len), generator=gen).tolist()
     ours = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens, seed=1234)
-    base, seeds = vllm_sampling_kwargs(ours, args.n, len(prompts))
-    plain_params = [vllm.SamplingParams(**base, seed=s) for s in seeds]
-    requests = [{"prompt_token_ids": p} for p in prompts]
+    segments = [t.request(args.max_tokens) for t in Generation(prompts, args.n, ours).trajectories]
+    plain_params = [vllm.SamplingParams(**vllm_request_kwargs(ours), max_tokens=r.max_new_tokens, seed=r.seed)
+                    for r in segments]
+    requests = [{"prompt_token_ids": r.context} for r in segments]
 
     def run_plain() -> tuple[float, int]:
         start = time.perf_counter()
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
 
     def run_stapo() -> tuple[float, int]:
         start = time.perf_counter()
-        rollout = engine.generate(prompts, args.n, ours)
+        rollout = generate(engine, prompts, args.n, ours)
         return time.perf_counter() - start, int(rollout.response_mask.sum())
 
     run_plain(), run_stapo()  # warm-up (CUDA graphs, allocator)
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
             times[name].append(seconds)
             tokens[name].append(n_tokens)
     print(f"| side | median s | tokens/s | ({args.prompts} prompts x {args.n}, <= {args.max_tokens} tokens, "
-          "both: per-request seeds) |")
+          "both: one seeded request per sample) |")
     print("|---|---|---|---|")
     for name in times:
         med = statistics.median(times[name])

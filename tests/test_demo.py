@@ -70,6 +70,7 @@ def test_the_tiny_tir_demo_runs_from_its_recipe(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "stapo.cli", "train", str(builtin_recipe("tiny_tir.yaml")), f"trainer.output_dir={out}",
          "trainer.total_steps=2", "tiny.warm_start_steps=40", "data.eval_size=16", "data.num_builtin_problems=256",
+         "tiny.warm_start_tool_fraction=1.0",  # every warm-start example offered the tool calls it: so do the logged rows
          "trainer.train_batch_size=8", "trainer.mini_batch_size=4", "trainer.save_every=0", "trainer.eval_every=0",
          "inspect.record_every=0", "logging.log_samples_every=1", "logging.progress=false"],
         capture_output=True, text=True, timeout=900)

@@ -125,7 +125,7 @@ def _placeholders(run: dict) -> dict[str, str]:
     """Doc placeholder -> what it stands for here."""
     return {
         "MODEL": str(run["model"]), "MODEL_DIR": str(run["model"]), "runs/stapo/final": str(run["model"]),
-        "warm": str(run["model"]),
+        "warm": str(run["model"]), "outputs/tiny_tir/final": str(run["model"]), "tir_eval.jsonl": str(run["data"]),
         "RUN_DIR": str(run["run"]), "outputs/tiny_stapo": str(run["run"]), "DIR": str(run["out"]),
         "my.jsonl": str(run["data"]), "arith_easy.jsonl": str(run["data"]),
         "math500=MATH-500-test.parquet": f"math500={run['data']}",

@@ -160,7 +160,8 @@ class RolloutConfig:
     """``server`` mode with ``max_staleness`` >= 1: partial rollouts. The weight sync does not wait for the
     batch under way: its requests are cut, keep the tokens they produced (each labelled with the policy
     version that sampled it), and go on after the sync from prompt + those tokens with the new weights, so
-    the long tail of long responses no longer stalls the sync (docs/rollout.md, "Partial rollouts")."""
+    the long tail of long responses no longer stalls the sync (docs/rollout.md, "Partial rollouts"). With
+    ``tools.enabled`` a tool episode cut in the middle of a turn continues that turn the same way."""
     sync: str = "full"
     """``server`` mode: ``full`` sends every bucket whole at each sync; ``delta`` sends a bucket's changed
     elements (positions and values) when that is smaller, which at RL learning rates on bf16 weights is most

@@ -307,9 +307,7 @@ def _check_rollout_servers(r) -> None:
     _check(not r.partial or (r.mode == "server" and r.max_staleness >= 1),
            "rollout.partial (partial rollouts across weight syncs) needs rollout.mode=server and "
            "rollout.max_staleness >= 1: in lock-step nothing is generated during a sync")
-    _check(not (r.partial and r.tools.enabled),
-           "rollout.partial continues one-turn responses; with rollout.tools.enabled an episode's turns are "
-           "separate requests already (turn them off, or rollout.partial=false)")
     _check(r.max_staleness == 0 or not r.dynamic_sampling,
-           "rollout.dynamic_sampling needs rollout.max_staleness=0: its rounds agree across ranks with "
-           "collectives that a background producer cannot take part in")
+           "rollout.dynamic_sampling needs rollout.max_staleness=0: its extra rounds are agreed across ranks after "
+           "a batch is scored, so a batch the producer generates ahead could not know which iteration it fills "
+           "(nor its staleness bound or resume point; docs/grpo_options.md)")

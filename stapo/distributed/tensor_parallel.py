@@ -5,25 +5,25 @@ vLLM's in-process executor (``external_launcher``) lays the ranks out as Externa
 ranks ``[0..k)``, ``[k..2k)``, ... each form one engine whose shards run every request together, while
 the groups generate independently. Every rank of a group must therefore submit the SAME requests in
 the same order, though the trainer deals each rank its own prompts. :class:`TensorParallelRollout`
-gathers the group's prompts, has every rank submit their union with the group leader's sampling seed,
-and hands each rank its own rows. Weight sync needs nothing extra: every rank loads the full tensors
-a ZeRO-3 gather gives it, and vLLM's weight loaders keep the slice of the rank's TP shard.
+gathers the group's segment requests, has every rank submit their union (each request carries its own
+seed, so every rank's rows keep their own seeds) and hands each rank its own segments. Weight sync needs
+nothing extra: every rank loads the full tensors a ZeRO-3 gather gives it, and vLLM's weight loaders keep
+the slice of the rank's TP shard.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 
-from stapo.rollout import Rollout, SamplingParams
+from stapo.rollout import RolloutEngine, SamplingParams, Segment, SegmentRequest
 
 
 def tensor_parallel_group(tensor_parallel_size: int):
     """This rank's group of ``tensor_parallel_size`` consecutive ranks, as vLLM lays them out.
     Collective: every rank creates every group (torch's ``new_group`` contract). Gloo: it carries
-    only the prompt lists."""
+    only the requests."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if tensor_parallel_size < 1 or world % tensor_parallel_size:
         raise ValueError(f"rollout.tensor_parallel_size ({tensor_parallel_size}) must divide the number of "
@@ -36,27 +36,43 @@ def tensor_parallel_group(tensor_parallel_size: int):
     return mine
 
 
-class TensorParallelRollout:
-    """A rollout engine shared by the ranks of ``group`` (module doc); everything but ``generate``
-    (sleep, wake, weight sync) goes to the engine as it is, on every rank."""
+class TensorParallelRollout(RolloutEngine):
+    """A rollout engine shared by the ranks of ``group`` (module doc): segments go through the group's
+    union of requests; weights, memory and the engine's facts are the engine's, on every rank."""
 
-    def __init__(self, engine, group) -> None:
+    def __init__(self, engine: RolloutEngine, group) -> None:
         self.engine, self.group = engine, group
         self.group_rank, self.group_size = dist.get_rank(group), dist.get_world_size(group)
+        self.tokenizer, self.pad_token_id = engine.tokenizer, engine.pad_token_id
+        self.max_model_len = engine.max_model_len
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> Rollout:
-        """``n`` samples of each of THIS rank's prompts; rows grouped per prompt, as the engine's."""
+    def generate_segments(self, requests: Sequence[SegmentRequest], sampling: SamplingParams) -> list[Segment]:
+        """THIS rank's segments, from one submission of the whole group's requests on every rank."""
         shares: list = [None] * self.group_size
-        dist.all_gather_object(shares, ([list(p) for p in prompt_ids], n, sampling), group=self.group)
-        if any(share[1] != n for share in shares):
-            raise ValueError(f"tensor-parallel ranks asked for different samples per prompt: {[s[1] for s in shares]}")
-        union = [p for share in shares for p in share[0]]
-        rollout = self.engine.generate(union, n, shares[0][2])  # the leader's seed: the same requests
-        start = sum(len(share[0]) for share in shares[:self.group_rank])
-        return rollout.select(torch.arange(start * n, (start + len(prompt_ids)) * n))
+        dist.all_gather_object(shares, list(requests), group=self.group)
+        union = [r for share in shares for r in share]
+        start = sum(len(share) for share in shares[:self.group_rank])
+        return self.engine.generate_segments(union, sampling)[start: start + len(requests)]
 
-    #: not forwarded to the engine: a rank's calls must go through `generate`'s gather of the group's prompts
-    generate_many = None
+    @property
+    def needs_weights(self) -> bool:
+        return self.engine.needs_weights
 
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    @property
+    def policy_version(self) -> int | None:
+        return self.engine.policy_version
+
+    def weight_update(self, version: int | None = None):
+        return self.engine.weight_update(version)
+
+    def load_weights(self, weights) -> None:
+        self.engine.load_weights(weights)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+    def close(self) -> None:
+        self.engine.close()

@@ -44,9 +44,11 @@ class DecodingSetting:
 #: Training-aligned (T=1.0, top-p=1.0) and JustRL (T=0.7, top-p=0.9) settings, paper §5.1.
 PAPER_SETTINGS: tuple[DecodingSetting, ...] = (DecodingSetting("train", 1.0, 1.0),
                                                DecodingSetting("justrl", 0.7, 0.9))
+#: Greedy decoding (T=0): what a training run's own evaluation uses (`trainer.eval_every`); one sample is enough.
+GREEDY = DecodingSetting("greedy", 0.0, 1.0)
 #: `--settings` choices.
 SETTING_GROUPS: dict[str, tuple[DecodingSetting, ...]] = {
-    "paper": PAPER_SETTINGS, "train": PAPER_SETTINGS[:1], "justrl": PAPER_SETTINGS[1:]}
+    "paper": PAPER_SETTINGS, "train": PAPER_SETTINGS[:1], "justrl": PAPER_SETTINGS[1:], "greedy": (GREEDY,)}
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,9 @@ def local_benchmark(path: str | Path, *, name: str | None = None, prompt_field: 
 
 
 def load_benchmark(preset: BenchmarkPreset, tokenizer, *, instruction: str | None = PAPER_INSTRUCTION,
-                   cache_dir: str | Path | None = None) -> PromptDataset:
-    """Load a benchmark's prompts (strict: a missing dataset or field raises one clear line).
+                   cache_dir: str | Path | None = None, tools: list[dict] | None = None) -> PromptDataset:
+    """Load a benchmark's prompts (strict: a missing dataset or field raises one clear line); ``tools``:
+    the schemas of the tools the prompts offer (rendered by the chat template, as in training).
 
     Raises:
         FileNotFoundError: a local file is missing.
@@ -133,7 +136,7 @@ def load_benchmark(preset: BenchmarkPreset, tokenizer, *, instruction: str | Non
         dataset = load_prompt_dataset(preset.hf_name, split=preset.split, prompt_field=preset.prompt_field,
                                       answer_field=preset.answer_field, tokenizer=tokenizer,
                                       instruction=instruction, data_files=preset.data_files,
-                                      cache_dir=cache_dir)
+                                      cache_dir=cache_dir, tools=tools)
     except KeyError as err:  # missing column / nested key, raised by stapo.data with the row
         raise ValueError(f"{preset.name} ({preset.hf_name}): {err.args[0]}") from None
     except ValueError as err:

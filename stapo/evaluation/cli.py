@@ -5,6 +5,7 @@
     stapo eval MODEL --data math500=MATH-500-test.parquet        # a preset from a local file (offline)
     stapo eval MODEL --data my.jsonl --prompt-field question --answer-field answer --samples 8
     stapo eval MODEL --data my.jsonl --reward-function my_rewards.py:score   # correct = reward > 0
+    stapo eval MODEL --data my.jsonl --tools python --max-turns 4  # tool episodes (docs/tir.md)
     stapo eval MODEL --benchmark aime24 --dry-run                # check the arguments; samples nothing
 
 User mistakes raise FileNotFoundError / ValueError with one line; the CLI prints it.
@@ -39,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, metavar="N",
                         help="samples per problem (default: the paper's N: 32 AIME/AMC, 4 others; 4 for files)")
     parser.add_argument("--settings", choices=sorted(SETTING_GROUPS), default="paper",
-                        help="decoding: train (T=1.0, top-p=1.0), justrl (T=0.7, top-p=0.9), paper (both)")
+                        help="decoding: train (T=1.0, top-p=1.0), justrl (T=0.7, top-p=0.9), paper (both), "
+                             "greedy (T=0: a training run's own evaluation; use --samples 1)")
     parser.add_argument("--max-new-tokens", type=int, default=20480, metavar="N", help="default: 20480 (paper)")
     from stapo.rollout.registry import engine_choices  # the registry: user-registered engines count
 
@@ -65,6 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the function takes the whole batch (as reward.function_batched)")
     parser.add_argument("--reward-timeout", type=float, default=5.0, metavar="S",
                         help="limit per verifier item / function call in seconds (as reward.timeout_s)")
+    parser.add_argument("--tools", metavar="NAME[,NAME]",
+                        help="every response is a tool episode calling these registered tools (stapo tools; "
+                             "as rollout.tools in training); the tool calls and errors per episode are reported")
+    parser.add_argument("--tool-parser", default="qwen3", metavar="NAME",
+                        help="the call format of --tools (as rollout.tools.parser; default: qwen3)")
+    parser.add_argument("--max-turns", type=int, default=8, metavar="N",
+                        help="policy turns per episode with --tools (default 8); --max-new-tokens bounds the "
+                             "episode's policy and context tokens")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the model directory, benchmarks, engine and judge, print the plan and exit")
 
@@ -77,9 +87,11 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.reward_timeout <= 0:
         raise ValueError(f"--reward-timeout must be > 0, got {args.reward_timeout}")
     for name, value in (("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens),
-                        ("--tensor-parallel-size", args.tensor_parallel_size), ("--batch-rows", args.batch_rows)):
+                        ("--tensor-parallel-size", args.tensor_parallel_size), ("--batch-rows", args.batch_rows),
+                        ("--max-turns", args.max_turns)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    args.tools = _tools(args)
     benchmarks = _benchmarks(args)
     if args.dry_run:
         return _dry_run(model, benchmarks, args)
@@ -90,7 +102,8 @@ def run_cli(args: argparse.Namespace) -> int:
                             reward_function=args.reward_function,
                             reward_function_batched=args.reward_function_batched,
                             reward_timeout_s=args.reward_timeout, tensor_parallel_size=args.tensor_parallel_size,
-                            batch_rows=args.batch_rows)
+                            batch_rows=args.batch_rows, tools=args.tools, tool_parser=args.tool_parser,
+                            max_turns=args.max_turns)
     from stapo.distributed.process_group import get_rank
 
     if get_rank() == 0:  # under torchrun every rank holds the whole report
@@ -117,10 +130,26 @@ def _dry_run(model: Path, benchmarks: list, args: argparse.Namespace) -> int:
               f"  engine: {args.engine}" + (f" -> {engine}" if engine != args.engine else "")
               + (f", tensor parallel over {args.tensor_parallel_size} GPUs" if args.tensor_parallel_size > 1 else ""),
               f"  judge: {args.reward_function or args.reward_mode}"]
+    if args.tools:
+        lines.append(f"  tool episodes: {', '.join(args.tools)} ({args.tool_parser} calls, at most {args.max_turns} "
+                     "turns)")
     problem = engine_problem(engine)
     lines += [f"  not on this machine: {problem}"] if problem else []
     print("\n".join(lines))
     return 0
+
+
+def _tools(args: argparse.Namespace) -> list[str]:
+    """--tools as registered names, with --tool-parser checked (each error names what is valid)."""
+    if not args.tools:
+        return []
+    from stapo.tools import build_tool_parser, tool_params
+
+    names = [name.strip() for name in args.tools.split(",") if name.strip()]
+    for name in names:
+        tool_params(name)  # an unknown name raises, listing the registered tools
+    build_tool_parser(args.tool_parser, tools=tuple(names))
+    return names
 
 
 def _benchmarks(args: argparse.Namespace) -> list:

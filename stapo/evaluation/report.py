@@ -35,6 +35,8 @@ class BenchmarkResult:
         ground_truth: P reference answers.
         responses: P lists of N response texts (empty when not kept).
         pass_k: the k of pass@k to report (those > N are skipped).
+        tool_calls, tool_errors: (P, N) int, tool calls and failed calls of each episode (`stapo eval
+            --tools`), or None for one-turn responses.
     """
 
     benchmark: str
@@ -46,6 +48,8 @@ class BenchmarkResult:
     ground_truth: list[str]
     responses: list[list[str]] = field(default_factory=list)
     pass_k: tuple[int, ...] = (1,)
+    tool_calls: np.ndarray | None = None
+    tool_errors: np.ndarray | None = None
 
     @property
     def num_problems(self) -> int:
@@ -78,6 +82,8 @@ class BenchmarkResult:
             "avg_at_n": self.avg_at_n, "pass_at_k": {str(k): v for k, v in self.pass_at.items()},
             "mean_response_length": float(self.response_lengths.mean()) if self.response_lengths.size else 0.0,
             "truncated_frac": float(self.truncated.mean()) if self.truncated.size else 0.0,
+            **({} if self.tool_calls is None else {"tool_calls_mean": float(self.tool_calls.mean()),
+                                                   "tool_errors_mean": float(self.tool_errors.mean())}),
             "per_problem": [{"index": i, "ground_truth": gt, "correct": c}
                             for i, gt, c in zip(self.problem_index, self.ground_truth, counts, strict=True)],
         }
@@ -138,13 +144,16 @@ class EvalReport:
                               + [_pct(self.result(b.name, s.name).avg_at_n) for s in self.settings]))
         lines.append(_row(["**average**", "", ""] + [f"**{_pct(self.average(s.name))}**" for s in self.settings]))
         ks = sorted({k for r in self.results for k in r.pass_at})
-        head = ["benchmark", "setting"] + [f"pass@{k}" for k in ks] + ["mean length", "truncated"]
+        tools = any(r.tool_calls is not None for r in self.results)
+        head = ["benchmark", "setting"] + [f"pass@{k}" for k in ks] + ["mean length", "truncated"] \
+            + (["tool calls / episode", "tool errors / episode"] if tools else [])
         lines += ["", _row(head), _row(["---"] * len(head))]
         for r in self.results:
             d = r.to_dict()
             lines.append(_row([r.benchmark, r.setting.name] + [_pct(r.pass_at[k]) if k in r.pass_at else "–"
                                                                 for k in ks]
-                              + [f"{d['mean_response_length']:.0f}", _pct(d["truncated_frac"])]))
+                              + [f"{d['mean_response_length']:.0f}", _pct(d["truncated_frac"])]
+                              + ([f"{d['tool_calls_mean']:.2f}", f"{d['tool_errors_mean']:.2f}"] if tools else [])))
         return "\n".join(lines) + "\n"
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:

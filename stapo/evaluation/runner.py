@@ -4,8 +4,10 @@ LoRA adapter directory: merged into its base first, stapo.evaluation.adapter).
 For each benchmark and decoding setting: sample N responses per problem (vLLM on a GPU when it is
 installed, the HF engine otherwise), judge them with the rule-based math verifier (or another
 ``reward_mode`` / a ``reward_function``: a response counts as correct when its reward is > 0), and report
-avg@N, unbiased pass@k and per-problem correct counts. All datasets are loaded before any
-generation, so a missing file or field fails in seconds, not after an hour of sampling.
+avg@N, unbiased pass@k and per-problem correct counts. With ``tools`` every response is a tool episode
+(the trainer's episodes, docs/tir.md): the prompts offer the tools, the verifier scores each episode's final
+turn, and the tool calls and errors per episode are reported beside the accuracy. All datasets are loaded
+before any generation, so a missing file or field fails in seconds, not after an hour of sampling.
 
     report = evaluate_model("runs/stapo/final", ["math500"], settings=PAPER_SETTINGS[:1])
     print(report.markdown())
@@ -31,6 +33,9 @@ from stapo.evaluation.adapter import is_adapter_dir, loadable_model_dir
 from stapo.evaluation.benchmarks import (PAPER_SETTINGS, BenchmarkPreset, DecodingSetting, get_benchmark,
                                          load_benchmark)
 from stapo.evaluation.report import BenchmarkResult, EvalReport
+from stapo.rollout import Rollout, RolloutEngine, SamplingParams, ToolEpisodes, generate
+from stapo.rollout.sampling import derived_seed
+from stapo.rollout.trajectory import prompt_seeds
 
 __all__ = ["Ranks", "build_engine", "check_model_dir", "evaluate_model", "sample_benchmark"]
 
@@ -61,13 +66,14 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
                    instruction: str | None = PAPER_INSTRUCTION, keep_responses: bool = True,
                    cache_dir: str | Path | None = None, reward_mode: str = "math",
                    reward_function: str | None = None, reward_function_batched: bool = False,
-                   reward_timeout_s: float = 5.0, tensor_parallel_size: int = 1) -> EvalReport:
+                   reward_timeout_s: float = 5.0, tensor_parallel_size: int = 1, tools: Sequence[str] = (),
+                   tool_parser: str = "qwen3", max_turns: int = 8) -> EvalReport:
     """Evaluate a model on `benchmarks` (preset names or `BenchmarkPreset`s) under `settings`.
 
     Args:
         num_samples: N per problem for every benchmark; None uses each preset's N (paper §5.1).
         engine: "auto" (vLLM if a GPU and vLLM are available, else HF), "hf", "vllm", or a ready
-            `RolloutEngine` (it needs a `tokenizer` attribute or a tokenizer in `model_path`).
+            `RolloutEngine` (with its `tokenizer`).
         seed: sampling seed; chunk c of a benchmark samples with a seed derived from (seed, c).
         pass_k: k of the pass@k to report (k > N is skipped).
         batch_rows: most prompt × sample rows per `generate` call (also the progress granularity).
@@ -77,6 +83,9 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
         reward_function: `"pkg.mod:fn"` or `"file.py:fn"` (as `reward.function`; implies mode
             `function`), `reward_function_batched` its batch form; `reward_timeout_s` per call.
         tensor_parallel_size: GPUs of the one vLLM engine (vLLM's own executor; one process).
+        tools: names of registered tools (`stapo tools`): every response is a tool episode of at most
+            ``max_turns`` policy turns in the ``tool_parser`` call format, within ``max_new_tokens`` policy and
+            context tokens (as ``rollout.tools`` in training, each tool with its default limits).
 
     Under a launcher (``torchrun --nproc_per_node 8 -m stapo.cli eval ...``) every rank builds its own
     engine and samples every ``world_size``-th chunk of ``batch_rows`` rows; the ranks then exchange
@@ -101,11 +110,12 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
     load_path = stack.enter_context(loadable_model_dir(check_model_dir(model_path))) \
         if isinstance(engine, str) else model_path
     with stack:
-        if isinstance(engine, str):
-            tokenizer = _load_tokenizer(load_path)
-        else:
-            tokenizer = getattr(engine, "tokenizer", None) or _load_tokenizer(model_path)
-        datasets = [load_benchmark(p, tokenizer, instruction=instruction, cache_dir=cache_dir) for p in presets]
+        tokenizer = _load_tokenizer(load_path) if isinstance(engine, str) else engine.tokenizer
+        tokenizer = tokenizer or _load_tokenizer(model_path)
+        episodes = _tool_episodes(tokenizer, tools, tool_parser, max_turns) if tools else None
+        schemas = [t.schema() for t in episodes.tools.values()] if episodes is not None else None
+        datasets = [load_benchmark(p, tokenizer, instruction=instruction, cache_dir=cache_dir, tools=schemas)
+                    for p in presets]
         for p, ds in zip(presets, datasets, strict=True):
             logger.info("%s: %d problems from %s, N = %d", p.name, len(ds), p.hf_name, num_samples or p.num_samples)
         longest_prompt = max(len(e.prompt_ids) for ds in datasets for e in ds)
@@ -124,7 +134,7 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
                                                 num_samples=num_samples or preset.num_samples,
                                                 max_new_tokens=max_new_tokens, seed=seed, pass_k=tuple(pass_k),
                                                 batch_rows=batch_rows, keep_responses=keep_responses,
-                                                ranks=ranks))
+                                                ranks=ranks, tools=episodes))
     finally:
         scorer.close()
     return EvalReport(model_path=str(model_path), engine=engine_name, benchmarks=presets, settings=tuple(settings),
@@ -142,42 +152,44 @@ class Ranks:
 
 @dataclasses.dataclass(frozen=True)
 class _Chunk:
-    """One `generate` call's judged rows: (problems, N) arrays and the response texts per problem."""
+    """One chunk's judged rows: (problems, N) arrays and the response texts per problem."""
 
     first: int
     correct: np.ndarray
     lengths: np.ndarray
     truncated: np.ndarray
     texts: list
+    tool_calls: np.ndarray | None = None
+    tool_errors: np.ndarray | None = None
 
 
-def sample_benchmark(engine, scorer, dataset: PromptDataset, *, name: str, setting: DecodingSetting,
+def sample_benchmark(engine: RolloutEngine, scorer, dataset: PromptDataset, *, name: str, setting: DecodingSetting,
                      num_samples: int, max_new_tokens: int, seed: int, pass_k: tuple[int, ...] = DEFAULT_PASS_K,
-                     batch_rows: int = 1024, keep_responses: bool = True, ranks: Ranks = Ranks()) -> BenchmarkResult:
-    """N samples per problem of `dataset` under `setting`, judged by `scorer` (`.score(responses,
-    answers, row_fields)`, e.g. a `MathVerifier`): a response is correct when its reward is > 0.
+                     batch_rows: int = 1024, keep_responses: bool = True, ranks: Ranks = Ranks(),
+                     tools: ToolEpisodes | None = None) -> BenchmarkResult:
+    """N samples per problem of `dataset` under `setting` (tool episodes with ``tools``), judged by `scorer`
+    (`.score(responses, answers, row_fields)`, e.g. a `MathVerifier`): a response is correct when its reward
+    is > 0.
 
-    The problems go in chunks of ``batch_rows // N``, chunk ``c`` to rank ``c % world_size``, seeded
-    by its first problem's index: every rank count samples the same chunks with the same seeds. An engine with
-    ``generate_many`` (vLLM) gets all of the rank's chunks in one submission, so no chunk waits for
-    the longest response of the one before; others get one `generate` call per chunk."""
-    from stapo.rollout.sampling import SamplingParams, derived_seed
-
+    The problems go in chunks of ``batch_rows // N``, chunk ``c`` to rank ``c % world_size``, seeded by its
+    first problem's index: every rank count samples the same chunks with the same seeds. All of a rank's
+    chunks go to the engine together (one `generate_segments` call per round of segments), so no chunk waits
+    for the longest response of the one before."""
     n, examples = num_samples, list(dataset)
     per_call = max(1, batch_rows // n)
     firsts = list(range(0, len(examples), per_call))[ranks.rank::ranks.world_size]
-    calls = [([e.prompt_ids for e in examples[first: first + per_call]], n,
-              SamplingParams(temperature=setting.temperature, top_p=setting.top_p, max_new_tokens=max_new_tokens,
-                             seed=derived_seed(seed, first))) for first in firsts]
-    generate_many = getattr(engine, "generate_many", None)  # vLLM: every chunk in one submission, no tail per chunk
-    rollouts = generate_many(calls, progress=True) if generate_many is not None else None
-    chunks, start = [], time.perf_counter()
-    for i, first in enumerate(firsts):
-        rollout = rollouts[i] if rollouts is not None else engine.generate(*calls[i])
-        chunks.append(_judge_chunk(scorer, examples[first: first + per_call], first, rollout, n, keep_responses))
+    mine = [examples[first: first + per_call] for first in firsts]
+    seeds = [s for first, chunk in zip(firsts, mine) for s in prompt_seeds(derived_seed(seed, first), len(chunk))]
+    sampling = SamplingParams(temperature=setting.temperature, top_p=setting.top_p, max_new_tokens=max_new_tokens)
+    start = time.perf_counter()
+    rollout = generate(engine, [e.prompt_ids for chunk in mine for e in chunk], n, sampling, tools=tools, seeds=seeds)
+    chunks, row, total = [], 0, sum(len(chunk) for chunk in mine)
+    for first, chunk in zip(firsts, mine, strict=True):
+        chunks.append(_judge_chunk(scorer, chunk, first, rollout.select(slice(row, row + len(chunk) * n)), n,
+                                   keep_responses))
+        row += len(chunk) * n
         done = sum(len(c.correct) for c in chunks)
-        share = f" (rank {ranks.rank}: {done}/{sum(min(per_call, len(examples) - f) for f in firsts)})" \
-            if ranks.world_size > 1 else f" {done}/{len(examples)} problems"
+        share = f" (rank {ranks.rank}: {done}/{total})" if ranks.world_size > 1 else f" {done}/{len(examples)} problems"
         logger.info("%s [%s]%s, %.1f%% correct so far, %.0f s", name, setting.label, share,
                     100 * np.concatenate([c.correct for c in chunks]).mean(), time.perf_counter() - start)
     if ranks.world_size > 1:
@@ -185,23 +197,38 @@ def sample_benchmark(engine, scorer, dataset: PromptDataset, *, name: str, setti
 
         chunks = [c for rank_chunks in all_gather_object(chunks) for c in rank_chunks]
     chunks.sort(key=lambda c: c.first)
+    calls = np.concatenate([c.tool_calls for c in chunks]) if tools is not None else None
     return BenchmarkResult(benchmark=name, setting=setting, correct=np.concatenate([c.correct for c in chunks]),
                            response_lengths=np.concatenate([c.lengths for c in chunks]),
                            truncated=np.concatenate([c.truncated for c in chunks]),
                            problem_index=[e.index for e in examples], ground_truth=[e.ground_truth for e in examples],
-                           responses=[t for c in chunks for t in c.texts], pass_k=pass_k)
+                           responses=[t for c in chunks for t in c.texts], pass_k=pass_k, tool_calls=calls,
+                           tool_errors=np.concatenate([c.tool_errors for c in chunks]) if tools is not None else None)
 
 
-def _judge_chunk(scorer, chunk: list, first: int, rollout, n: int, keep_responses: bool) -> _Chunk:
-    """Judge one chunk's rollout (problems ``first``, ``first + 1``, ...; rows: problem ``i // n``)."""
+def _judge_chunk(scorer, chunk: list, first: int, rollout: Rollout, n: int, keep_responses: bool) -> _Chunk:
+    """Judge one chunk's rows (problems ``first``, ``first + 1``, ...; rows: problem ``i // n``): an
+    episode's final turn is its answer (`Rollout.answer_text`)."""
     answers = [e.ground_truth for e in chunk for _ in range(n)]
     fields = [e.fields for e in chunk for _ in range(n)]
-    verdicts = [r > 0 for r in scorer.score(rollout.response_text, answers, fields)]
-    return _Chunk(first=first, correct=np.asarray(verdicts, dtype=bool).reshape(len(chunk), n),
-                  lengths=rollout.response_lengths.numpy().reshape(len(chunk), n),
-                  truncated=np.asarray([r == "length" for r in rollout.finish_reason]).reshape(len(chunk), n),
+    verdicts = [r > 0 for r in scorer.score(rollout.answer_text, answers, fields)]
+    shape = (len(chunk), n)
+    info = rollout.episodes
+    return _Chunk(first=first, correct=np.asarray(verdicts, dtype=bool).reshape(shape),
+                  lengths=rollout.response_lengths.numpy().reshape(shape),
+                  truncated=np.asarray([r == "length" for r in rollout.finish_reason]).reshape(shape),
                   texts=[rollout.response_text[i * n: (i + 1) * n] for i in range(len(chunk))] if keep_responses
-                  else [])
+                  else [],
+                  tool_calls=None if info is None else info.tool_calls.numpy().reshape(shape),
+                  tool_errors=None if info is None else info.tool_errors.numpy().reshape(shape))
+
+
+def _tool_episodes(tokenizer, names: Sequence[str], parser: str, max_turns: int) -> ToolEpisodes:
+    """Episodes with the registered tools ``names`` (their default limits) in the ``parser`` call format."""
+    from stapo.tools import build_tool, build_tool_parser
+
+    return ToolEpisodes(tokenizer, build_tool_parser(parser, tools=tuple(names)),
+                        {name: build_tool(name) for name in names}, max_turns=max_turns)
 
 
 def _join_ranks(tensor_parallel_size: int) -> Ranks:
@@ -218,8 +245,8 @@ def _join_ranks(tensor_parallel_size: int) -> Ranks:
     return Ranks(info.rank, info.world_size)
 
 
-def build_engine(engine, model_path: str | Path, tokenizer, *, max_model_len: int, seed: int = 0,
-                 tensor_parallel_size: int = 1):
+def build_engine(engine: str | RolloutEngine, model_path: str | Path, tokenizer, *, max_model_len: int,
+                 seed: int = 0, tensor_parallel_size: int = 1) -> tuple[str, RolloutEngine]:
     """`(name, engine)`: a ready engine is used as given; a name goes through the rollout-engine
     registry ("auto" picks vLLM on a GPU when installed)."""
     if not isinstance(engine, str):
@@ -231,7 +258,7 @@ def build_engine(engine, model_path: str | Path, tokenizer, *, max_model_len: in
     cuda = torch.cuda.is_available()
     opts = EngineOptions(dtype=torch.bfloat16 if cuda else torch.float32, max_model_len=max_model_len, seed=seed,
                          max_batch_size=64, gpu_memory_utilization=0.9, enable_sleep_mode=False,
-                         tensor_parallel_size=tensor_parallel_size)
+                         tensor_parallel_size=tensor_parallel_size, progress=True)
     if tensor_parallel_size > 1 and resolve_engine(engine) != "vllm":
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs the vllm engine, got "
                          f"{resolve_engine(engine)}")

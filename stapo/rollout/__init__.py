@@ -1,21 +1,28 @@
-"""Rollout engines: prompts (token ids) -> `Rollout` (docs/rollout.md).
+"""Rollout engines and the drivers over them: prompts (token ids) -> `Rollout` (docs/rollout.md).
 
-    from stapo.rollout import HFEngine, VLLMEngine, Rollout, SamplingParams
+    from stapo.rollout import HFEngine, SamplingParams, generate
+    rollout = generate(HFEngine("path/to/model"), prompt_ids, n=8, sampling=SamplingParams(seed=0))
 
-`HFEngine` runs a transformers model (CPU or GPU); `VLLMEngine` runs vLLM colocated in the training
-process and imports vllm only when constructed. Both report the log-probability of each sampled
-token under the processed sampling distribution (temperature, top-k, top-p).
+An engine continues contexts by segments (`RolloutEngine.generate_segments`, the whole contract);
+the drivers (`generate`, `Generation`) make one-turn responses, tool episodes (`ToolEpisodes`) and
+responses continued after a weight sync out of them. `HFEngine` runs a transformers model (CPU or GPU);
+`VLLMEngine` runs vLLM colocated in the training process and imports vllm only when constructed. Every
+engine reports the log-probability of each sampled token under the processed sampling distribution
+(temperature, top-k, top-p).
 
 May import: ``stapo.losses``, ``stapo.registry`` and the rest below them (docs/index.md, "Layout");
 only this folder imports vllm, lazily.
 """
 
 from stapo.rollout.batch import Rollout
-from stapo.rollout.engine import RolloutEngine
+from stapo.rollout.drivers import Generation, generate
+from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
+from stapo.rollout.episodes import ToolEpisodes
 from stapo.rollout.hf_engine import HFEngine
 from stapo.rollout.registry import EngineOptions, available_engines, build_engine, register_engine
 from stapo.rollout.sampling import SamplingParams
 from stapo.rollout.vllm_engine import VLLMEngine
 
-__all__ = ["EngineOptions", "HFEngine", "Rollout", "RolloutEngine", "SamplingParams", "VLLMEngine",
-           "available_engines", "build_engine", "register_engine"]
+__all__ = ["EngineOptions", "Generation", "HFEngine", "Rollout", "RolloutEngine", "SamplingParams", "Segment",
+           "SegmentRequest", "ToolEpisodes", "VLLMEngine", "available_engines", "build_engine", "generate",
+           "register_engine"]

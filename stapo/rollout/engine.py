@@ -1,70 +1,111 @@
-"""`RolloutEngine`: what the trainer needs from a generator (paper Algorithm 1, lines 1-2).
+"""`RolloutEngine`: what the trainer, the drivers and `stapo eval` need from a generator (paper Algorithm 1,
+lines 1-2). This base class is the whole contract: every member anyone outside the engine uses is listed
+here, with its default; nothing probes an engine for more (CONTRIBUTING.md, "a rollout engine").
 
-An engine holds its OWN copy of the policy weights (never the ZeRO-3-sharded training module): the
-trainer gathers the training weights in buckets and pushes them with `load_weights` before each
-rollout (docs/distributed.md, "Weight sync"), all buckets of one sync inside one `weight_update`
-session, then calls `generate`. `sleep` / `wake` let a colocated
-GPU engine release its memory while the trainer runs the optimizer steps.
+The primitive is a **segment**: continue a batch of token contexts, each with its own seed and token limit,
+until a stop string, EOS, the limit or an interrupt, and return per context the new tokens, their sampler
+log-probs (under the processed distribution, `stapo.rollout.sampling`), the decoded text, the finish reason
+and the policy version that sampled them. One-turn responses, tool episodes and responses continued after a
+weight sync are all sequences of segments (`stapo.rollout.drivers`, docs/rollout.md).
+
+An engine holds its OWN copy of the policy weights (never the ZeRO-3-sharded training module): the trainer
+gathers the training weights in buckets and pushes them with `load_weights`, all buckets of one sync inside
+one `weight_update` session (docs/distributed.md, "Weight sync"). `sleep` / `wake` let a colocated GPU
+engine release its memory while the trainer runs the optimizer steps.
 """
 
 from __future__ import annotations
 
+import abc
+import contextlib
 from collections.abc import Iterable, Sequence
-from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
 
 import torch
 
-from stapo.rollout.batch import Rollout
 from stapo.rollout.sampling import SamplingParams
 
-__all__ = ["RolloutEngine", "check_prompts", "release_cached_memory"]
+__all__ = ["FINISH_REASONS", "RolloutEngine", "Segment", "SegmentRequest", "release_cached_memory"]
+
+#: stop: EOS, a stop id or a stop string; length: the request's token limit; interrupted: cut by
+#: `RolloutEngine.interrupt` (its tokens are kept, the sample goes on later); error: the request was refused
+FINISH_REASONS = ("stop", "length", "interrupted", "error")
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """Generates G samples per prompt and accepts fresh weights."""
+@dataclass(frozen=True)
+class SegmentRequest:
+    """Continue one context: the prompt and everything generated (or appended) after it so far."""
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> Rollout:
-        """Sample `n` responses for each prompt (token ids); rows are grouped per prompt."""
-        ...
+    context: list[int]
+    seed: int | None  # this segment's seed (stapo.rollout.trajectory.segment_seed); None: the engine's stream
+    max_new_tokens: int
 
-    def weight_update(self) -> AbstractContextManager:
-        """One weight sync: a context in which `load_weights` is called once per bucket. The engine
-        may defer processing until the block ends (vLLM processes a fused layer once complete)."""
-        ...
 
+@dataclass(frozen=True)
+class Segment:
+    """What one `SegmentRequest` produced."""
+
+    tokens: list[int]
+    logprobs: list[float]  # sampler log-prob of each token under the processed distribution
+    text: str  # the new tokens decoded, special tokens skipped
+    finish: str  # one of FINISH_REASONS
+    version: int | None = None  # the policy version that sampled every token (None: nobody told the engine)
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.logprobs):
+            raise ValueError(f"a segment has {len(self.tokens)} tokens but {len(self.logprobs)} log-probs")
+        if self.finish not in FINISH_REASONS:
+            raise ValueError(f"a segment finished with {self.finish!r}, not one of {FINISH_REASONS}")
+
+
+class RolloutEngine(abc.ABC):
+    """A generator of segments that accepts fresh weights (see the module docstring).
+
+    Subclasses set `tokenizer` and `pad_token_id` and implement the three abstract methods; the other
+    members have defaults that fit an engine without the feature.
+    """
+
+    tokenizer = None  # the policy's tokenizer (None: the engine never decodes here, e.g. rollout servers)
+    pad_token_id: int = 0
+    max_model_len: int | None = None  # longest context + new tokens the engine holds (None: no limit known)
+    interruptible: bool = False  # `interrupt` can cut segments in flight (rollout servers with rollout.partial)
+    needs_weights: bool = False  # a level-2 sleep discarded the weights: sync before generating
+    policy_version: int | None = None  # the version of the last `weight_update(version)` (None: not told)
+    last_sync = None  # what the last sync did (rollout servers: a `server_engine.SyncOutcome`; None elsewhere)
+
+    @abc.abstractmethod
+    def generate_segments(self, requests: Sequence[SegmentRequest], sampling: SamplingParams) -> list[Segment]:
+        """One segment per request, in order. ``sampling`` gives temperature, top-k, top-p, stop strings and
+        stop ids; its ``seed`` and ``max_new_tokens`` are not read (each request carries its own)."""
+
+    @abc.abstractmethod
+    def weight_update(self, version: int | None = None) -> contextlib.AbstractContextManager:
+        """One weight sync: a context in which `load_weights` is called once per bucket. Afterwards the
+        engine holds policy ``version`` (`policy_version`). The engine may defer processing until the block
+        ends (vLLM processes a fused layer once complete)."""
+
+    @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy one bucket of full (gathered) tensors, keyed by HF parameter names, into the engine.
-
-        Called repeatedly inside `weight_update`, one bucket at a time; a bucket may end in the middle
-        of a layer; names not in the model raise an error."""
-        ...
+        """Copy one bucket of full (gathered) tensors, keyed by HF parameter names, into the engine: called
+        repeatedly inside `weight_update`; a bucket may end in the middle of a layer; names not in the model
+        raise an error."""
 
     def sleep(self) -> None:
-        """Release accelerator memory until `wake` (no-op where meaningless)."""
-        ...
+        """Release accelerator memory until `wake` (default: nothing to release)."""
 
     def wake(self) -> None:
-        """Undo `sleep` (no-op where meaningless)."""
-        ...
+        """Undo `sleep` (default: nothing to bring back)."""
 
+    def close(self) -> None:
+        """Stop what the engine runs in the background (default: nothing)."""
 
-def check_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> list[list[int]]:
-    """Validate `generate`'s inputs; returns the prompts as plain int lists."""
-    if n < 1:
-        raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
-    try:
-        prompts = [[int(t) for t in p] for p in prompt_ids]
-    except (TypeError, ValueError) as err:
-        raise TypeError("prompt_ids must be a sequence of token-id sequences (not text, not a tokenizer "
-                        f"BatchEncoding): {err}") from err
-    if not prompts:
-        raise ValueError("generate() got no prompts")
-    empty = [i for i, p in enumerate(prompts) if not p]
-    if empty:
-        raise ValueError(f"prompts {empty[:10]} are empty; every prompt needs at least one token")
-    return prompts
+    def interrupt(self) -> None:
+        """Cut the segments in flight (they return ``finish="interrupted"`` with what they produced) and start
+        none until `resume`. Only for `interruptible` engines."""
+        raise RuntimeError(f"{type(self).__name__} cannot be interrupted: its segments always run to the end")
+
+    def resume(self) -> None:
+        """Let segments run again after `interrupt` (default: nothing to undo)."""
 
 
 def release_cached_memory() -> None:

@@ -2,14 +2,17 @@
 
 Why our own decoding loop instead of `model.generate`: the trainer needs the log-probability of each
 sampled token under the exact distribution it was drawn from (temperature → top-k → top-p,
-renormalized; see `stapo.rollout.sampling`), reproducible from `SamplingParams.seed` with a private
-`torch.Generator`. The loop prefills each prompt once, copies its KV cache to its G samples, and drops
-finished rows from the batch so long-tail responses do not pay for short ones.
+renormalized; see `stapo.rollout.sampling`), reproducible from each request's seed. Every request draws
+from its own `torch.Generator` (`sample_with_uniforms`: one uniform per position from its seed), so a row's
+tokens do not depend on what else is in the batch (the seed scheme of `stapo.rollout.trajectory`). The loop
+prefills each distinct context once and gives each of its requests a copy of the KV cache (the G samples of
+a prompt share one prefill), and drops finished rows from the batch so long-tail responses do not pay for
+short ones.
 
 Usage (the engine owns its weights; the trainer pushes new ones every iteration):
 
     engine = HFEngine("path/to/model")            # loads its own copy (safe under ZeRO-3)
-    rollout = engine.generate(prompt_ids, n=8, sampling=SamplingParams(seed=0))
+    rollout = generate(engine, prompt_ids, n=8, sampling=SamplingParams(seed=0))   # stapo.rollout.drivers
     engine.load_weights(bucket)                   # [(hf_name, full_tensor), ...], bucket by bucket
 """
 
@@ -17,21 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
-from stapo.rollout.batch import Rollout, left_pad
-from stapo.rollout.engine import check_prompts
-from stapo.rollout.sampling import SamplingParams, processed_logprobs, sample_from_logprobs, sample_rows
+from stapo.rollout.batch import left_pad
+from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
+from stapo.rollout.sampling import SamplingParams, processed_logprobs, sample_with_uniforms
 
 __all__ = ["HFEngine"]
 
 logger = logging.getLogger("stapo.rollout")
 
+_DRAWS = 256  # uniforms drawn per request at a time (its generator's stream, in order)
 
-class HFEngine:
+
+class HFEngine(RolloutEngine):
     """A transformers causal LM held for inference, separate from the training copy.
 
     Args:
@@ -39,19 +44,20 @@ class HFEngine:
             `PreTrainedModel` (used as given, moved to `device` / `dtype`; pass a separate instance
             from the one being trained).
         tokenizer: tokenizer or its path; default: loaded from the model's directory.
-        device: where the model runs; the returned `Rollout` is always on CPU.
+        device: where the model runs; segments always come back as Python lists.
         dtype: model dtype (sampling math is always fp32).
-        max_batch_size: most rows (prompts × samples) decoded at once; larger requests are chunked.
+        max_batch_size: most rows (requests) decoded at once; more are decoded in chunks.
+        progress: log each chunk as it finishes (`stapo eval`).
     """
 
     def __init__(self, model, tokenizer=None, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, max_batch_size: int = 64) -> None:
+                 dtype: torch.dtype = torch.float32, max_batch_size: int = 64, progress: bool = False) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.device = torch.device(device)
-        self.max_batch_size = max_batch_size
+        self.max_batch_size, self.progress = max_batch_size, progress
         if isinstance(model, (str, Path)):
             source = str(model)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
@@ -74,73 +80,53 @@ class HFEngine:
 
     # ---------------------------------------------------------------- generate
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> Rollout:
-        """Sample `n` responses per prompt; see `Rollout` for the layout (rows grouped per prompt)."""
-        prompts = check_prompts(prompt_ids, n)
-        generator = self._generators(sampling, n, len(prompts))
+    def generate_segments(self, requests: Sequence[SegmentRequest], sampling: SamplingParams) -> list[Segment]:
+        """Decode every request, ``max_batch_size`` rows at a time (see the module docstring)."""
         stop_ids = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
-        per_chunk = max(1, self.max_batch_size // n)
-        rows = lambda i: generator[i * n: (i + per_chunk) * n] if isinstance(generator, list) else generator  # noqa: E731
-        parts = [self._generate_chunk(prompts[i: i + per_chunk], n, sampling, stop_ids, rows(i))
-                 for i in range(0, len(prompts), per_chunk)]
-        return parts[0] if len(parts) == 1 else Rollout.concat(parts)
+        out: list[Segment] = []
+        for start in range(0, len(requests), self.max_batch_size):
+            out += self._decode(list(requests[start: start + self.max_batch_size]), sampling, stop_ids)
+            if self.progress:
+                logger.info("HFEngine: %d of %d requests done", len(out), len(requests))
+        return out
 
-    def _generators(self, sampling: SamplingParams, n: int, num_prompts: int):
-        """One generator for the call (``seed``), or one per row (``request_seeds``: prompt p's sample i
-        draws from ``request_seeds[p] + i``, as vLLM seeds its n samples)."""
-        if sampling.request_seeds is None:
-            generator = torch.Generator(device=self.device)
-            if sampling.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(sampling.seed)
-            return generator
-        if len(sampling.request_seeds) != num_prompts:
-            raise ValueError(f"SamplingParams.request_seeds has {len(sampling.request_seeds)} seeds for "
-                             f"{num_prompts} prompts")
-        return [torch.Generator(device=self.device).manual_seed(seed + i)
-                for seed in sampling.request_seeds for i in range(n)]
-
-    def _generate_chunk(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
-                        stop_ids: list[int], generator: torch.Generator | list[torch.Generator]) -> Rollout:
+    def _decode(self, requests: list[SegmentRequest], sampling: SamplingParams, stop_ids: list[int]) -> list[Segment]:
         from transformers import DynamicCache
 
         dev, pad = self.device, self.pad_token_id
-        prompt_ids, prompt_mask = left_pad(prompts, pad)  # (P, Lp)
-        attn = prompt_mask.long().to(dev)  # (P, Lp)
-        positions = (attn.cumsum(dim=1) - 1).clamp(min=0)  # (P, Lp): 0 at each first real token
-        cache = DynamicCache(config=self.model.config)
+        unique: dict[tuple[int, ...], int] = {}
+        row_context = [unique.setdefault(tuple(r.context), len(unique)) for r in requests]
+        prompt_ids, prompt_mask = left_pad([list(c) for c in unique], pad)  # (U, Lp): each distinct context once
+        attn = prompt_mask.long().to(dev)  # (U, Lp)
+        positions = (attn.cumsum(dim=1) - 1).clamp(min=0)  # (U, Lp): 0 at each first real token
         cache_kw = cache_argument(self.model)
         out = self.model(input_ids=prompt_ids.to(dev), attention_mask=attn, position_ids=positions,
-                         use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-        # Prefill once per prompt, then give each of its n samples a copy of the cache.
+                         use_cache=True, logits_to_keep=1, **{cache_kw: DynamicCache(config=self.model.config)})
+        select = torch.tensor(row_context, device=dev)  # (B,) each request's context
         cache = getattr(out, cache_kw)
-        cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # (B, V)
-        attn = attn.repeat_interleave(n, dim=0)  # (B, Lp)
-        next_pos = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # (B, 1)
+        cache.batch_select_indices(select)  # each request gets its own copy of its context's cache
+        logits, attn, next_pos = out.logits[:, -1][select], attn[select], positions[:, -1:][select] + 1
 
-        b, t_max = logits.shape[0], sampling.max_new_tokens
+        b = len(requests)
+        limits = torch.tensor([r.max_new_tokens for r in requests], device=dev)  # (B,)
+        t_max = int(limits.max())
         response = torch.full((b, t_max), pad, dtype=torch.long, device=dev)  # (B, T)
         logprobs = torch.zeros((b, t_max), dtype=torch.float32, device=dev)  # (B, T)
-        valid = torch.zeros((b, t_max), dtype=torch.bool, device=dev)  # (B, T)
+        lengths = torch.zeros(b, dtype=torch.long, device=dev)  # (B,)
         stopped = torch.zeros(b, dtype=torch.bool, device=dev)  # (B,)
         rows = torch.arange(b, device=dev)  # (A,) rows still decoding
         stop = torch.tensor(stop_ids, dtype=torch.long, device=dev)
-        steps = 0
+        draws = _uniforms([r.seed for r in requests], sampling.greedy)
         for step in range(t_max):
             dist = processed_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (A, V)
-            if isinstance(generator, list):  # per-request seeds
-                tokens, token_lp = sample_rows(dist, [generator[r] for r in rows.tolist()], sampling.greedy)
-            else:
-                tokens, token_lp = sample_from_logprobs(dist, generator, greedy=sampling.greedy)  # (A,)
-            response[rows, step], logprobs[rows, step], valid[rows, step] = tokens, token_lp, True
-            steps = step + 1
-            done = torch.isin(tokens, stop)  # (A,)
+            tokens, token_lp = sample_with_uniforms(dist, next(draws).to(dev)[rows], sampling.greedy)  # (A,)
+            response[rows, step], logprobs[rows, step], lengths[rows] = tokens, token_lp, step + 1
+            hit = torch.isin(tokens, stop)  # (A,)
             if sampling.stop:
-                done |= self._stop_strings_hit(response, rows, step, sampling.stop)
-            stopped[rows[done]] = True
-            if step + 1 == t_max or bool(done.all()):
+                hit |= self._stop_strings_hit(response, rows, step, sampling.stop)
+            stopped[rows[hit]] = True
+            done = hit | (limits[rows] <= step + 1)
+            if bool(done.all()):
                 break
             if bool(done.any()):  # drop finished rows from the batch and the cache
                 keep = (~done).nonzero().squeeze(-1)
@@ -150,14 +136,10 @@ class HFEngine:
             logits = self.model(input_ids=tokens[:, None], attention_mask=attn, position_ids=next_pos,
                                 use_cache=True, **{cache_kw: cache}).logits[:, -1]  # (A, V)
             next_pos = next_pos + 1
-        response, logprobs, valid = response[:, :steps].cpu(), logprobs[:, :steps].cpu(), valid[:, :steps].cpu()
-        texts = self.tokenizer.batch_decode([r[m].tolist() for r, m in zip(response, valid, strict=True)],
-                                            skip_special_tokens=True)
-        return Rollout(
-            prompt_ids=prompt_ids.repeat_interleave(n, dim=0), prompt_mask=prompt_mask.repeat_interleave(n, dim=0),
-            response_ids=response, response_mask=valid, sampling_logprobs=logprobs,
-            finish_reason=["stop" if s else "length" for s in stopped.tolist()], response_text=texts,
-            group_index=torch.arange(len(prompts)).repeat_interleave(n), group_size=n, pad_token_id=pad)
+        ids = [r[:n].tolist() for r, n in zip(response.cpu(), lengths.tolist(), strict=True)]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return [Segment(i, lp[:len(i)].tolist(), text, "stop" if s else "length", self.policy_version)
+                for i, lp, text, s in zip(ids, logprobs.cpu(), texts, stopped.tolist(), strict=True)]
 
     def _stop_strings_hit(self, response: torch.Tensor, rows: torch.Tensor, step: int,
                           stop: tuple[str, ...]) -> torch.Tensor:
@@ -171,9 +153,11 @@ class HFEngine:
         return torch.tensor([any(t in text for t in stop) for text in texts], dtype=torch.bool, device=rows.device)
 
     # ------------------------------------------------------------ weight sync
-    def weight_update(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def weight_update(self, version: int | None = None) -> Iterator[None]:
         """A sync session; nothing to set up: `load_weights` copies each tensor as it arrives."""
-        return contextlib.nullcontext()
+        yield
+        self.policy_version = version
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -214,6 +198,23 @@ class HFEngine:
         if self.device.type == "cuda":
             self.model.to(self.device)
             self._targets = None
+
+
+def _uniforms(seeds: list[int | None], greedy: bool) -> Iterator[torch.Tensor]:
+    """(B,) uniforms per decoding step: row r's come from a generator seeded with ``seeds[r]`` (None: a fresh
+    random seed), ``_DRAWS`` at a time, on the CPU (the same numbers whatever the device)."""
+    if greedy:
+        while True:
+            yield torch.zeros(len(seeds))
+    generators = [torch.Generator() for _ in seeds]
+    for g, seed in zip(generators, seeds, strict=True):
+        if seed is None:
+            g.seed()
+        else:
+            g.manual_seed(seed)
+    while True:
+        block = torch.stack([torch.rand(_DRAWS, generator=g) for g in generators])  # (B, _DRAWS)
+        yield from block.unbind(dim=1)
 
 
 def _eos_token_ids(tokenizer, generation_config) -> list[int]:

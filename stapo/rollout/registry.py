@@ -42,6 +42,7 @@ class EngineOptions:
     tensor_parallel_size: int = 1  # vLLM
     enable_sleep_mode: bool = True  # vLLM: free GPU memory between rollouts
     sleep_level: int = 1  # vLLM: 1 keeps a host copy of the weights while asleep, 2 discards them
+    progress: bool = False  # report generation progress (stapo eval)
 
 
 EngineFactory = Callable[[str, object, EngineOptions], RolloutEngine]
@@ -114,7 +115,8 @@ def _build_hf(model_path: str, tokenizer, opts: EngineOptions) -> RolloutEngine:
     from stapo.rollout.hf_engine import HFEngine
 
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return HFEngine(model_path, tokenizer, device=device, dtype=opts.dtype, max_batch_size=opts.max_batch_size)
+    return HFEngine(model_path, tokenizer, device=device, dtype=opts.dtype, max_batch_size=opts.max_batch_size,
+                    progress=opts.progress)
 
 
 def _vllm_problem() -> str | None:
@@ -131,4 +133,4 @@ def _build_vllm(model_path: str, tokenizer, opts: EngineOptions) -> RolloutEngin
     return VLLMEngine(model_path, gpu_memory_utilization=opts.gpu_memory_utilization,
                       tensor_parallel_size=opts.tensor_parallel_size, enable_sleep_mode=opts.enable_sleep_mode,
                       dtype=str(opts.dtype).removeprefix("torch."), max_model_len=opts.max_model_len,
-                      seed=opts.seed, sleep_level=opts.sleep_level)
+                      seed=opts.seed, sleep_level=opts.sleep_level, progress=opts.progress)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["SamplingParams", "derived_seed", "processed_logprobs", "sample_from_logprobs", "sample_rows"]
+__all__ = ["SamplingParams", "derived_seed", "processed_logprobs", "sample_with_uniforms", "vllm_request_kwargs"]
 
 
 @dataclass
@@ -29,15 +29,18 @@ class SamplingParams:
             logprobs are then those of the temperature-1 distribution after top-k / top-p).
         top_p: nucleus mass in (0, 1]; 1 switches it off.
         top_k: keep the k most likely tokens; <= 0 switches it off.
-        max_new_tokens: response length limit; a row that hits it finishes with reason "length".
+        max_new_tokens: response length limit (an episode's: policy + context tokens); a row that hits it
+            finishes with reason "length".
         stop_token_ids: extra ids that end a row (the tokenizer's EOS ids always do).
-        seed: seeds the engine's own `torch.Generator`; None draws a fresh random seed.
+        seed: the call's seed; every sample and each of its segments derive their own from it
+            (`stapo.rollout.trajectory`), so a row's draws do not depend on the rest of the batch. None: the
+            engine's own stream (not reproducible).
         stop: strings that end a row once its decoded text (special tokens skipped) contains one, as
             vLLM's ``stop``: the row keeps every token up to and including the one that completed it
             (a tool call's closing tag ends a turn; docs/tir.md).
-        request_seeds: one seed per prompt of the call, overriding `seed`: sample i of prompt p draws
-            from ``request_seeds[p] + i`` (vLLM's rule for n samples) on every engine, whatever else is
-            in the batch. Multi-turn episodes seed each (episode, turn) this way.
+
+    Engines read the sampling settings (temperature, top-k, top-p, stop strings and ids) from it; seeds and
+    token limits reach them per request (`stapo.rollout.engine.SegmentRequest`).
     """
 
     temperature: float = 1.0
@@ -47,7 +50,6 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    request_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -66,11 +68,6 @@ class SamplingParams:
         self.stop = tuple(self.stop)
         if any(not isinstance(t, str) or not t for t in self.stop):
             raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
-        if self.request_seeds is not None:
-            self.request_seeds = tuple(self.request_seeds)
-            if any(not isinstance(x, int) or not 0 <= x < 2**31 - 1 for x in self.request_seeds):
-                raise ValueError("SamplingParams.request_seeds must be ints in [0, 2**31 - 1), got "
-                                 f"{self.request_seeds[:5]!r}")
 
     @property
     def greedy(self) -> bool:
@@ -99,28 +96,35 @@ def processed_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: in
     return torch.log_softmax(scores, dim=-1)
 
 
-def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator | None,
+def sample_with_uniforms(logprobs: torch.Tensor, uniforms: torch.Tensor,
                          greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row from `logprobs (N, V)`; returns `(tokens (N,) long, token_logprobs (N,))`.
+    """Draw one token per row of `logprobs (N, V)` by inverse CDF: row r takes the first token whose
+    cumulative probability exceeds ``uniforms[r] × total``. Returns `(tokens (N,) long, token_logprobs (N,))`.
 
-    Sampling uses only `generator` (never the global RNG), so a seeded generator reproduces the draw.
-    """
+    ``uniforms (N,)`` in [0, 1) come from each row's own generator (`HFEngine`: one per request), so a row's
+    draw depends on its seed and position only, not on which rows share the batch. A filtered token
+    (probability 0) is never drawn: the target stays below the total, and the first cumulative sum above it
+    belongs to a token with mass."""
     if greedy:
         tokens = logprobs.argmax(dim=-1)  # (N,)
     else:
-        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # (N,)
+        cdf = logprobs.exp().cumsum(dim=-1)  # (N, V)
+        total = cdf[:, -1:]
+        target = torch.minimum(uniforms.to(cdf)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (N,)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def sample_rows(logprobs: torch.Tensor, generators: list[torch.Generator],
-                greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_from_logprobs` with one generator per row: row r's draw depends only on
-    ``generators[r]``, not on which other rows share the batch (per-request seeds)."""
-    if greedy:
-        return sample_from_logprobs(logprobs, None, greedy=True)
-    tokens = torch.cat([torch.multinomial(row.exp(), 1, generator=g)
-                        for row, g in zip(logprobs, generators, strict=True)])  # (N,)
-    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+def vllm_request_kwargs(sampling: SamplingParams) -> dict:
+    """The settings of one vLLM request (``vllm.SamplingParams`` / ``/v1/completions``) from ``sampling``, the
+    same for the colocated engine and the rollout servers: one sample (``n=1``), the processed log-prob of the
+    sampled token (``logprobs=0``), special tokens skipped in the text. Seed and ``max_tokens`` are per request."""
+    base = dict(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else -1, stop_token_ids=list(sampling.stop_token_ids),
+                logprobs=0, skip_special_tokens=True)
+    if sampling.stop:  # the text keeps the stop string, as the token ids and the HF engine do
+        base.update(stop=list(sampling.stop), include_stop_str_in_output=True)
+    return base
 
 
 def derived_seed(seed: int, index: int) -> int:

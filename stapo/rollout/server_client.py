@@ -13,6 +13,7 @@ a malformed reply is a fault of the server, whose requests then go elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -154,17 +155,7 @@ class ServerClient:
         """POST ``body`` with ``"stream": true`` and yield each server-sent event's JSON until ``[DONE]``
         (vLLM's streaming completions: one event per chunk of new tokens). ``timeout_s`` bounds the wait for
         each chunk, not the whole stream."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
-        try:
-            conn.connect()
-            if tracker is not None:
-                tracker.add(conn)
-            conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode(), headers=self._headers(True))
-            reply = conn.getresponse()
-            if reply.status >= 400:
-                detail = reply.read().decode(errors="replace")[-500:]
-                raise ServerError(self.address, f"HTTP {reply.status} on POST {path}: {detail}", status=reply.status)
+        with self._exchange("POST", path, {**body, "stream": True}, timeout_s, tracker) as reply:
             for raw in reply:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
@@ -172,22 +163,8 @@ class ServerClient:
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     return
-                event = self._event(path, data)
-                yield event
-            if tracker is not None and tracker.was_cut(conn):  # a cut socket reads as the end of the stream
-                raise ServerError(self.address, f"POST {path} cut", kind=ABORTED)
+                yield self._event(path, data)
             raise ServerError(self.address, f"the stream of POST {path} ended without [DONE]", kind=MALFORMED)
-        except (TimeoutError, socket.timeout):
-            raise ServerError(self.address, f"no chunk on POST {path} within {timeout:.0f} s", kind=TIMEOUT) from None
-        except (OSError, http.client.HTTPException) as err:
-            if tracker is not None and tracker.was_cut(conn):
-                raise ServerError(self.address, f"POST {path} cut", kind=ABORTED) from None
-            raise ServerError(self.address, f"no answer on POST {path} ({type(err).__name__}: {err})",
-                              kind=DOWN) from None
-        finally:
-            if tracker is not None:
-                tracker.discard(conn)
-            conn.close()
 
     def _event(self, path: str, data: bytes) -> dict:
         try:
@@ -195,8 +172,13 @@ class ServerClient:
         except ValueError:
             raise ServerError(self.address, f"POST {path} streamed a chunk that is not JSON: {data[:200]!r}",
                               kind=MALFORMED) from None
-        if not isinstance(event, dict) or "error" in event:
-            raise ServerError(self.address, f"POST {path} streamed an error: {str(event)[:300]}", kind=MALFORMED)
+        if not isinstance(event, dict):
+            raise ServerError(self.address, f"POST {path} streamed {str(event)[:300]}", kind=MALFORMED)
+        if "error" in event:  # vLLM streams a failure that happens mid-response as an event with its HTTP code
+            code = event["error"].get("code") if isinstance(event["error"], dict) else None
+            status = code if isinstance(code, int) and 400 <= code < 600 else None
+            raise ServerError(self.address, f"POST {path} streamed an error: {str(event)[:300]}",
+                              kind=HTTP if status else MALFORMED, status=status)
         return event
 
     def _headers(self, has_body: bool) -> dict[str, str]:
@@ -207,40 +189,55 @@ class ServerClient:
 
     def _call(self, method: str, path: str, body: dict | None, timeout_s: float | None,
               tracker: ConnectionTracker | None) -> dict:
+        with self._exchange(method, path, body, timeout_s, tracker) as reply:
+            payload = reply.read()
+        if not payload:
+            return {}
+        try:
+            return json.loads(payload)
+        except ValueError:
+            raise ServerError(self.address, f"{method} {path} answered HTTP {reply.status} with a body that is not "
+                                            f"JSON: {payload[:200]!r}", kind=MALFORMED) from None
+
+    @contextlib.contextmanager
+    def _exchange(self, method: str, path: str, body: dict | None, timeout_s: float | None,
+                  tracker: ConnectionTracker | None) -> Iterator[http.client.HTTPResponse]:
+        """The one connection path of calls and streams: connect (tracked, so `ConnectionTracker.cut` reaches
+        it), send, and hand over the reply once its status is < 400. Every failure, in here or while the
+        caller reads, becomes a `ServerError` of its kind: an HTTP error (with the secret's hint on 401), a
+        timeout of one read, a connection that failed (`DOWN`) or that the engine cut (`ABORTED`: a read of
+        a cut socket may also look like a short or malformed reply, so the cut decides first)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         data = None if body is None else json.dumps(body).encode()
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        cut = (lambda: tracker.was_cut(conn)) if tracker is not None else (lambda: False)
         try:
             conn.connect()
             if tracker is not None:
                 tracker.add(conn)
             conn.request(method, path, body=data, headers=self._headers(data is not None))
             reply = conn.getresponse()
-            status, payload = reply.status, reply.read()
-            if tracker is not None and tracker.was_cut(conn):  # a cut socket may read as a short body
+            if reply.status >= 400:
+                detail = reply.read().decode(errors="replace")[-500:]
+                hint = " (the server needs the shared secret: STAPO_SERVER_TOKEN or rollout.server_token_file)" \
+                    if reply.status == 401 else ""
+                raise ServerError(self.address, f"HTTP {reply.status} on {method} {path}: {detail}{hint}",
+                                  status=reply.status)
+            yield reply
+            if cut():
                 raise OSError("cut")
         except (TimeoutError, socket.timeout):
             raise ServerError(self.address, f"no answer on {method} {path} within {timeout:.0f} s",
                               kind=TIMEOUT) from None
-        except (OSError, http.client.HTTPException) as err:
-            if tracker is not None and tracker.was_cut(conn):
-                raise ServerError(self.address, f"{method} {path} cut: the server stopped answering its health "
-                                                "route", kind=ABORTED) from None
+        except (OSError, http.client.HTTPException, ServerError) as err:
+            if cut():
+                raise ServerError(self.address, f"{method} {path} cut (a weight sync, or the server stopped "
+                                                "answering its health route)", kind=ABORTED) from None
+            if isinstance(err, ServerError):
+                raise
             raise ServerError(self.address, f"no answer on {method} {path} ({type(err).__name__}: {err})",
                               kind=DOWN) from None
         finally:
             if tracker is not None:
                 tracker.discard(conn)
             conn.close()
-        if status >= 400:
-            detail = payload.decode(errors="replace")[-500:]
-            hint = " (the server needs the shared secret: STAPO_SERVER_TOKEN or rollout.server_token_file)" \
-                if status == 401 else ""
-            raise ServerError(self.address, f"HTTP {status} on {method} {path}: {detail}{hint}", status=status)
-        if not payload:
-            return {}
-        try:
-            return json.loads(payload)
-        except ValueError:
-            raise ServerError(self.address, f"{method} {path} answered HTTP {status} with a body that is not JSON: "
-                                            f"{payload[:200]!r}", kind=MALFORMED) from None

@@ -1,55 +1,53 @@
-"""The ``/v1/completions`` wire format of server mode: one prompt's request body, and a reply checked and read
-as the ``RequestOutput`` shape `rollout_from_vllm_outputs` takes (`ServerEngine`, partial rollouts' tests).
+"""The ``/v1/completions`` wire format of server mode: one segment's request body, and a reply (or a streamed
+chunk) checked and read as a `Segment` (`ServerEngine`).
 
-A reply that is not a complete answer to its request (no choices, a choice without token ids, fewer log-probs
-than tokens, an unknown finish reason, missing indices) is a server fault (`MALFORMED`, naming the server),
-not a short response: the engine retries it and then fails the server over.
+A reply that is not a complete answer to its request (not one choice, a choice without token ids, fewer
+log-probs than tokens, an unknown finish reason) is a server fault (`MALFORMED`, naming the server), not a
+short response: the pool retries it and then fails the server over (`ServerPool.run`).
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+from stapo.rollout.engine import Segment, SegmentRequest
 from stapo.rollout.server_client import MALFORMED, ServerError
 
-__all__ = ["completion_request", "failed_outputs", "outputs_from_completion"]
+__all__ = ["completion_body", "read_chunk", "segment_from_reply"]
 
 
-def completion_request(prompt: list[int], base: dict, seed: int | None) -> dict:
-    """The ``/v1/completions`` body of one prompt (``base``: `vllm_sampling_kwargs`' settings)."""
-    body = {"prompt": prompt, **base, "return_token_ids": True}
-    if seed is not None:
-        body["seed"] = seed
+def completion_body(request: SegmentRequest, base: dict) -> dict:
+    """The ``/v1/completions`` body of one segment (``base``: `vllm_request_kwargs`' settings): token-id
+    prompt, one sample, its token limit and seed, the token ids of the answer."""
+    body = {**base, "prompt": list(request.context), "max_tokens": request.max_new_tokens, "return_token_ids": True}
+    if request.seed is not None:
+        body["seed"] = request.seed
     return body
 
 
-def outputs_from_completion(reply: dict, n: int | None = None, address: str = "?") -> SimpleNamespace:
-    """A ``/v1/completions`` reply as the ``RequestOutput`` shape `rollout_from_vllm_outputs` reads;
-    ServerError (`MALFORMED`, naming ``address``) when it is not a complete reply of ``n`` choices."""
-    def malformed(why: str) -> ServerError:
-        return ServerError(address, f"malformed completion reply: {why}", kind=MALFORMED)
+def _malformed(address: str, why: str) -> ServerError:
+    return ServerError(address, f"malformed completion reply: {why}", kind=MALFORMED)
 
+
+def read_chunk(choice, address: str) -> tuple[list[int], list[float], str, str | None]:
+    """``(token ids, log-probs, text, finish reason or None)`` of one choice: a whole reply's or one streamed
+    event's (whose finish reason is None until the last)."""
+    if not isinstance(choice, dict) or not isinstance(choice.get("token_ids"), list):
+        raise _malformed(address, "a choice without token_ids")
+    ids = [int(t) for t in choice["token_ids"]]
+    logprobs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+    finish = choice.get("finish_reason")
+    if len(logprobs) != len(ids) or finish not in ("stop", "length", None):
+        raise _malformed(address, f"choice {choice.get('index')}: {len(ids)} tokens, {len(logprobs)} log-probs, "
+                                  f"finish_reason {finish!r}")
+    return ids, logprobs, choice.get("text") or "", finish
+
+
+def segment_from_reply(reply: dict, address: str = "?", version: int | None = None) -> Segment:
+    """A whole ``/v1/completions`` reply of one sample as a `Segment`; `MALFORMED` (naming ``address``) when it
+    is not one complete choice."""
     choices = reply.get("choices") if isinstance(reply, dict) else None
-    if not isinstance(choices, list) or (n is not None and len(choices) != n):
-        raise malformed(f"{len(choices) if isinstance(choices, list) else 'no'} choices, expected {n}")
-    outputs = []
-    for choice in choices:
-        if not isinstance(choice, dict) or not isinstance(choice.get("token_ids"), list):
-            raise malformed("a choice without token_ids")
-        ids = choice["token_ids"]
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
-        if len(logprobs) != len(ids) or choice.get("finish_reason") not in ("stop", "length"):
-            raise malformed(f"choice {choice.get('index')}: {len(ids)} tokens, {len(logprobs)} log-probs, "
-                            f"finish_reason {choice.get('finish_reason')!r}")
-        outputs.append(SimpleNamespace(index=choice.get("index", 0), token_ids=ids, text=choice.get("text", ""),
-                                       finish_reason=choice["finish_reason"],
-                                       logprobs=[{tok: lp} for tok, lp in zip(ids, logprobs)]))
-    if n is not None and sorted(o.index for o in outputs) != list(range(n)):
-        raise malformed(f"choice indices {sorted(o.index for o in outputs)}, expected 0..{n - 1}")
-    return SimpleNamespace(outputs=outputs)
-
-
-def failed_outputs(n: int) -> SimpleNamespace:
-    """``n`` empty completions of a request that failed (``finish_reason`` ``"error"``)."""
-    return SimpleNamespace(outputs=[SimpleNamespace(index=i, token_ids=[], text="", finish_reason="error",
-                                                    logprobs=[]) for i in range(n)])
+    if not isinstance(choices, list) or len(choices) != 1:
+        raise _malformed(address, f"{len(choices) if isinstance(choices, list) else 'no'} choices, expected 1")
+    ids, logprobs, text, finish = read_chunk(choices[0], address)
+    if finish is None:
+        raise _malformed(address, "choice 0: no finish_reason")
+    return Segment(ids, logprobs, text, finish, version)

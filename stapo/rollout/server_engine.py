@@ -5,17 +5,20 @@ servers (``stapo serve MODEL``, any node) listed in ``rollout.servers``, so roll
 GPUs can be sized apart and overlap (``rollout.max_staleness``; docs/rollout.md, "Rollout servers").
 It is the same `RolloutEngine`:
 
-- requests are vLLM's ``/v1/completions`` with TOKEN-ID prompts, one request per prompt with its
-  ``n`` samples and its own seed — the colocated derivation (`request_seeds`), so a seed gives the
-  same samples in both modes — and ``logprobs=0`` (the sampled token's log-prob; the server runs
-  with ``--logprobs-mode processed_logprobs``, as the colocated engine does);
+- a segment is one vLLM ``/v1/completions`` request with a TOKEN-ID prompt, one sample, its own seed (the
+  seed scheme of `stapo.rollout.trajectory`: a seed gives the same samples as the colocated engine) and
+  ``logprobs=0`` (the sampled token's log-prob; the server runs with ``--logprobs-mode processed_logprobs``,
+  as the colocated engine does); with ``stream`` (``rollout.partial``) it is streamed, so `interrupt` (a
+  weight sync about to start) can cut it and keep what it produced;
 - at start every server must answer, serve the trainer's model and tokenizer (`stapo.rollout.fingerprint`)
   and report its ``max_model_len``; a session a stopped trainer left open is aborted (rank 0);
-- requests go to the live server with the fewest requests in flight. A request error (4xx) fails that
-  request only: its rows come back empty (``finish_reason`` ``"error"``, a warning names the server and
-  why); a 5xx or a malformed reply is retried (``retries``, each logged), then the server is declared
-  down and the request goes to another; so is a server that does not answer, or stops answering its
-  health route while requests are in flight (`ServerPool`); with no server left, `NoRolloutServers`;
+- every request, whole or streamed, goes through `ServerPool.run`: to the live server with the fewest
+  requests in flight; a 5xx or a malformed reply is retried (``retries``, each logged), then the server is
+  declared down and the request goes to another; so is a server that does not answer, or stops answering
+  its health route while requests are in flight; with no server left, `NoRolloutServers`. A request error
+  (4xx) fails that request only: its segment comes back empty (``finish`` ``"error"``, a warning names the
+  server and why). A failed attempt's tokens are dropped, and its retry has the same seed: a fault never
+  changes what is sampled;
 - before each generation the servers' state is read: one that holds another policy version than the last
   sync (restarted, or down during a sync) serves again only after the next sync has reached it;
 - weights: only the engine built with ``sends_weights`` (the trainer's global rank 0) runs the session
@@ -32,25 +35,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
-from stapo.rollout.batch import Rollout
-from stapo.rollout.engine import check_prompts
+from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
 from stapo.rollout.fingerprint import first_difference
-from stapo.rollout.partial import PartialBatch
-from stapo.rollout.sampling import SamplingParams
-from stapo.rollout.server_client import MALFORMED, ServerClient, ServerError, parse_address
-from stapo.rollout.server_completions import completion_request, failed_outputs, outputs_from_completion
-from stapo.rollout.server_partial import SegmentRunner
+from stapo.rollout.sampling import SamplingParams, vllm_request_kwargs
+from stapo.rollout.server_client import ABORTED, MALFORMED, ServerClient, ServerError, parse_address
+from stapo.rollout.server_completions import completion_body, read_chunk, segment_from_reply
 from stapo.rollout.server_pool import NoRolloutServers, ServerPool
 from stapo.rollout.server_weights import BroadcastSession, SyncFailed
-from stapo.rollout.vllm_engine import rollout_from_vllm_outputs, vllm_sampling_kwargs
 from stapo.rollout.weight_delta import SentWeights, TransferStats
 from stapo.rollout.weight_group import sync_address
 
@@ -68,7 +66,7 @@ class ServerLimits:
 
     request_timeout_s: float = 600.0  # one request's limit before its tokens are counted ...
     request_timeout_per_token_s: float = 0.1  # ... plus this per token of max_new_tokens
-    request_retries: int = 2  # retries of a 5xx / malformed reply on the same server
+    request_retries: int = 2  # retries of a 5xx / malformed reply on the same server (whole or streamed)
     server_down_after_s: float = 60.0  # no /health answer for this long while requests are in flight: down
     health_interval_s: float = 5.0  # probe period of the servers with requests in flight
     health_timeout_s: float = 5.0  # one probe's (and one state read's) limit
@@ -91,7 +89,7 @@ class SyncOutcome:
     transfer: TransferStats | None = None
 
 
-class ServerEngine:
+class ServerEngine(RolloutEngine):
     """Rollouts from vLLM servers; see the module docstring.
 
     Args:
@@ -103,11 +101,13 @@ class ServerEngine:
         sync_host: the trainer's address the servers reach for the weight group (`sync_address`).
         fingerprint: the trainer's `stapo.rollout.fingerprint` (``{"model", "tokenizer"}``); None: not checked.
         sync: ``full`` (every bucket whole) or ``delta`` (changed words where smaller; module docstring).
+        stream: stream every segment, so `interrupt` can cut it (``rollout.partial``); else plain calls.
+        tokenizer: the policy's tokenizer, for callers that decode (the servers decode their own text).
     """
 
     def __init__(self, servers: Sequence[str], pad_token_id: int, *, sends_weights: bool = True,
                  limits: ServerLimits = ServerLimits(), token: str | None = None, sync_host: str | None = None,
-                 fingerprint: dict | None = None, sync: str = "full") -> None:
+                 fingerprint: dict | None = None, sync: str = "full", stream: bool = False, tokenizer=None) -> None:
         if not servers:
             raise ValueError("rollout.mode=server needs rollout.servers (host:port of each `stapo serve`)")
         if sync not in SYNC_MODES:
@@ -117,21 +117,21 @@ class ServerEngine:
         addresses = [parse_address(a) for a in servers]
         self.pool = ServerPool([ServerClient(a, limits.request_timeout_s, token) for a in addresses],
                                down_after_s=limits.server_down_after_s, probe_interval_s=limits.health_interval_s,
-                               probe_timeout_s=limits.health_timeout_s)
-        self.pad_token_id = pad_token_id
+                               probe_timeout_s=limits.health_timeout_s, retries=limits.request_retries)
+        self.pad_token_id, self.tokenizer, self.interruptible = pad_token_id, tokenizer, stream
         self.sends_weights = sends_weights
         self.sync_host = sync_address(addresses, sync_host) if sends_weights else sync_host
         self.fingerprint = fingerprint
         self.policy_version: int | None = None  # what the servers hold after the last sync
         self.last_sync: SyncOutcome | None = None
-        self.failed_requests = 0  # requests that failed with a request error (their rows are empty)
+        self.failed_requests = 0  # requests that failed with a request error (their segments are empty)
         self._instances: dict[str, str] = {}  # address -> the worker instance whose model was checked
         self._workers: dict[str, int] = {}
         self._session: BroadcastSession | None = None
         self._session_error: str | None = None
         self._failed: tuple[str, ...] = ()  # servers a failed session step named
         self._in_session = False
-        self.segments = SegmentRunner(self.pool, limits.request_timeout_s)  # partial rollouts
+        self._interrupted = threading.Event()
         self.max_model_len = min(self._check_server(c) for c in self.pool.clients)
 
     # ---------------------------------------------------------------- start
@@ -180,67 +180,62 @@ class ServerEngine:
                              "(start it with `stapo serve` on the trainer's model.path, same --dtype)")
 
     # ---------------------------------------------------------------- generate
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> Rollout:
-        """Sample ``n`` responses per prompt on the servers; rows grouped per prompt (see `Rollout`)."""
-        prompts = check_prompts(prompt_ids, n)
+    def generate_segments(self, requests: Sequence[SegmentRequest], sampling: SamplingParams) -> list[Segment]:
+        """One request per segment on the servers, at most 64 at once (see the module docstring)."""
         if self._in_session:
-            raise RuntimeError("generate() inside a weight update session: finish the update first")
+            raise RuntimeError("generation inside a weight update session: finish the update first")
+        version = self.policy_version
+        if self._interrupted.is_set():
+            return [Segment([], [], "", "interrupted", version) for _ in requests]
         self.refresh()
-        base, seeds = vllm_sampling_kwargs(sampling, n, len(prompts))
-        bodies = [completion_request(p, base, None if seeds is None else seeds[i]) for i, p in enumerate(prompts)]
-        timeout = self.limits.request_timeout(sampling.max_new_tokens)
-        with ThreadPoolExecutor(max_workers=min(len(bodies), 64), thread_name_prefix="stapo-rollout") as pool:
-            outputs = list(pool.map(lambda body: self._complete(body, n, timeout), bodies))
-        return rollout_from_vllm_outputs(outputs, prompts, n, self.pad_token_id)
+        base = vllm_request_kwargs(sampling)
+        with ThreadPoolExecutor(max_workers=min(len(requests), 64) or 1, thread_name_prefix="stapo-rollout") as pool:
+            return list(pool.map(lambda r: self._segment(completion_body(r, base), version), requests))
 
-    def _complete(self, body: dict, n: int, timeout_s: float) -> SimpleNamespace:
-        """One request, on whichever live server has the least to do; fails over until none is left."""
-        while True:
-            client = self.pool.acquire()
-            try:
-                return self._attempts(client, body, n, timeout_s)
-            except ServerError as err:
-                if err.request_error:  # the request, not the server
-                    self.failed_requests += 1
-                    log.warning("a rollout request failed on %s (%s): its %d rows are left empty", client.address,
-                                err, n)
-                    return failed_outputs(n)
-                self.pool.mark_down(client, str(err).removeprefix(f"rollout server {client.address}: "))
-            finally:
-                self.pool.release(client)
+    def _segment(self, body: dict, version: int | None) -> Segment:
+        timeout = self.limits.request_timeout(body["max_tokens"])
+        if self.interruptible:
+            attempt = lambda client: self._stream(client, body, version)  # noqa: E731
+        else:
+            attempt = lambda client: segment_from_reply(  # noqa: E731
+                client.post("/v1/completions", body, timeout, self.pool.tracker(client)), client.address, version)
+        try:
+            segment = self.pool.run(attempt, self._interrupted)
+        except ServerError as err:  # a request error: the request, not the server
+            self.failed_requests += 1
+            log.warning("a rollout request failed on %s (%s): its response ends here", err.address, err)
+            return Segment([], [], "", "error", version)
+        return segment if segment is not None else Segment([], [], "", "interrupted", version)
 
-    def _attempts(self, client: ServerClient, body: dict, n: int, timeout_s: float) -> SimpleNamespace:
-        tracker = self.pool.tracker(client)
-        for attempt in range(self.limits.request_retries + 1):
-            try:
-                return outputs_from_completion(client.post("/v1/completions", body, timeout_s, tracker), n,
-                                               client.address)
-            except ServerError as err:
-                if err.down or err.request_error or attempt == self.limits.request_retries:
-                    raise
-                log.warning("rollout server %s: attempt %d of %d failed (%s); retrying", client.address, attempt + 1,
-                            self.limits.request_retries + 1, err)
-                time.sleep(min(2.0 ** attempt, 10.0))
-        raise AssertionError("unreachable")
-
-    # ---------------------------------------------------- partial rollouts
-    def generate_partial(self, batch: PartialBatch, version: int) -> bool:
-        """Advance ``batch`` by one segment per unfinished sample with the weights of policy ``version``
-        (stapo.rollout.partial); True once every sample finished, False when a sync interrupted it."""
-        if self._in_session:
-            raise RuntimeError("generate_partial() inside a weight update session: finish the update first")
-        if self.segments.interrupted:
-            return False
-        self.refresh()
-        return self.segments.advance(batch, version)
+    def _stream(self, client: ServerClient, body: dict, version: int | None) -> Segment:
+        """One streamed segment; cut by `interrupt`, it keeps what it received (``finish="interrupted"``)."""
+        tokens, logprobs, text = [], [], []
+        try:
+            for event in client.stream("/v1/completions", body, self.limits.request_timeout_s,
+                                       self.pool.tracker(client)):
+                ids, lps, chunk, finish = read_chunk((event.get("choices") or [{}])[0], client.address)
+                tokens += ids
+                logprobs += lps
+                text.append(chunk)
+                if finish is not None:
+                    return Segment(tokens, logprobs, "".join(text), finish, version)
+            raise ServerError(client.address, "a segment's stream ended without a finish reason", kind=MALFORMED)
+        except ServerError as err:
+            if err.kind == ABORTED and self._interrupted.is_set():
+                return Segment(tokens, logprobs, "".join(text), "interrupted", version)
+            raise
 
     def interrupt(self) -> None:
-        """A weight sync is about to start: cut the partial segments in flight (they keep their tokens);
-        no new one starts until `resume`."""
-        self.segments.interrupt()
+        """A weight sync is about to start: cut the streamed segments in flight (they keep their tokens);
+        none starts until `resume`."""
+        if not self.interruptible:
+            super().interrupt()
+        self._interrupted.set()
+        for client in self.pool.clients:
+            self.pool.tracker(client).cut()
 
     def resume(self) -> None:
-        self.segments.resume()
+        self._interrupted.clear()
 
     def refresh(self) -> None:
         """Read the live servers' state: one that does not answer, holds another policy version than the last

@@ -1,7 +1,12 @@
-"""The rollout servers and their state: requests in flight, live or down, and the health watch.
+"""The rollout servers and their state: requests in flight, live or down, the health watch, and the ONE
+request policy of server mode (docs/rollout.md, "Faults").
 
-`ServerPool` hands each request to the live server with the fewest requests in flight and keeps why a
-server is down. While requests are in flight a watcher thread probes those servers' ``/health`` every
+`ServerPool.run` sends a request — a whole completion or a streamed segment alike — to the live server with
+the fewest requests in flight. A reply that is the server's fault but may pass (5xx, malformed, a read that
+timed out) is retried on the same server ``retries`` times with backoff (1 s, 2 s, 4 s, ... at most 10 s);
+then, or at once when the server is gone (refused, reset, cut), the server is declared down and the request
+goes to another; a refused request (4xx) is the request's fault and fails alone. With no server left,
+`NoRolloutServers`. `ServerPool` keeps why each server is down. While requests are in flight a watcher thread probes those servers' ``/health`` every
 ``probe_interval_s`` (each probe waits at most ``probe_timeout_s``); a server that has not answered for
 ``down_after_s`` is declared down and the connections of its requests are cut, so each of them fails at
 once and goes to another server — a hung (e.g. SIGSTOPped) server costs about ``down_after_s``, not a
@@ -13,14 +18,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
-from stapo.rollout.server_client import ConnectionTracker, ServerClient
+from stapo.rollout.server_client import ConnectionTracker, ServerClient, ServerError
 
 __all__ = ["NoRolloutServers", "ServerPool"]
 
 log = logging.getLogger("stapo.rollout")
+T = TypeVar("T")
 
 
 class NoRolloutServers(RuntimeError):
@@ -28,11 +35,13 @@ class NoRolloutServers(RuntimeError):
 
 
 class ServerPool:
-    """The servers and their state (thread-safe); see the module docstring."""
+    """The servers and their state (thread-safe); see the module docstring. ``retries``: of a server fault on
+    the same server before it is declared down (``rollout.request_retries``)."""
 
     def __init__(self, clients: Sequence[ServerClient], *, down_after_s: float = 60.0, probe_interval_s: float = 5.0,
-                 probe_timeout_s: float = 5.0) -> None:
+                 probe_timeout_s: float = 5.0, retries: int = 2) -> None:
         self.clients = list(clients)
+        self.retries = retries
         self.down_after_s, self.probe_interval_s, self.probe_timeout_s = down_after_s, probe_interval_s, probe_timeout_s
         self._in_flight = {c.address: 0 for c in self.clients}
         self._trackers = {c.address: ConnectionTracker() for c in self.clients}
@@ -72,6 +81,36 @@ class ServerPool:
             self._in_flight[client.address] += 1
         self._ensure_watcher()
         return client
+
+    def run(self, attempt: Callable[[ServerClient], T], cancelled: threading.Event | None = None) -> T | None:
+        """``attempt(server)`` under the pool's policy (module docstring); a refused request raises its
+        `ServerError` (``request_error``). ``cancelled`` (an interrupt): no new attempt starts, no server is
+        blamed for the one it cut, and None comes back."""
+        stopped = cancelled.is_set if cancelled is not None else (lambda: False)
+        while not stopped():
+            client = self.acquire()
+            try:
+                return self._attempts(client, attempt, stopped)
+            except ServerError as err:
+                if err.request_error:  # the request, not the server
+                    raise
+                if not stopped():
+                    self.mark_down(client, str(err).removeprefix(f"rollout server {client.address}: "))
+            finally:
+                self.release(client)
+        return None
+
+    def _attempts(self, client: ServerClient, attempt: Callable[[ServerClient], T], stopped) -> T:
+        for number in range(self.retries + 1):
+            try:
+                return attempt(client)
+            except ServerError as err:
+                if err.down or err.request_error or number == self.retries or stopped():
+                    raise
+                log.warning("rollout server %s: attempt %d of %d failed (%s); retrying", client.address, number + 1,
+                            self.retries + 1, err)
+                time.sleep(min(2.0 ** number, 10.0))
+        raise AssertionError("unreachable")
 
     def release(self, client: ServerClient) -> None:
         with self._lock:

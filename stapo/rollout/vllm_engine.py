@@ -24,18 +24,21 @@ docs/gpu.md):
   finish) through vLLM's layerwise reload, run by `stapo.rollout.vllm_worker` over
   ``llm.collective_rpc``: tensors as they are when the worker is in this process, one packed
   byte string per bucket when it runs in vLLM's engine-core process. No lambdas, no pickle.
-- Seeds: every request carries its own seed, derived from `SamplingParams.seed` and the prompt's
-  index (`request_seeds`; vLLM gives the i-th of the ``n`` samples ``seed + i``). vLLM's V2 model
+- Segments (`generate_segments`): ONE ``llm.generate`` over all requests, one sample each with its own
+  seed (the seed scheme of `stapo.rollout.trajectory`; vLLM gives the i-th of a request's ``n`` samples
+  ``seed + i``, so n seeded one-sample requests sample what one n-sample request does). vLLM's V2 model
   runner samples with a kernel keyed on (request seed, position) and ignores torch's generator,
-  so per-request seeds are the only thing that reproduces a rollout on every runner.
+  so per-request seeds are the only thing that reproduces a rollout on every runner. A caller's whole
+  submission is scheduled together (`stapo eval` sends all its chunks at once: no chunk waits for the
+  longest response of the one before).
 - `sleep()` is `llm.sleep(level=sleep_level)`. Level 1 copies the weights into a NEW pinned host
   buffer at every sleep (vllm/device_allocator/cumem.py, ``CuMemAllocator.sleep``: 28 GB per rank
   for 14B in bf16, ~236 GB of host RAM on a node of 8) that the next sync overwrites anyway.
   Level 2 discards them and keeps only the model's buffers (vllm/v1/worker/gpu_worker.py ``sleep``:
   ``_sleep_saved_buffers``, restored by ``wake_up``); a sync (`weight_update`) rewrites every layer
   that receives weights (layerwise reload materializes it and copies it into the kernel tensors), so
-  after a level-2 sleep `needs_weights` is true and `generate` refuses until a weight update has run.
-  A weight update wakes only the weights, `generate` wakes the KV cache. Before any wake, PyTorch's
+  after a level-2 sleep `needs_weights` is true and generation refuses until a weight update has run.
+  A weight update wakes only the weights, generation wakes the KV cache. Before any wake, PyTorch's
   caching allocator returns its free blocks (vLLM empties it only when it sleeps): the trainer's
   gathers and activations would otherwise hold the memory vLLM maps back in.
 
@@ -57,15 +60,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stapo.rollout.batch import Rollout, left_pad, right_pad
-from stapo.rollout.engine import release_cached_memory
-from stapo.rollout.engine import check_prompts
-from stapo.rollout.sampling import SamplingParams, derived_seed
 from stapo.rollout.bucket_format import pack_bucket
+from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest, release_cached_memory
+from stapo.rollout.sampling import SamplingParams, vllm_request_kwargs
 from stapo.rollout.vllm_worker import WORKER_EXTENSION
 
-__all__ = ["VLLMEngine", "ExecutorPlan", "GroupFacts", "plan_executor", "request_seeds", "vllm_sampling_kwargs",
-           "rollout_from_vllm_outputs", "CPU_KV_CACHE_BYTES", "cpu_engine_kwargs"]
+__all__ = ["VLLMEngine", "ExecutorPlan", "GroupFacts", "plan_executor", "segment_from_vllm", "CPU_KV_CACHE_BYTES",
+           "cpu_engine_kwargs"]
 
 EXTERNAL_LAUNCHER = "external_launcher"
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -147,33 +148,6 @@ def _spare_port() -> int:
         return sock.getsockname()[1]
 
 
-def request_seeds(seed: int, num_prompts: int) -> list[int]:
-    """One seed per prompt, reproducible from ``seed`` (the trainer's run/step/rank/round seed) and
-    the prompt's index; independent streams per prompt (NumPy's SeedSequence)."""
-    return [derived_seed(seed, p) for p in range(num_prompts)]
-
-
-def vllm_sampling_kwargs(sampling: SamplingParams, n: int, num_prompts: int) -> tuple[dict, list[int] | None]:
-    """``(kwargs of vllm.SamplingParams, per-prompt seeds or None)`` for one `generate` call.
-
-    With ``sampling.seed`` set every prompt gets its own seed (`request_seeds`), or the caller's own
-    ``sampling.request_seeds``; without either, vLLM draws from its engine-seeded RNG (not reproducible
-    across runs). ``sampling.stop`` becomes vLLM's ``stop`` (its token ids are kept, as the HF engine does)."""
-    base = dict(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
-                stop_token_ids=list(sampling.stop_token_ids), logprobs=0, skip_special_tokens=True)
-    if sampling.stop:
-        base["stop"] = list(sampling.stop)
-    if sampling.request_seeds is not None:
-        if len(sampling.request_seeds) != num_prompts:
-            raise ValueError(f"SamplingParams.request_seeds has {len(sampling.request_seeds)} seeds for "
-                             f"{num_prompts} prompts")
-        return base, list(sampling.request_seeds)
-    if sampling.seed is None:
-        return base, None
-    return base, request_seeds(sampling.seed, num_prompts)
-
-
 def cpu_engine_kwargs(max_model_len: int, env: Mapping[str, str]) -> dict:
     """`vllm.LLM` settings for vLLM's CPU build (pure; the CPU build's source, 0.32):
 
@@ -218,7 +192,7 @@ def _import_vllm():
     return vllm
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     """A `vllm.LLM` held next to the trainer; see the module docstring for the design.
 
     Args:
@@ -235,12 +209,14 @@ class VLLMEngine:
         dtype: vLLM weight dtype.
         max_model_len: longest prompt + response.
         seed: the engine's seed (requests without their own seed draw from it); give each rank its own.
+        progress: show vLLM's progress bar while generating (`stapo eval`).
         **llm_kwargs: passed to `vllm.LLM` (override any of the above, e.g. `enforce_eager`).
     """
 
     def __init__(self, model_path: str | Path, *, gpu_memory_utilization: float = 0.5,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = True, dtype: str = "bfloat16",
-                 max_model_len: int = 4096, seed: int = 0, sleep_level: int = 1, **llm_kwargs) -> None:
+                 max_model_len: int = 4096, seed: int = 0, sleep_level: int = 1, progress: bool = False,
+                 **llm_kwargs) -> None:
         if sleep_level not in (1, 2):
             raise ValueError(f"VLLMEngine: sleep_level must be 1 or 2, got {sleep_level}")
         vllm = _import_vllm()
@@ -266,47 +242,32 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         eos = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (eos or 0)
+        self.max_model_len = int(kwargs["max_model_len"])
         self._sleeping: set[str] = set()  # tags currently asleep: {"weights", "kv_cache"}
         self._updating = False
-        self.sleep_level = sleep_level
+        self.sleep_level, self.progress = sleep_level, progress
         self.needs_weights = False  # a level-2 sleep discarded them; a weight update restores them
 
     # ---------------------------------------------------------------- generate
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> Rollout:
-        """Sample `n` responses per prompt with vLLM; rows grouped per prompt (see `Rollout`)."""
-        return self.generate_many([(prompt_ids, n, sampling)])[0]
-
-    def generate_many(self, calls: Sequence[tuple[Sequence[Sequence[int]], int, SamplingParams]], *,
-                      progress: bool = False) -> list[Rollout]:
-        """Several `generate` calls ``(prompt_ids, n, sampling)`` as ONE vLLM submission: each call's
-        rows are those it would get alone (every request carries its own seed), but vLLM schedules all
-        requests together, so no call waits for the longest response of the one before (`stapo eval`'s
-        chunks). ``progress``: vLLM's progress bar."""
+    def generate_segments(self, requests: Sequence[SegmentRequest], sampling: SamplingParams) -> list[Segment]:
+        """Every request in ONE vLLM submission, one sample each with its own seed (module docstring)."""
         if self._updating:
-            raise RuntimeError("generate() inside a weight update session: finish the update first")
+            raise RuntimeError("generation inside a weight update session: finish the update first")
         if self.needs_weights:
-            raise RuntimeError("generate() after a level-2 sleep discarded the weights: push them first "
+            raise RuntimeError("generation after a level-2 sleep discarded the weights: push them first "
                                "(stapo.sync.buckets.sync_weights, one weight_update session)")
-        checked = [(check_prompts(prompt_ids, n), n, sampling) for prompt_ids, n, sampling in calls]
-        requests, params = [], []
-        for prompts, n, sampling in checked:
-            base, seeds = vllm_sampling_kwargs(sampling, n, len(prompts))
-            requests += [{"prompt_token_ids": p} for p in prompts]
-            params += [self._vllm.SamplingParams(**base, **({} if seeds is None else {"seed": seeds[i]}))
-                       for i in range(len(prompts))]
+        base = vllm_request_kwargs(sampling)
+        params = [self._vllm.SamplingParams(**base, max_tokens=r.max_new_tokens,
+                                            **({} if r.seed is None else {"seed": r.seed})) for r in requests]
         self.wake()
         with _preserved_rngs():  # in-process, vLLM's scheduler and sampler must not move the trainer's RNGs
-            outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=progress)
-        rollouts, start = [], 0
-        for prompts, n, _ in checked:
-            rollouts.append(rollout_from_vllm_outputs(outputs[start: start + len(prompts)], prompts, n,
-                                                      self.pad_token_id))
-            start += len(prompts)
-        return rollouts
+            outputs = self.llm.generate([{"prompt_token_ids": list(r.context)} for r in requests],
+                                        sampling_params=params, use_tqdm=self.progress)
+        return [segment_from_vllm(out.outputs[0], self.policy_version) for out in outputs]
 
     # ------------------------------------------------------------ weight sync
     @contextlib.contextmanager
-    def weight_update(self) -> Iterator[None]:
+    def weight_update(self, version: int | None = None) -> Iterator[None]:
         """One weight-update session: call `load_weights` once per bucket inside the block.
 
         Buckets may split a fused layer (q/k/v, gate/up): vLLM processes a layer once all its
@@ -327,6 +288,7 @@ class VLLMEngine:
             self.llm.collective_rpc("stapo_finish_weight_update")
             self.llm.reset_prefix_cache()
         self.needs_weights = False  # only after a session that completed
+        self.policy_version = version
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of full tensors (HF names) into the running model (one RPC); only inside
@@ -355,35 +317,16 @@ class VLLMEngine:
             self._sleeping = set()
 
 
-def rollout_from_vllm_outputs(outputs: Sequence, prompts: Sequence[Sequence[int]], n: int,
-                              pad_token_id: int) -> Rollout:
-    """Convert vLLM `RequestOutput`s (one per prompt, `n` completions each, `logprobs=0`) into a
-    `Rollout`. Pure: only reads `.outputs[i].token_ids / .logprobs / .finish_reason / .text / .index`."""
-    if len(outputs) != len(prompts):
-        raise ValueError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-    tokens, logprobs, reasons, texts = [], [], [], []
-    for p, out in enumerate(outputs):
-        completions = sorted(out.outputs, key=lambda c: c.index)
-        if len(completions) != n:
-            raise ValueError(f"prompt {p}: vLLM returned {len(completions)} completions, expected {n}")
-        for c in completions:
-            ids = [int(t) for t in c.token_ids]
-            if c.logprobs is None or len(c.logprobs) != len(ids):
-                raise ValueError(f"prompt {p}: completion {c.index} has no per-token logprobs "
-                                 "(vLLM SamplingParams needs logprobs=0)")
-            logprobs.append([_chosen_logprob(entry, tok) for entry, tok in zip(c.logprobs, ids, strict=True)])
-            if c.finish_reason not in ("stop", "length", "error"):  # error: a failed server request (no tokens)
-                raise RuntimeError(f"prompt {p}: completion {c.index} ended with {c.finish_reason!r}")
-            tokens.append(ids)
-            reasons.append(c.finish_reason)
-            texts.append(c.text)
-    prompt_ids, prompt_mask = left_pad([list(p) for p in prompts for _ in range(n)], pad_token_id)
-    response_ids = right_pad(tokens, pad_token_id, torch.long)  # (B, T)
-    response_mask = right_pad([[1] * len(t) for t in tokens], 0, torch.long).bool()  # (B, T)
-    return Rollout(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
-        sampling_logprobs=right_pad(logprobs, 0.0, torch.float32), finish_reason=reasons, response_text=texts,
-        group_index=torch.arange(len(prompts)).repeat_interleave(n), group_size=n, pad_token_id=pad_token_id)
+def segment_from_vllm(completion, version: int | None = None) -> Segment:
+    """One vLLM ``CompletionOutput`` (``logprobs=0``) as a `Segment`. Pure: reads only ``token_ids``,
+    ``logprobs``, ``text`` and ``finish_reason``."""
+    ids = [int(t) for t in completion.token_ids]
+    if completion.logprobs is None or len(completion.logprobs) != len(ids):
+        raise ValueError("a vLLM completion has no per-token logprobs (vLLM SamplingParams needs logprobs=0)")
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"a vLLM completion ended with {completion.finish_reason!r}")
+    logprobs = [_chosen_logprob(entry, tok) for entry, tok in zip(completion.logprobs, ids, strict=True)]
+    return Segment(ids, logprobs, completion.text, completion.finish_reason, version)
 
 
 def _chosen_logprob(entry, token_id: int) -> float:

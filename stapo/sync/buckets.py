@@ -46,9 +46,11 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 
 class WeightConsumer(Protocol):
-    """The rollout-engine side of a sync (``RolloutEngine.weight_update`` / ``load_weights``)."""
+    """The rollout-engine side of a sync (``RolloutEngine.weight_update`` / ``load_weights`` / ``last_sync``)."""
 
-    def weight_update(self) -> contextlib.AbstractContextManager: ...
+    last_sync: object  # what the engine's last sync did (``.transfer``: the bytes it sent), or None
+
+    def weight_update(self, version: int | None = None) -> contextlib.AbstractContextManager: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -199,15 +201,14 @@ def sync_weights(
     """
     start = time.perf_counter()
     num_buckets = num_tensors = num_bytes = 0
-    session = engine_like.weight_update() if version is None else engine_like.weight_update(version=version)
-    with session:
+    with engine_like.weight_update(version):
         for bucket in iter_weight_buckets(model, bucket_bytes, copy=False):
             engine_like.load_weights(bucket)
             num_buckets += 1
             num_tensors += len(bucket)
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             del bucket  # let the next gather reuse its memory
-    transfer = getattr(getattr(engine_like, "last_sync", None), "transfer", None)
+    transfer = None if engine_like.last_sync is None else engine_like.last_sync.transfer
     return SyncStats(num_buckets, num_tensors, num_bytes, time.perf_counter() - start, transfer)
 
 
@@ -217,11 +218,13 @@ class StateDictConsumer:
     Reference consumer for tests and benchmarks; also a CPU stand-in for a rollout engine.
     """
 
+    last_sync = None
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._targets = dict(model.state_dict(keep_vars=True))
 
-    def weight_update(self) -> contextlib.AbstractContextManager:
+    def weight_update(self, version: int | None = None) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     @torch.no_grad()

@@ -203,8 +203,7 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
 
     r = cfg.rollout
     if r.mode == "server":
-        engine = server_setup.build_server_engine(cfg, model_path, tokenizer, policy_dtype(cfg), dist_rank)
-        return tool_setup.episode_engine(cfg, engine, tokenizer)  # rollout.tools: multi-turn episodes
+        return server_setup.build_server_engine(cfg, model_path, tokenizer, policy_dtype(cfg), dist_rank)
     opts = EngineOptions(dtype=policy_dtype(cfg), max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                          seed=cfg.trainer.seed + dist_rank, max_batch_size=r.max_batch_size,
                          gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
@@ -215,7 +214,7 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
         from stapo.distributed.tensor_parallel import TensorParallelRollout, tensor_parallel_group
 
         engine = TensorParallelRollout(engine, tensor_parallel_group(r.tensor_parallel_size))
-    return tool_setup.episode_engine(cfg, engine, tokenizer)  # rollout.tools: rows become multi-turn episodes
+    return engine
 
 
 def update_options(cfg: STAPOConfig) -> UpdateOptions:

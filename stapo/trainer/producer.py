@@ -15,7 +15,8 @@ batch not yet trained (`resume_state`); batches generated ahead are regenerated 
 Partial rollouts (``rollout.partial``): the weight sync does not wait for the batch under way. `paused`
 first calls ``interrupt`` (the engine cuts its requests in flight; they keep their tokens), ``produce``
 then returns None instead of a batch, and once the sync is done (``resume``) the producer calls it again
-for the same batch, which goes on from where it was cut with the new weights (stapo.rollout.partial).
+for the same batch, which goes on from where it was cut with the new weights
+(`stapo.rollout.drivers.Generation`).
 A batch must be finished before its iteration trains, so it spans at most ``k + 1`` policy versions.
 """
 

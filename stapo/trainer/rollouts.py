@@ -4,11 +4,13 @@
 the algorithm box:
 
 * prompts: the sampler's batch, this rank's share balanced by prompt tokens (same on every rank);
-* generation: the rollout engine (colocated, or vLLM servers with ``rollout.mode: server``), seeded
-  per (run, iteration, rank, dynamic-sampling round) so a resumed run regenerates the same rows; each
-  row stamped with the policy version that sampled it;
+* generation: a driver (`stapo.rollout.drivers.Generation`: one turn, or tool episodes with
+  ``rollout.tools``) on the rollout engine (colocated, or vLLM servers with ``rollout.mode: server``),
+  seeded per (run, iteration, rank, dynamic-sampling round) so a resumed run regenerates the same rows;
+  every token stamped with the policy version that sampled it;
 * asynchronous (``rollout.max_staleness`` >= 1): a `RolloutProducer` generates ahead; the iteration
-  takes its batch from it, and the checkpoint's resume point is its draw (docs/algorithm.md);
+  takes its batch from it, and the checkpoint's resume point is its draw (docs/algorithm.md); with an
+  interruptible engine (``rollout.partial``) a sync cuts the batch under way, which goes on afterwards;
 * the weight sync (line 3), which pauses the producer and, with servers, makes every rank wait for it;
 * rollout servers failing: whether a sync failed (and is retried with the servers left) and whether any
   rank lost its last server is decided for ALL ranks by one collective, so every rank stops (with a
@@ -30,11 +32,8 @@ from stapo.data import PromptSampler, balanced_shares
 from stapo.distributed.process_group import DistInfo, all_gather_object, barrier, broadcast_object
 from stapo.distributed.training_offload import offloaded
 from stapo.rewards import RewardTerm
-from stapo.rollout import Rollout, SamplingParams
-from stapo.rollout.episodes import EpisodeEngine
-from stapo.rollout.partial import PartialBatch
+from stapo.rollout import Generation, Rollout, RolloutEngine, SamplingParams, ToolEpisodes
 from stapo.rollout.server_pool import NoRolloutServers
-from stapo.rollout.vllm_engine import vllm_sampling_kwargs
 from stapo.sync.buckets import SyncStats, sync_weights
 from stapo.trainer.producer import ProducedBatch, RolloutProducer
 from stapo.trainer.scored_rollout import ScoredRollout, collect_scored_rollout, score_rollout
@@ -46,31 +45,32 @@ log = logging.getLogger("stapo.trainer")
 
 
 class Rollouts:
-    """This rank's rollouts of a run: ``engine`` fed from ``model`` (see the module docstring)."""
+    """This rank's rollouts of a run: ``engine`` fed from ``model``; ``tools``: every row is a tool episode
+    (``rollout.tools``; None: one turn). See the module docstring."""
 
-    def __init__(self, cfg: STAPOConfig, dist: DistInfo, engine, model, sampler: PromptSampler, train_data,
-                 score, reward_terms: Sequence[RewardTerm], training_offload=None) -> None:
-        self.cfg, self.dist, self.engine, self.model = cfg, dist, engine, model
+    def __init__(self, cfg: STAPOConfig, dist: DistInfo, engine: RolloutEngine, model, sampler: PromptSampler,
+                 train_data, score, reward_terms: Sequence[RewardTerm], training_offload=None,
+                 tools: ToolEpisodes | None = None) -> None:
+        self.cfg, self.dist, self.engine, self.model, self.tools = cfg, dist, engine, model, tools
         self.training_offload = training_offload  # rollout.offload_training_state: ZeRO state aside while generating
         self.sampler, self.train_data, self.score, self.reward_terms = sampler, train_data, score, reward_terms
         self.server = cfg.rollout.mode == "server"
         self.producer: RolloutProducer | None = None
-        self._partial = None  # rollout.partial: (index, examples, PartialBatch, epoch, start) under way
+        self._under_way = None  # the producer's batch a sync cut: (index, examples, Generation, epoch, start)
 
     def start_producer(self, step: int) -> None:
         """Asynchronous training from iteration ``step`` on (the servers hold version ``step``)."""
         r = self.cfg.rollout
         if r.max_staleness > 0:
-            partial = dict(interrupt=self.engine.interrupt, resume=self.engine.resume) if r.partial else {}
+            cut = dict(interrupt=self.engine.interrupt, resume=self.engine.resume) if self.engine.interruptible else {}
             self.producer = RolloutProducer(self._produce, self.sampler.state_dict, max_staleness=r.max_staleness,
                                             first_index=step, version=step, stop_index=self.cfg.trainer.total_steps,
-                                            close_timeout_s=r.producer_close_timeout_s, **partial)
+                                            close_timeout_s=r.producer_close_timeout_s, **cut)
 
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close()
-        if hasattr(self.engine, "close"):
-            self.engine.close()
+        self.engine.close()
 
     # ---- lines 4-5 ----------------------------------------------------------------------------
     def scored(self, step: int, timer) -> ScoredRollout:
@@ -112,35 +112,22 @@ class Rollouts:
         return dataclasses.replace(scored, sampling=sampling, epoch=epoch)
 
     def _produce(self, index: int, version: int) -> ProducedBatch | None:
-        """The producer's work (its thread): draw batch ``index``'s prompts, generate with policy ``version``
-        (partial rollouts: go on with the batch under way; None when a sync interrupted it)."""
-        if self.cfg.rollout.partial:
-            return self._produce_partial(index, version)
-        start = time.perf_counter()
-        examples = self.next_prompts()
-        rollout = self._generate(examples, index, version=version)  # no collective on this thread
-        return ProducedBatch(index, examples, rollout, version, self.sampler.epoch, time.perf_counter() - start)
-
-    def _produce_partial(self, index: int, version: int) -> ProducedBatch | None:
-        """Batch ``index`` in segments (stapo.rollout.partial): started with the weights of ``version``, cut at
-        each sync, continued with the next weights; every token keeps the version that sampled it."""
-        if self._partial is None or self._partial[0] != index:
+        """The producer's work (its thread; no collective): batch ``index``'s prompts generated with policy
+        ``version``; None when a sync cut it (an interruptible engine), and the next call goes on with it."""
+        if self._under_way is None or self._under_way[0] != index:
             examples = self.next_prompts()
-            sampling = self.sampling(index)
-            prompts = [e.prompt_ids for e in examples]
-            seeds = vllm_sampling_kwargs(sampling, self.cfg.rollout.group_size, len(prompts))[1]
-            batch = PartialBatch.start(prompts, self.cfg.rollout.group_size, sampling, seeds)
-            self._partial = (index, examples, batch, self.sampler.epoch, time.perf_counter())
-        _, examples, batch, epoch, start = self._partial
-        if not self.engine.generate_partial(batch, version):
+            generation = Generation([e.prompt_ids for e in examples], self.cfg.rollout.group_size,
+                                    self.sampling(index), tools=self.tools)
+            self._under_way = (index, examples, generation, self.sampler.epoch, time.perf_counter())
+        _, examples, generation, epoch, start = self._under_way
+        if not self._advance(generation):
             log.info("batch %d: a weight sync cut %d response(s) under way (%d finished); they go on with the new "
-                     "weights", index, len(batch.unfinished()), len(batch.samples) - len(batch.unfinished()))
+                     "weights", index, generation.unfinished(), len(generation.trajectories) - generation.unfinished())
             return None
-        self._partial = None
-        rollout = batch.to_rollout(self.engine.pad_token_id).with_ground_truth(
-            [e.ground_truth for e in examples]).with_prompt_text([e.prompt_text for e in examples])
+        self._under_way = None
+        rollout = self._rollout(generation, examples, version)
         return ProducedBatch(index, examples, rollout, int(rollout.policy_version.min()), epoch,
-                             time.perf_counter() - start, interrupted=batch.interrupted)
+                             time.perf_counter() - start, interrupted=generation.interrupted)
 
     def next_prompts(self) -> list:
         """This rank's share of the global batch, balanced by prompt tokens (every rank computes the
@@ -161,7 +148,7 @@ class Rollouts:
                  plain: bool = False) -> Rollout:
         """Rows for ``examples`` (the iteration ``step``'s seed), on the trainer's thread: with rollout
         servers every rank learns whether any rank lost its last server (`_agreed`). ``plain``: one turn
-        each, on the engine under the tool episodes (evaluation without tools)."""
+        each, without the tools (evaluation without tools)."""
         return self._agreed(lambda: self._generate(examples, step, greedy, round_index, plain=plain))
 
     def _agreed(self, work: Callable[[], T]) -> T:
@@ -180,18 +167,31 @@ class Rollouts:
         return result
 
     def _generate(self, examples: list, step: int, greedy: bool = False, round_index: int = 0,
-                  version: int | None = None, plain: bool = False) -> Rollout:
-        """Rows for ``examples`` (the iteration ``step``'s seed), stamped with the policy ``version`` that
-        sampled them (default: ``step``'s, the weights of the last sync). No collective."""
-        n = 1 if greedy else self.cfg.rollout.group_size
-        engine = self.engine.engine if plain and isinstance(self.engine, EpisodeEngine) else self.engine
-        if getattr(self.engine, "needs_weights", False):  # rollout.sleep_level 2 discarded them
+                  plain: bool = False) -> Rollout:
+        """Rows for ``examples`` (the iteration ``step``'s seed and, unless the engine says otherwise, its policy
+        version: the weights of the last sync). No collective."""
+        generation = Generation([e.prompt_ids for e in examples], 1 if greedy else self.cfg.rollout.group_size,
+                                self.sampling(step, greedy, round_index), tools=None if plain else self.tools)
+        if not self._advance(generation):
+            raise RuntimeError("the rollout engine was interrupted outside the producer")
+        return self._rollout(generation, examples, step)
+
+    def _advance(self, generation: Generation) -> bool:
+        """``generation``'s segments on the engine until done (True) or cut by a sync (False)."""
+        if self.engine.needs_weights:  # rollout.sleep_level 2 discarded them
             sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20)
         with offloaded(self.training_offload):  # after any sync: that gathers from the ZeRO shards
             self.engine.wake()
-            rollout = engine.generate([e.prompt_ids for e in examples], n, self.sampling(step, greedy, round_index))
+            done = generation.advance(self.engine)
             self.engine.sleep()
-        rollout = rollout.with_policy_version(step if version is None else version)
+        return done
+
+    def _rollout(self, generation: Generation, examples: list, version: int) -> Rollout:
+        """The finished rows with their answers, prompts and the policy version of every token (``version``
+        where the engine did not say)."""
+        rollout = generation.rollout(self.engine.pad_token_id)
+        if rollout.policy_version is None:
+            rollout = rollout.with_policy_version(version)
         return rollout.with_ground_truth([e.ground_truth for e in examples]).with_prompt_text(
             [e.prompt_text for e in examples])
 
@@ -203,8 +203,8 @@ class Rollouts:
             return sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20)
         attempts = self.cfg.rollout.sync_retries + 1
         for attempt in range(1, attempts + 1):
-            partial = self.cfg.rollout.partial  # the batch under way is cut, not waited for
-            with self.producer.paused(interrupt=partial) if self.producer is not None else contextlib.nullcontext():
+            cut = self.engine.interruptible  # rollout.partial: the batch under way is cut, not waited for
+            with self.producer.paused(interrupt=cut) if self.producer is not None else contextlib.nullcontext():
                 if self.producer is not None:
                     barrier()  # every rank's producer is idle before rank 0 opens the servers' session
                 synced = sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20, version=version)

@@ -14,6 +14,7 @@ import os
 import torch
 
 from stapo.config import STAPOConfig
+from stapo.rollout import RolloutEngine
 from stapo.rollout.fingerprint import model_fingerprint, tokenizer_fingerprint
 from stapo.rollout.server_engine import ServerEngine, ServerLimits
 from stapo.rollout.server_secret import trainer_secret
@@ -40,15 +41,15 @@ def build_server_engine(cfg: STAPOConfig, model_path: str, tokenizer, dtype: tor
     log.info("rollout engine: vLLM servers %s", ", ".join(r.servers))
     return ServerEngine(r.servers, pad, sends_weights=dist_rank == 0, limits=limits,
                         token=trainer_secret(os.environ, r.server_token_file), sync_host=r.sync_host,
-                        fingerprint=fingerprint, sync=r.sync)
+                        fingerprint=fingerprint, sync=r.sync, stream=r.partial, tokenizer=tokenizer)
 
 
-def prompt_length_limit(cfg: STAPOConfig, rollout_engine) -> int:
+def prompt_length_limit(cfg: STAPOConfig, rollout_engine: RolloutEngine) -> int:
     """The longest prompt the run keeps: ``data.max_prompt_length``, or less when a rollout server's
     ``max_model_len`` leaves less room beside ``rollout.max_response_length`` (a warning says so; longer
     prompts are filtered with a count, as for the colocated engine, whose length is set from the config)."""
     limit = cfg.data.max_prompt_length
-    served = getattr(rollout_engine, "max_model_len", None)
+    served = rollout_engine.max_model_len
     if served is None or served >= limit + cfg.rollout.max_response_length:
         return limit
     room = served - cfg.rollout.max_response_length

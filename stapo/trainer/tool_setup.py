@@ -3,8 +3,8 @@
 
 * the tools the policy may call, built from the registry with the per-call limits (``timeout_s``,
   ``max_output_chars``), ``stateful`` for the tools that have state, and each tool's own ``params``;
-* the rollout engine wrapped in :class:`~stapo.rollout.episodes.EpisodeEngine`, so every rollout row is
-  a multi-turn episode;
+* the episodes' :class:`~stapo.rollout.episodes.ToolEpisodes` (parser, tools, turn limit), which the
+  rollout driver makes every row a multi-turn episode with;
 * the tiny TIR demo's tokenizer, model and warm start, and its problems.
 """
 
@@ -16,7 +16,7 @@ from stapo.config import STAPOConfig
 
 log = logging.getLogger("stapo.trainer")
 
-__all__ = ["build_tools", "tool_schemas", "episode_engine", "control_token_ids", "build_tiny_tir_model",
+__all__ = ["build_tools", "tool_schemas", "tool_episodes", "control_token_ids", "build_tiny_tir_model",
            "tiny_tir_rows"]
 
 
@@ -41,16 +41,17 @@ def tool_schemas(cfg: STAPOConfig) -> list[dict] | None:
     return [tool.schema() for tool in tools.values()] or None
 
 
-def episode_engine(cfg: STAPOConfig, engine, tokenizer):
-    """``engine`` wrapped so that its rows are episodes with ``rollout.tools``; ``engine`` itself when off."""
+def tool_episodes(cfg: STAPOConfig, tokenizer):
+    """What makes every rollout row an episode with ``rollout.tools`` (its token budget is
+    ``rollout.max_response_length``, the rollouts' ``max_new_tokens``); None when tools are off."""
     t = cfg.rollout.tools
     if not t.enabled:
-        return engine
-    from stapo.rollout.episodes import EpisodeEngine
+        return None
+    from stapo.rollout.episodes import ToolEpisodes
     from stapo.tools import build_tool_parser
 
-    return EpisodeEngine(engine, tokenizer, build_tool_parser(t.parser, tools=tuple(t.names)), build_tools(cfg, note=True),
-                         max_turns=t.max_turns, max_tokens=cfg.rollout.max_response_length, max_workers=t.max_workers)
+    return ToolEpisodes(tokenizer, build_tool_parser(t.parser, tools=tuple(t.names)), build_tools(cfg, note=True),
+                        max_turns=t.max_turns, max_workers=t.max_workers)
 
 
 def control_token_ids(cfg: STAPOConfig, tokenizer):

@@ -41,6 +41,7 @@ from stapo.distributed.lora import reference_scope
 from stapo.distributed.zero3_trace import REFERENCE
 from stapo.trainer.rollouts import Rollouts
 from stapo.trainer.server_setup import prompt_length_limit
+from stapo.trainer.tool_setup import tool_episodes
 from stapo.telemetry.mfu import device_peak_flops
 from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
                                         skipped_updates, stats_counts, step_metrics, token_counts)
@@ -112,7 +113,8 @@ class STAPOTrainer:
         self.recorder = TokenRecorder(self.output_dir, every=cfg.inspect.record_every, is_main=self.dist.is_main,
                                       all_minibatches=cfg.inspect.record_minibatches == "all")
         self.rollouts = Rollouts(cfg, self.dist, self.rollout_engine, self.model, self.sampler, self.train_data,
-                                 self.score, self.reward_terms, training_offload=self.training_offload)  # lines 3-5: prompts, generation, rewards, sync
+                                 self.score, self.reward_terms, training_offload=self.training_offload,
+                                 tools=tool_episodes(cfg, self.tokenizer))  # lines 3-5: prompts, generation, rewards, sync
         self.health = Recovery(self, build.build_health(cfg))  # monitors and health.on_alarm (docs/health.md)
         self.step_count = 0
         self.skipped_steps = 0

@@ -61,6 +61,9 @@ def test_stapo_parser_wires_eval():
     (["{model}", "--prompt-field", "q"], ValueError, "apply to --data files"),
     (["{model}", "--samples", "0"], ValueError, "--samples must be >= 1"),
     (["{model}", "--data", "{data}", "--answer-field", "solution"], ValueError, "missing column 'solution'"),
+    (["{model}", "--data", "{data}", "--tools", "calculator,web"], ValueError, "unknown tool 'web'.*calculator"),
+    (["{model}", "--data", "{data}", "--tools", "calculator", "--tool-parser", "xml"], ValueError, "'xml'"),
+    (["{model}", "--data", "{data}", "--tools", "calculator", "--max-turns", "0"], ValueError, "--max-turns must be"),
 ])
 def test_user_mistakes_are_one_line(argv, error, pattern, tiny_model_dir, arithmetic_file, tmp_path):
     fill = {"missing": str(tmp_path / "no_model"), "model": str(tiny_model_dir), "tmp": str(tmp_path),
@@ -120,3 +123,25 @@ def test_dry_run_checks_and_plans_without_sampling(tiny_model_dir, arithmetic_fi
     example = Path(__file__).resolve().parents[2] / "examples" / "reward_function.py"
     with pytest.raises(ValueError, match="could not be loaded: .*has no attribute 'nope'"):
         run_cli(parse([str(model), "--reward-function", f"{example}:nope", "--dry-run"]))
+
+
+def test_tool_episodes_are_judged_on_their_final_turn_with_the_tool_metrics_beside(tir_model_dir, write_jsonl,
+                                                                                   tmp_path, capsys):
+    """`stapo eval --tools`: the trainer's episodes (prompts offering the tools, the calculator run, the final
+    turn judged) on the tiny TIR model, with tool calls and errors per episode in the table and the JSON."""
+    from stapo.tiny.tir import tir_problems
+
+    data = write_jsonl(tmp_path / "tir.jsonl", [{"problem": p.question, "answer": p.answer}
+                                                for p in tir_problems(6, seed=5)])
+    model = shutil.copytree(tir_model_dir, tmp_path / "model")
+    assert run_cli(parse([str(model), "--data", data, "--tools", "calculator", "--max-turns", "2", "--settings",
+                          "greedy", "--samples", "1", "--max-new-tokens", "64", "--engine", "hf",
+                          "--cache-dir", str(tmp_path / "hf")])) == 0
+    assert "| tool calls / episode | tool errors / episode |" in capsys.readouterr().out
+    (result,) = json.loads((model / "eval" / "results.json").read_text())["results"]
+    samples = [json.loads(line) for line in (model / "eval" / "samples.jsonl").read_text().splitlines()]
+    called = [s for s in samples if "<tool_response>" in s["responses"][0]]
+    assert called and result["tool_calls_mean"] >= len(called) / 6 and "tool_errors_mean" in result
+    for s in called:  # the whole episode is written; the verdict is the final turn's (after the tool turn)
+        final = s["responses"][0].rsplit("assistant\n", 1)[-1]
+        assert s["correct"] == [math_reward(final, s["ground_truth"]) == 1.0]

@@ -3,54 +3,45 @@ generations re-scored here, per problem, per setting; the decoding settings reac
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 
 import numpy as np
 import pytest
-import torch
 
 from stapo.evaluation import PAPER_SETTINGS, evaluate_model, load_benchmark, local_benchmark
 from stapo.rewards import math_reward
-from stapo.rollout.batch import Rollout, left_pad, right_pad
+from stapo.rollout import RolloutEngine, Segment
+from stapo.rollout.sampling import derived_seed
+from stapo.rollout.trajectory import prompt_seeds
 
 # Probability that a scripted sample is right, per problem (rows of the 4-problem file).
 P_CORRECT = [0.0, 0.3, 0.7, 1.0]
 
 
-class ScriptedEngine:
-    """A RolloutEngine stand-in: for each prompt answers `\\boxed{answer}` with a per-problem
-    probability, else `\\boxed{answer + 1}`; draws from `sampling.seed` only."""
+class ScriptedEngine(RolloutEngine):
+    """A rollout engine for the test: for each request answers `\\boxed{answer}` with a per-problem
+    probability, else `\\boxed{answer + 1}`; draws from the request's seed only."""
 
     def __init__(self, tokenizer, answers: dict[tuple[int, ...], tuple[str, float]]) -> None:
         self.tokenizer, self.answers, self.calls = tokenizer, answers, []
 
-    def generate(self, prompt_ids, n, sampling) -> Rollout:
-        self.calls.append((len(prompt_ids), n, sampling))
-        rng = np.random.default_rng(sampling.seed)
-        texts = []
-        for prompt in prompt_ids:
-            answer, p = self.answers[tuple(prompt)]
-            for _ in range(n):
-                guess = answer if rng.random() < p else str(int(answer) + 1)
-                texts.append(f"Step by step. So the result is \\boxed{{{guess}}}")
-        prompts, prompt_mask = left_pad([list(p) for p in prompt_ids for _ in range(n)], 0)
-        lengths = [1 + len(t) % 5 for t in texts]
-        response_ids = right_pad([[7] * m for m in lengths], 0, torch.long)
-        return Rollout(prompt_ids=prompts, prompt_mask=prompt_mask, response_ids=response_ids,
-                       response_mask=right_pad([[True] * m for m in lengths], False, torch.bool),
-                       sampling_logprobs=torch.zeros(response_ids.shape), finish_reason=["stop"] * len(texts),
-                       response_text=texts, group_index=torch.arange(len(prompt_ids)).repeat_interleave(n),
-                       group_size=n)
+    def generate_segments(self, requests, sampling):
+        self.calls.append((list(requests), sampling))
+        out = []
+        for r in requests:
+            answer, p = self.answers[tuple(r.context)]
+            guess = answer if np.random.default_rng(r.seed).random() < p else str(int(answer) + 1)
+            text = f"Step by step. So the result is \\boxed{{{guess}}}"
+            out.append(Segment([7] * (1 + len(text) % 5), [0.0] * (1 + len(text) % 5), text, "stop"))
+        return out
 
-    def load_weights(self, weights):  # pragma: no cover - the protocol's other methods
+    def weight_update(self, version=None):  # pragma: no cover - the contract's other methods
+        return contextlib.nullcontext()
+
+    def load_weights(self, weights):  # pragma: no cover
         raise NotImplementedError
-
-    def sleep(self):  # pragma: no cover
-        pass
-
-    def wake(self):  # pragma: no cover
-        pass
 
 
 @pytest.fixture()
@@ -106,14 +97,17 @@ def test_reported_metrics_equal_direct_count_of_rescored_generations(scripted, t
 
 def test_decoding_settings_and_budget_reach_the_engine(scripted, tiny_model_dir, tmp_path):
     preset, engine = scripted
-    # batch_rows = 4 with N = 2: two prompts per generate call, so 2 calls per setting.
+    # batch_rows = 4 with N = 2: two prompts per chunk, 2 chunks per setting, submitted together
     evaluate_model(tiny_model_dir, [preset], num_samples=2, max_new_tokens=77, engine=engine, seed=0,
                    batch_rows=4, cache_dir=tmp_path / "hf")
-    assert [(p, n) for p, n, _ in engine.calls] == [(2, 2)] * 4
-    used = [(s.temperature, s.top_p, s.max_new_tokens) for _, _, s in engine.calls]
-    assert used == [(1.0, 1.0, 77)] * 2 + [(0.7, 0.9, 77)] * 2
-    seeds = [s.seed for _, _, s in engine.calls]
-    assert seeds[0] != seeds[1] and seeds[:2] == seeds[2:]  # per-chunk seeds, same across settings
+    assert [len(requests) for requests, _ in engine.calls] == [8] * 2  # one submission per setting
+    used = [(s.temperature, s.top_p) for _, s in engine.calls]
+    assert used == [(1.0, 1.0), (0.7, 0.9)]
+    assert all(r.max_new_tokens == 77 for requests, _ in engine.calls for r in requests)
+    seeds = [[r.seed for r in requests] for requests, _ in engine.calls]
+    # a chunk's seeds derive from its first problem only (0 and 2): per-chunk seeds, the same across settings
+    chunks = [prompt_seeds(derived_seed(0, first), 2) for first in (0, 2)]
+    assert seeds[0] == seeds[1] == [s + k for chunk in chunks for s in chunk for k in range(2)]
 
 
 def test_preset_n_is_the_default_and_samples_override(scripted, tiny_model_dir, tmp_path):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stapo.rollout.sampling import SamplingParams, processed_logprobs, sample_from_logprobs
+from stapo.rollout.sampling import SamplingParams, processed_logprobs, sample_with_uniforms, vllm_request_kwargs
 
 # probabilities .5 / .3 / .2 as logits (log-probs are valid logits)
 LOGITS = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)]])
@@ -65,20 +65,20 @@ def test_processed_logprobs_is_fp32_for_half_inputs():
     assert processed_logprobs(LOGITS.to(torch.bfloat16)).dtype == torch.float32
 
 
-def test_sampling_is_reproducible_from_the_generator_only():
-    lp = torch.log_softmax(torch.randn(64, 50), dim=-1)
-    a, la = sample_from_logprobs(lp, torch.Generator().manual_seed(7))
-    torch.manual_seed(123)  # the global RNG must not matter
-    b, lb = sample_from_logprobs(lp, torch.Generator().manual_seed(7))
-    assert torch.equal(a, b) and torch.equal(la, lb)
-    assert torch.equal(la, lp.gather(1, a[:, None]).squeeze(1))
-    c, _ = sample_from_logprobs(lp, torch.Generator().manual_seed(8))
-    assert not torch.equal(a, c)
+def test_a_draw_is_the_inverse_cdf_of_its_uniform():
+    lp = torch.log(torch.tensor([[0.5, 0.3, 0.2]] * 5))
+    # cumulative .5 / .8 / 1.: u < .5 -> 0, .5 <= u < .8 -> 1, else 2
+    tokens, token_lp = sample_with_uniforms(lp, torch.tensor([0.0, 0.49, 0.5, 0.79, 0.999999]))
+    assert tokens.tolist() == [0, 0, 1, 1, 2]
+    assert torch.equal(token_lp, lp.gather(1, tokens[:, None]).squeeze(1))
+    # a filtered token is never drawn, even by a uniform at the very top
+    top2 = processed_logprobs(LOGITS.expand(2, 3), top_k=2)  # .625 / .375 / 0
+    assert sample_with_uniforms(top2, torch.tensor([1.0 - 1e-9, 0.9999999]))[0].tolist() == [1, 1]
 
 
 def test_sampling_frequencies_match_processed_distribution():
     lp = processed_logprobs(LOGITS.expand(20000, 3), top_k=2)  # .625 / .375 / 0
-    tokens, token_lp = sample_from_logprobs(lp, torch.Generator().manual_seed(0))
+    tokens, token_lp = sample_with_uniforms(lp, torch.rand(20000, generator=torch.Generator().manual_seed(0)))
     freq = torch.bincount(tokens, minlength=3).float() / 20000
     assert freq[2] == 0  # a filtered token is never drawn
     assert freq[0].item() == pytest.approx(0.625, abs=0.015)  # 4+ sigma: sqrt(.625*.375/2e4) = .0034
@@ -87,5 +87,13 @@ def test_sampling_frequencies_match_processed_distribution():
 
 def test_greedy_picks_argmax():
     lp = torch.log_softmax(torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]]), dim=-1)
-    tokens, _ = sample_from_logprobs(lp, None, greedy=True)
+    tokens, _ = sample_with_uniforms(lp, torch.zeros(2), greedy=True)
     assert tokens.tolist() == [1, 0]
+
+
+def test_one_vllm_request_per_sample_with_the_processed_logprob():
+    base = vllm_request_kwargs(SamplingParams(temperature=0.7, top_k=0, stop=("</tool_call>",), stop_token_ids=(5,),
+                                              seed=9, max_new_tokens=3))
+    assert base == {"n": 1, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "stop_token_ids": [5], "logprobs": 0,
+                    "skip_special_tokens": True, "stop": ["</tool_call>"],
+                    "include_stop_str_in_output": True}  # seed and max_tokens: per request

@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 
 from stapo.losses import mismatch_sums
-from stapo.rollout import HFEngine, SamplingParams
+from stapo.rollout import HFEngine, SamplingParams, generate
 from stapo.distributed.policy import PolicyInputs, response_token_stats
 
 
 def test_hf_sampling_logprobs_match_the_trainer_recompute(tiny_model_path, tiny_tokenizer, prompts):
     engine = HFEngine(str(tiny_model_path), tiny_tokenizer, device="cpu", dtype=torch.float32)
     temperature = 0.8  # the trainer's stats use the rollout temperature (no top-k / top-p in training)
-    rollout = engine.generate(prompts, 4, SamplingParams(temperature=temperature, max_new_tokens=16, seed=3))
+    rollout = generate(engine, prompts, 4, SamplingParams(temperature=temperature, max_new_tokens=16, seed=3))
     inputs = PolicyInputs.from_parts(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids,
                                      rollout.response_mask)
     with torch.no_grad():  # the trainer's path: decoder hidden states -> chunked lm_head op

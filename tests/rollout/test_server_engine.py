@@ -13,39 +13,40 @@ import torch
 import torch.multiprocessing as mp
 
 from stapo.config import ConfigError, STAPOConfig
-from stapo.rollout import SamplingParams
+from stapo.rollout import Generation, SamplingParams
+from stapo.rollout.sampling import vllm_request_kwargs
 from stapo.rollout.server_client import MALFORMED, ServerClient, ServerError, parse_address
-from stapo.rollout.server_completions import completion_request, outputs_from_completion
+from stapo.rollout.server_completions import completion_body, segment_from_reply
 from stapo.rollout.server_engine import NoRolloutServers, ServerPool
 from stapo.rollout.serve import serve_command, take_token_file
-from stapo.rollout.vllm_engine import request_seeds, rollout_from_vllm_outputs, vllm_sampling_kwargs
+from stapo.rollout.trajectory import prompt_seeds
 from stapo.rollout.bucket_format import pack_bucket_tensor, unpack_tensors
 from stapo.rollout.weight_group import GroupSpec, namespaced, new_nonce
 
 
 def test_a_request_carries_the_token_ids_and_the_colocated_seed():
-    base, seeds = vllm_sampling_kwargs(SamplingParams(temperature=0.7, top_k=20, max_new_tokens=9, seed=3), 4, 2)
-    body = completion_request([5, 6, 7], base, seeds[1])
-    assert body["prompt"] == [5, 6, 7] and body["n"] == 4 and body["max_tokens"] == 9
-    assert body["seed"] == request_seeds(3, 2)[1]  # the in-process engine's seed for prompt 1
+    sampling = SamplingParams(temperature=0.7, top_k=20, max_new_tokens=9, seed=3)
+    requests = [t.request(9) for t in Generation([[1], [5, 6, 7]], 4, sampling).trajectories]
+    body = completion_body(requests[5], vllm_request_kwargs(sampling))  # prompt 1, sample 1
+    assert body["prompt"] == [5, 6, 7] and body["n"] == 1 and body["max_tokens"] == 9
+    assert body["seed"] == prompt_seeds(3, 2)[1] + 1  # the in-process engine's seed for prompt 1, sample 1
     assert body["logprobs"] == 0 and body["return_token_ids"] is True and body["top_k"] == 20
 
 
-def test_a_completion_reply_becomes_a_rollout():
-    reply = {"choices": [  # vLLM's /v1/completions reply shape, choices out of order
-        {"index": 1, "text": "b", "token_ids": [9], "finish_reason": "stop",
-         "logprobs": {"token_logprobs": [-0.5], "tokens": ["token_id:9"]}},
+def test_a_completion_reply_becomes_a_segment():
+    reply = {"choices": [  # vLLM's /v1/completions reply shape
         {"index": 0, "text": "ac", "token_ids": [4, 2], "finish_reason": "length",
          "logprobs": {"token_logprobs": [-1.0, -2.0], "tokens": ["token_id:4", "token_id:2"]}}]}
-    r = rollout_from_vllm_outputs([outputs_from_completion(reply)], [[1, 2, 3]], 2, pad_token_id=0)
-    assert r.response_ids.tolist() == [[4, 2], [9, 0]] and r.response_mask.tolist() == [[True, True], [True, False]]
-    assert r.sampling_logprobs.tolist() == [[-1.0, -2.0], [-0.5, 0.0]]
-    assert r.finish_reason == ["length", "stop"] and r.response_text == ["ac", "b"]
+    segment = segment_from_reply(reply, version=3)
+    assert segment.tokens == [4, 2] and segment.logprobs == [-1.0, -2.0]
+    assert segment.finish == "length" and segment.text == "ac" and segment.version == 3
     bad = {"choices": [{"index": 0, "text": "", "token_ids": [4], "finish_reason": "stop", "logprobs": None}]}
     with pytest.raises(ServerError, match="rollout server node3:8000: malformed completion reply: choice 0: 1 "
                                           "tokens, 0 log-probs") as failure:
-        outputs_from_completion(bad, 1, "node3:8000")
+        segment_from_reply(bad, "node3:8000")
     assert failure.value.kind == MALFORMED
+    with pytest.raises(ServerError, match="2 choices, expected 1"):
+        segment_from_reply({"choices": reply["choices"] * 2})
 
 
 def test_the_pool_picks_the_least_loaded_live_server_and_fails_over(caplog):

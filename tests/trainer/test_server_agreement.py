@@ -19,37 +19,29 @@ import torch.multiprocessing as mp
 WORLD, TIMEOUT_S = 2, 120
 
 
-class ScriptedEngine:
+def scripted_engine(rank: int, lose_on_rank: int | None, sync_ok: bool):
     """A rollout engine that loses its servers on ``lose_on_rank`` and whose syncs report ``sync_ok``."""
+    from stapo.rollout import RolloutEngine, Segment
+    from stapo.rollout.server_engine import NoRolloutServers, SyncOutcome
 
-    def __init__(self, rank: int, lose_on_rank: int | None, sync_ok: bool) -> None:
-        from stapo.rollout.server_engine import SyncOutcome
+    class ScriptedEngine(RolloutEngine):
+        def __init__(self) -> None:
+            self.last_sync = SyncOutcome(sync_ok, None if sync_ok else "the join was refused", live=0)
+            self.loaded = 0
 
-        self.rank, self.lose_on_rank = rank, lose_on_rank
-        self.last_sync = SyncOutcome(sync_ok, None if sync_ok else "the join was refused", live=0)
-        self.loaded = 0
+        def generate_segments(self, requests, sampling):
+            if rank == lose_on_rank:
+                raise NoRolloutServers("no rollout server is left: 127.0.0.1:1: gone")
+            return [Segment([], [], "", "error") for _ in requests]
 
-    def generate(self, prompt_ids, n, sampling):
-        from stapo.rollout.server_completions import failed_outputs
-        from stapo.rollout.server_engine import NoRolloutServers
-        from stapo.rollout.vllm_engine import rollout_from_vllm_outputs
+        @contextlib.contextmanager
+        def weight_update(self, version=None):
+            yield
 
-        if self.rank == self.lose_on_rank:
-            raise NoRolloutServers("no rollout server is left: 127.0.0.1:1: gone")
-        return rollout_from_vllm_outputs([failed_outputs(n)] * len(prompt_ids), prompt_ids, n, 0)
+        def load_weights(self, bucket):
+            self.loaded += 1
 
-    @contextlib.contextmanager
-    def weight_update(self, version=None):
-        yield
-
-    def load_weights(self, bucket):
-        self.loaded += 1
-
-    def wake(self):
-        pass
-
-    def sleep(self):
-        pass
+    return ScriptedEngine()
 
 
 def _rank(rank: int, port: int, case: str, out) -> None:
@@ -61,7 +53,7 @@ def _rank(rank: int, port: int, case: str, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.servers=[127.0.0.1:1]", "rollout.sync_retries=1"])
-    engine = ScriptedEngine(rank, lose_on_rank=1 if case == "generate" else None, sync_ok=case != "sync")
+    engine = scripted_engine(rank, lose_on_rank=1 if case == "generate" else None, sync_ok=case != "sync")
     rollouts = Rollouts(cfg, DistInfo(rank, WORLD, rank, torch.device("cpu")), engine, torch.nn.Linear(2, 2),
                         sampler=None, train_data=None, score=None, reward_terms=None)
     example = SimpleNamespace(prompt_ids=[1, 2], ground_truth="3", prompt_text="1+2")

@@ -76,7 +76,6 @@ def test_invalid_tool_settings_name_the_field(overrides, message):
 @pytest.mark.slow
 def test_a_run_with_tools_logs_episodes_and_evaluates_with_and_without_tools(tmp_path, tir_model_dir):
     from stapo import STAPOTrainer
-    from stapo.rollout.episodes import EpisodeEngine
 
     out = tmp_path / "run"
     cfg = STAPOConfig.from_yaml(None, [
@@ -90,8 +89,8 @@ def test_a_run_with_tools_logs_episodes_and_evaluates_with_and_without_tools(tmp
         "logging.tensorboard=false", "trainer.save_every=0", "trainer.export_hf=false", "logging.plot=false",
         "inspect.record_every=1"])
     trainer = STAPOTrainer(cfg)
-    assert isinstance(trainer.rollout_engine, EpisodeEngine) and trainer.rollout_engine.max_turns == 3
-    assert trainer.rollout_engine.tools["calculator"].max_digits == 40  # rollout.tools.params reached the tool
+    assert trainer.rollouts.tools is not None and trainer.rollouts.tools.max_turns == 3
+    assert trainer.rollouts.tools.tools["calculator"].max_digits == 40  # rollout.tools.params reached the tool
     assert "Tools: calculator" in trainer.train_data[0].prompt_text  # the prompts offer the tools
     assert "Tools:" not in trainer.eval_data_without_tools[0].prompt_text
     trainer.train()

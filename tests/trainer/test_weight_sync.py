@@ -228,11 +228,13 @@ def test_consumer_rejects_unknown_names():
 def test_sync_loads_every_bucket_inside_one_update_session():
     # the rollout engines' contract (docs/rollout.md): begin, every bucket, finish — once per sync
     class Recorder:
+        last_sync = None
+
         def __init__(self):
             self.calls = []
 
         @contextlib.contextmanager
-        def weight_update(self):
+        def weight_update(self, version=None):
             self.calls.append("begin")
             yield
             self.calls.append("finish")

@@ -29,7 +29,7 @@ def main(model_dir: str) -> None:
     from _rollout_utils import teacher_forced
     from transformers import AutoModelForCausalLM
 
-    from stapo.rollout import SamplingParams, VLLMEngine
+    from stapo.rollout import SamplingParams, VLLMEngine, generate
     from stapo.distributed.process_group import _launched, init_distributed
 
     assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ, "run without a launcher"
@@ -43,7 +43,7 @@ def main(model_dir: str) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
-    before = engine.generate(prompts, 1, greedy).response_ids
+    before = generate(engine, prompts, 1, greedy).response_ids
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     original = [(n, p.detach().clone()) for n, p in model.named_parameters()]
     gen = torch.Generator().manual_seed(0)
@@ -57,15 +57,15 @@ def main(model_dir: str) -> None:
             engine.load_weights(named[start:start + 3])
     sampled = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7)
     states = rng_states()
-    rollout = engine.generate(prompts, 4, sampled)
+    rollout = generate(engine, prompts, 4, sampled)
     out["caller_rngs_untouched_by_generate"] = same_states(states, rng_states())
     ref = teacher_forced(model, rollout)
     valid = rollout.response_mask
     out["perturbed_max_abs_diff"] = float((rollout.sampling_logprobs[valid] - ref[valid]).abs().max())
-    out["seed_reproduces"] = torch.equal(rollout.response_ids, engine.generate(prompts, 4, sampled).response_ids)
+    out["seed_reproduces"] = torch.equal(rollout.response_ids, generate(engine, prompts, 4, sampled).response_ids)
     with engine.weight_update():
         engine.load_weights([(n, t.to(device)) for n, t in original])
-    out["restored"] = torch.equal(before, engine.generate(prompts, 1, greedy).response_ids)
+    out["restored"] = torch.equal(before, generate(engine, prompts, 1, greedy).response_ids)
     out["freed_fraction"] = None
     if torch.cuda.is_available():
         free_awake = torch.cuda.mem_get_info()[0]
@@ -77,13 +77,13 @@ def main(model_dir: str) -> None:
         engine.sleep_level = 2
         engine.sleep()
         try:
-            engine.generate(prompts, 1, greedy)
+            generate(engine, prompts, 1, greedy)
             out["level2_refused"] = False
         except RuntimeError as err:
             out["level2_refused"] = "level-2 sleep" in str(err)
         with engine.weight_update():
             engine.load_weights([(n, t.to(device)) for n, t in original])
-        out["level2_restored"] = torch.equal(before, engine.generate(prompts, 1, greedy).response_ids)
+        out["level2_restored"] = torch.equal(before, generate(engine, prompts, 1, greedy).response_ids)
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -16,10 +16,10 @@ import torch
 
 def _long_responses() -> None:
     """Every segment request runs to its ``max_tokens`` (vLLM's ``ignore_eos``)."""
-    from stapo.rollout.partial import PartialBatch
+    import stapo.rollout.server_engine as server_engine
 
-    request = PartialBatch.request
-    PartialBatch.request = lambda self, k, base: {**request(self, k, base), "ignore_eos": True}
+    body = server_engine.completion_body
+    server_engine.completion_body = lambda request, base: {**body(request, base), "ignore_eos": True}
 
 
 def main(server: str, model_dir: str) -> None:

@@ -12,7 +12,8 @@ import torch
 from _bounds import BATCH_NOISE, assert_fp32_noise, report
 from conftest import FP32_LOGPROB_BOUND, HERE, run
 
-from stapo.rollout import SamplingParams, VLLMEngine
+from stapo.rollout import Generation, SamplingParams, VLLMEngine, generate
+from stapo.rollout.sampling import vllm_request_kwargs
 
 sys.path.insert(0, str(HERE.parent / "rollout"))
 from _rollout_utils import assert_matches_teacher_forced  # noqa: E402
@@ -46,7 +47,7 @@ def sync_in_buckets(engine, named, size: int = 3) -> None:
 
 
 def test_generate_matches_the_trainers_teacher_forced_logprobs(engine, hf_model, prompts):
-    r = engine.generate(prompts, 4, SamplingParams(temperature=0.8, top_k=20, max_new_tokens=16, seed=0))
+    r = generate(engine, prompts, 4, SamplingParams(temperature=0.8, top_k=20, max_new_tokens=16, seed=0))
     assert len(r) == 12 and r.group_index.tolist() == [i // 4 for i in range(12)]
     for i in range(12):
         assert r.prompt_ids[i, -len(prompts[i // 4]):].tolist() == prompts[i // 4]
@@ -55,34 +56,53 @@ def test_generate_matches_the_trainers_teacher_forced_logprobs(engine, hf_model,
 
 def test_requests_carry_their_own_seeds(engine, prompts):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=11)
-    first = engine.generate(prompts, 4, sampling).response_ids
-    assert torch.equal(first, engine.generate(prompts, 4, sampling).response_ids)  # same seed, same rollout
-    other = engine.generate(prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=16, seed=12))
+    first = generate(engine, prompts, 4, sampling).response_ids
+    assert torch.equal(first, generate(engine, prompts, 4, sampling).response_ids)  # same seed, same rollout
+    other = generate(engine, prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=16, seed=12))
     assert not torch.equal(first, other.response_ids)
     # a prompt's samples depend on its own seed only: the first prompt alone samples the same rows
-    alone = engine.generate(prompts[:1], 4, sampling).response_ids
+    alone = generate(engine, prompts[:1], 4, sampling).response_ids
     assert torch.equal(alone[:, :first.shape[1]], first[:4, :alone.shape[1]])
 
 
 def test_several_calls_in_one_submission_sample_what_they_sample_alone(engine, prompts):
-    """generate_many (stapo eval's chunks in one vLLM submission): the same rows as call by call."""
+    """stapo eval's chunks in one vLLM submission (one generate_segments call): the same rows as call by call."""
     calls = [(prompts[:2], 3, SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)),
-             (prompts[2:], 2, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12, seed=6))]
-    together = engine.generate_many(calls)
-    for call, merged in zip(calls, together, strict=True):
-        alone = engine.generate(*call)
-        assert torch.equal(merged.response_ids, alone.response_ids) and merged.finish_reason == alone.finish_reason
+             (prompts[2:], 2, SamplingParams(temperature=1.0, max_new_tokens=12, seed=6))]
+    requests = [t.request(sampling.max_new_tokens) for p, n, sampling in calls
+                for t in Generation(p, n, sampling).trajectories]
+    together = engine.generate_segments(requests, calls[0][2])
+    alone = [s for p, n, sampling in calls for s in engine.generate_segments(
+        [t.request(sampling.max_new_tokens) for t in Generation(p, n, sampling).trajectories], sampling)]
+    assert len(together) == 6 + 2
+    for merged, single in zip(together, alone, strict=True):
+        assert merged.tokens == single.tokens and merged.finish == single.finish
         # the same tokens; the log-probs of one request in two batches (bit-equal on the EPYC the bounds were
         # measured on, but vLLM's kernels need not be batch-invariant on every CPU, and are not on a GPU)
-        moved = float((merged.sampling_logprobs - alone.sampling_logprobs).abs().max())
+        moved = max((abs(x - y) for x, y in zip(merged.logprobs, single.logprobs)), default=0.0)
         report("one call merged with another vs alone: max |log-prob difference|", moved)
         assert moved <= BATCH_NOISE
-    assert [len(r) for r in together] == [6, 2]
+
+
+def test_n_seeded_one_sample_requests_sample_what_one_n_sample_request_does(engine, prompts):
+    """vLLM gives the k-th of an n-sample request seeded s the seed s + k: the rule stapo's seed scheme rests
+    on (a sample's seed is its prompt's + k, each sample one request)."""
+    import vllm
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16)
+    base = {**vllm_request_kwargs(sampling), "max_tokens": 16}
+    requests = [{"prompt_token_ids": prompts[1]}]
+    one = engine.llm.generate(requests, vllm.SamplingParams(**{**base, "n": 4}, seed=1234), use_tqdm=False)[0]
+    each = engine.llm.generate(requests * 4, [vllm.SamplingParams(**base, seed=1234 + k) for k in range(4)],
+                               use_tqdm=False)
+    fanned = [list(c.token_ids) for c in sorted(one.outputs, key=lambda c: c.index)]
+    assert fanned == [list(out.outputs[0].token_ids) for out in each]
+    assert len({tuple(t) for t in fanned}) > 1  # four different samples
 
 
 def test_sync_in_split_buckets_puts_vllm_exactly_on_the_new_weights(engine, hf_model, prompts):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
-    before = engine.generate(prompts, 1, greedy).response_ids
+    before = generate(engine, prompts, 1, greedy).response_ids
     original = [(n, p.detach().clone()) for n, p in hf_model.named_parameters()]
     new = perturbed(hf_model, seed=0)
     sync_in_buckets(engine, new)
@@ -90,7 +110,7 @@ def test_sync_in_split_buckets_puts_vllm_exactly_on_the_new_weights(engine, hf_m
         for (_, p), (_, t) in zip(hf_model.named_parameters(), new):
             p.copy_(t)
     try:
-        r = engine.generate(prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=16, seed=1))
+        r = generate(engine, prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=16, seed=1))
         # the output layer too: Qwen3's tied lm_head is reprocessed (vllm_worker.reprocess_tied_layers)
         assert_matches_teacher_forced(hf_model, r, atol=FP32_LOGPROB_BOUND, temperature=1.0)
     finally:
@@ -98,7 +118,7 @@ def test_sync_in_split_buckets_puts_vllm_exactly_on_the_new_weights(engine, hf_m
         with torch.no_grad():
             for (_, p), (_, t) in zip(hf_model.named_parameters(), original):
                 p.copy_(t)
-    assert torch.equal(engine.generate(prompts, 1, greedy).response_ids, before)  # restored exactly
+    assert torch.equal(generate(engine, prompts, 1, greedy).response_ids, before)  # restored exactly
 
 
 def test_load_weights_outside_an_update_session_is_refused(engine, hf_model):

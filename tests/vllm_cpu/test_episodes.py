@@ -9,13 +9,14 @@ writes the next step. Every episode of the warm model is thus several turns with
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from _bounds import assert_fp32_noise, assert_like_colocated, report
 from conftest import LANE_TOKEN
 
-from stapo.rollout import SamplingParams, VLLMEngine
-from stapo.rollout.episodes import EpisodeEngine
+from stapo.rollout import SamplingParams, ToolEpisodes, VLLMEngine, generate
 from stapo.tools import ParsedTurn, ToolCall, ToolCallParser, build_tool, register_tool_parser
 
 pytestmark = pytest.mark.timeout(1200)
@@ -37,9 +38,19 @@ class EqualsParser(ToolCallParser):
         return texts[0]
 
 
-def _episodes(inner, tokenizer) -> EpisodeEngine:
-    return EpisodeEngine(inner, tokenizer, EqualsParser(), {"calculator": build_tool("calculator")},
-                         max_turns=4, max_tokens=48)
+def lane_tools(tokenizer) -> ToolEpisodes:
+    return ToolEpisodes(tokenizer, EqualsParser(), {"calculator": build_tool("calculator")}, max_turns=4)
+
+
+class Episodes:
+    """``generate(prompts, n, sampling)``: the lane's tool episodes (48 tokens each) on ``engine``."""
+
+    def __init__(self, engine, tokenizer) -> None:
+        self.engine, self.tokenizer, self.pad_token_id = engine, tokenizer, engine.pad_token_id
+        self.tools = lane_tools(tokenizer)
+
+    def generate(self, prompts, n, sampling):
+        return generate(self.engine, prompts, n, replace(sampling, max_new_tokens=48), tools=self.tools)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +72,7 @@ def colocated(warm_model_dir):
     from transformers import AutoTokenizer
 
     inner = VLLMEngine(warm_model_dir, dtype="float32", max_model_len=512, enforce_eager=True)
-    return _episodes(inner, AutoTokenizer.from_pretrained(str(warm_model_dir)))
+    return Episodes(inner, AutoTokenizer.from_pretrained(str(warm_model_dir)))
 
 
 SAMPLING = SamplingParams(temperature=1.0, seed=11)
@@ -119,7 +130,7 @@ def test_server_mode_runs_the_same_episodes(servers, colocated, chains, warm_mod
     remote = ServerEngine([s.address for s in servers], pad_token_id=colocated.pad_token_id, token=LANE_TOKEN)
     warm = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32)
     sync_weights(warm, remote, bucket_bytes=2**20, version=0)  # other tests of the session may have trained them
-    episodes = _episodes(remote, colocated.tokenizer)
+    episodes = Episodes(remote, colocated.tokenizer)
     got = episodes.generate(chains, 4, SAMPLING)
     again = episodes.generate(chains, 4, SAMPLING)
     local = colocated.generate(chains, 4, SAMPLING)

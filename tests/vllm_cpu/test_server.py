@@ -20,7 +20,7 @@ from test_server_delta import teacher_forced as served_logprobs
 from test_server_delta import trainer_logprobs
 from test_train import COMMON, samples_of, train
 
-from stapo.rollout import SamplingParams, VLLMEngine
+from stapo.rollout import SamplingParams, VLLMEngine, generate
 from stapo.rollout.server_engine import ServerEngine
 from stapo.run_dir import METRICS_FILE, latest_checkpoint, read_metrics, step_of
 from stapo.telemetry.metrics import training_metrics
@@ -49,9 +49,9 @@ def test_server_and_in_process_engines_give_the_same_samples(servers, warm_model
     warm = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32)
     sync_weights(warm, remote_engine, bucket_bytes=2**20, version=0)
     sampling = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=24, seed=5)
-    remote = remote_engine.generate(prompts, 4, sampling)
-    local = VLLMEngine(warm_model_dir, dtype="float32", max_model_len=512, enforce_eager=True).generate(
-        prompts, 4, sampling)
+    remote = generate(remote_engine, prompts, 4, sampling)
+    local = generate(VLLMEngine(warm_model_dir, dtype="float32", max_model_len=512, enforce_eager=True),
+                     prompts, 4, sampling)
     assert torch.equal(remote.response_ids, local.response_ids)
     assert remote.finish_reason == local.finish_reason
     # the same tokens: against the trainer's recompute of them, the server path's log-probs are the colocated
@@ -192,10 +192,10 @@ def test_a_restarted_server_is_resynced_before_it_serves(servers, warm_model_dir
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
     sync_weights(model, engine, bucket_bytes=2**20, version=11)
     servers[1].kill()
-    engine.generate(prompts, 2, sampling)  # the dead server is found and left out
+    generate(engine, prompts, 2, sampling)  # the dead server is found and left out
     assert [c.address for c in engine.pool.live] == [servers[0].address]
     servers[1].start().wait_ready()  # restarted: it holds the weights it loaded, not version 11
-    engine.generate(prompts, 2, sampling)
+    generate(engine, prompts, 2, sampling)
     assert [c.address for c in engine.pool.live] == [servers[0].address]  # never serves stale weights
     sync_weights(model, engine, bucket_bytes=2**20, version=12)  # the next sync takes it back
     assert engine.policy_versions() == {s.address: [12] for s in servers}

@@ -6,6 +6,7 @@ one bring it back before they end."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from _servers import VLLMServer, lane_token_file, servers_override
 from conftest import FAULT_FIGURES, LANE_TOKEN, ROOT, plain_env
 from test_train import COMMON
 
-from stapo.rollout import SamplingParams
+from stapo.rollout import SamplingParams, generate
 from stapo.rollout.server_client import ServerClient, ServerError
 from stapo.rollout.server_engine import ServerEngine
 from stapo.rollout.weight_group import (GroupSpec, checked_in, exchange_proofs, let_form, listening_store, namespaced,
@@ -95,7 +96,7 @@ def test_a_process_that_is_not_the_trainer_cannot_change_the_served_weights(both
     start = time.monotonic()
     server, engine = both[0], ServerEngine([both[0].address], pad_token_id=0, token=LANE_TOKEN)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
-    before, held = engine.generate(prompts, 1, greedy), state(server)["version"]
+    before, held = generate(engine, prompts, 1, greedy), state(server)["version"]
     nonce, listening = new_nonce(), listening_store("127.0.0.1", 30)
     store = namespaced(listening, nonce)
     spec = GroupSpec("127.0.0.1", listening.port, world_size=2, rank_offset=1, timeout_s=30, nonce=nonce)
@@ -111,7 +112,7 @@ def test_a_process_that_is_not_the_trainer_cannot_change_the_served_weights(both
         with pytest.raises(ServerError, match="rank 0 did not prove it holds this session's nonce"):
             join.result(timeout=60)
     assert state(server)["session_open"] is False and state(server)["version"] == held
-    assert torch.equal(engine.generate(prompts, 1, greedy).response_ids, before.response_ids)
+    assert torch.equal(generate(engine, prompts, 1, greedy).response_ids, before.response_ids)
     figure("impostor rank 0 refused (proof of the nonce), weights unchanged", time.monotonic() - start)
 
 
@@ -253,11 +254,12 @@ def test_a_sigstopped_server_is_declared_down_within_the_bound(both, warm_model_
     figure(f"SIGSTOPped server declared down (rollout.server_down_after_s={bound:g})", declared - stopped)
 
 
-class MalformedProxy:
-    """Forwards to a real server, except that completions answer HTTP 200 with a body that is not JSON."""
+class FaultProxy:
+    """Forwards to a real server, except the completions ``fault(handler, body) -> bool`` answers itself (True):
+    ``completions`` counts the completion requests, ``bodies`` holds them."""
 
-    def __init__(self, target: str) -> None:
-        self.completions = 0
+    def __init__(self, target: str, fault) -> None:
+        self.target, self.completions, self.bodies = target, 0, []
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -268,19 +270,24 @@ class MalformedProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.path == "/v1/completions":
                     proxy.completions += 1
-                    return self._send(200, b"<html>502 from a proxy</html>")
+                    proxy.bodies.append(json.loads(body))
+                    if fault(self, body):
+                        return
                 self._forward(body)
 
             def _forward(self, body):
                 request = urllib.request.Request(f"http://{target}{self.path}", data=body, method=self.command,
-                                                 headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
+                                                 headers=self.forwarded_headers())
                 try:
                     with urllib.request.urlopen(request, timeout=60) as reply:
-                        self._send(reply.status, reply.read())
+                        self.send(reply.status, reply.read())
                 except urllib.error.HTTPError as err:
-                    self._send(err.code, err.read())
+                    self.send(err.code, err.read())
 
-            def _send(self, code, data):
+            def forwarded_headers(self) -> dict:
+                return {k: v for k, v in self.headers.items() if k.lower() != "host"}
+
+            def send(self, code, data):
                 self.send_response(code)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -294,13 +301,19 @@ class MalformedProxy:
         self.address = f"127.0.0.1:{self.httpd.server_address[1]}"
 
 
+def not_json(handler, body) -> bool:
+    """Every completion answers HTTP 200 with a body that is not JSON."""
+    handler.send(200, b"<html>502 from a proxy</html>")
+    return True
+
+
 def test_malformed_replies_fail_over_and_name_the_server(both, prompts, caplog):
-    proxy = MalformedProxy(both[0].address)
+    proxy = FaultProxy(both[0].address, not_json)
     start = time.monotonic()
     try:
         engine = ServerEngine([proxy.address, both[1].address], pad_token_id=0, token=LANE_TOKEN)
         with caplog.at_level("WARNING", logger="stapo.rollout"):
-            rollout = engine.generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=2))
+            rollout = generate(engine, prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=2))
     finally:
         proxy.httpd.shutdown()
     assert rollout.finish_reason.count("error") == 0 and len(rollout) == 2 * len(prompts)
@@ -342,3 +355,57 @@ def test_a_server_with_another_dtype_or_tokenizer_is_one_clear_error_at_start(bo
         server.kill()
     figure("another dtype (a run) / another tokenizer (a server started for it): one error at start",
            time.monotonic() - start)
+
+
+def test_one_5xx_mid_stream_is_retried_on_its_server_not_marked_down(both, prompts, caplog):
+    """rollout.request_retries applies to streamed segments (rollout.partial) as to whole requests: the first
+    stream breaks off after a few real tokens with the 500 event vLLM streams when a step fails; the segment
+    runs again on the same server with the same seed (what the broken stream gave is dropped) and the server
+    stays in service."""
+    from stapo.rollout import SegmentRequest
+    from stapo.rollout.sampling import vllm_request_kwargs
+    from stapo.rollout.server_completions import completion_body, segment_from_reply
+    from stapo.rollout.server_engine import ServerLimits
+
+    error = {"error": {"object": "error", "message": "EngineCore step failed", "type": "InternalServerError",
+                       "param": None, "code": 500}}
+
+    def break_first_stream(handler, body) -> bool:
+        if proxy.completions > 1:
+            return False
+        host, port = proxy.target.rsplit(":", 1)
+        upstream = http.client.HTTPConnection(host, int(port), timeout=60)
+        upstream.request("POST", "/v1/completions", body=body, headers=handler.forwarded_headers())
+        reply = upstream.getresponse()
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.end_headers()
+        events = 0
+        for line in reply:
+            handler.wfile.write(line)
+            events += line.startswith(b"data:")
+            if events == 3:
+                break
+        handler.wfile.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+        handler.wfile.flush()
+        upstream.close()
+        return True
+
+    proxy = FaultProxy(both[0].address, break_first_stream)
+    start = time.monotonic()
+    try:
+        engine = ServerEngine([proxy.address], pad_token_id=0, token=LANE_TOKEN, stream=True,
+                              limits=ServerLimits(request_retries=2))
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=4)
+        request = SegmentRequest(prompts[1], 1234, 12)
+        with caplog.at_level("WARNING", logger="stapo.rollout"):
+            (segment,) = engine.generate_segments([request], sampling)
+        direct = segment_from_reply(ServerClient(both[0].address, token=LANE_TOKEN).post(
+            "/v1/completions", completion_body(request, vllm_request_kwargs(sampling))))
+    finally:
+        proxy.httpd.shutdown()
+    assert proxy.completions == 2 and [b["seed"] for b in proxy.bodies] == [1234, 1234]
+    assert segment.tokens == direct.tokens and segment.finish == direct.finish  # the retry, not the broken stream
+    assert engine.pool.down == [] and "is down" not in caplog.text
+    assert f"rollout server {proxy.address}: attempt 1 of 3 failed" in caplog.text and "streamed an error" in caplog.text
+    figure("one 5xx mid-stream: retried on the same server, not marked down", time.monotonic() - start)

@@ -1,0 +1,129 @@
+"""The drivers: rollouts as sequences of segments on any `RolloutEngine` (docs/rollout.md, "Drivers").
+
+    rollout = generate(engine, prompt_ids, n=8, sampling=SamplingParams(seed=step))            # one turn
+    rollout = generate(engine, prompt_ids, n=8, sampling=..., tools=ToolEpisodes(...))         # tool episodes
+
+`Generation` is the loop under both: ``n`` samples of each prompt (`Trajectory`, one seed scheme) advanced one
+round of segments at a time, one `generate_segments` call per round over every live sample. A sample ends at
+its segment's stop or token limit — or, in a tool episode (`stapo.rollout.episodes.ToolEpisodes`), at a turn
+without a call, out of turns or out of tokens; a turn with calls gets its tool turn as context and the next
+round continues it. The two separations compose: when an `interruptible` engine is interrupted (a weight
+sync, ``rollout.partial``), the cut segments keep their tokens, `advance` returns False, and the next
+`advance` (after the sync) continues every sample from its prompt plus everything so far with its next
+segment's seed — a tool episode cut in the middle of a turn goes on exactly as a fresh request from that
+prefix would. `Generation.rollout` is the one `Rollout` assembler (`stapo.rollout.trajectory.assemble`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from stapo.rollout.batch import Rollout
+from stapo.rollout.engine import RolloutEngine
+from stapo.rollout.episodes import ToolEpisodes
+from stapo.rollout.sampling import SamplingParams
+from stapo.rollout.trajectory import Trajectory, assemble, prompt_seeds
+
+__all__ = ["Generation", "check_prompts", "generate"]
+
+
+def check_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+    """Validate a driver's inputs; returns the prompts as plain int lists."""
+    if n < 1:
+        raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+    try:
+        prompts = [[int(t) for t in p] for p in prompt_ids]
+    except (TypeError, ValueError) as err:
+        raise TypeError("prompt_ids must be a sequence of token-id sequences (not text, not a tokenizer "
+                        f"BatchEncoding): {err}") from err
+    if not prompts:
+        raise ValueError("generate() got no prompts")
+    empty = [i for i, p in enumerate(prompts) if not p]
+    if empty:
+        raise ValueError(f"prompts {empty[:10]} are empty; every prompt needs at least one token")
+    return prompts
+
+
+class Generation:
+    """``n`` samples of each prompt under way (row ``p * n + k``: prompt p, sample k), see the module docstring.
+
+    Args:
+        prompt_ids: token ids of each prompt.
+        n: samples per prompt.
+        sampling: the sampling settings; ``max_new_tokens`` is each sample's budget (an episode's policy and
+            context tokens), ``seed`` the call's seed.
+        tools: make every sample a tool episode; None: one turn.
+        seeds: one seed per prompt instead of those derived from ``sampling.seed`` (`stapo eval`'s chunks).
+    """
+
+    def __init__(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams, *,
+                 tools: ToolEpisodes | None = None, seeds: Sequence[int | None] | None = None) -> None:
+        prompts = check_prompts(prompt_ids, n)
+        seeds = prompt_seeds(sampling.seed, len(prompts)) if seeds is None else list(seeds)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} prompt seeds for {len(prompts)} prompts")
+        self.trajectories = [Trajectory(p, None if s is None else s + k) for p, s in zip(prompts, seeds)
+                             for k in range(n)]
+        self.n, self.budget, self.tools = n, sampling.max_new_tokens, tools
+        self.sampling = sampling if tools is None else tools.sampling(sampling)
+        self.interrupted = 0  # segments an interrupt cut (that had produced tokens)
+        self.tool_wait_s = 0.0  # wall seconds spent waiting for tool turns
+        self.versions_known = True  # every segment came with the version that sampled it
+
+    @property
+    def done(self) -> bool:
+        return all(t.done for t in self.trajectories)
+
+    def unfinished(self) -> int:
+        return sum(not t.done for t in self.trajectories)
+
+    def advance(self, engine: RolloutEngine) -> bool:
+        """Run rounds of segments until every sample finished (True) or ``engine`` was interrupted (False:
+        call again once it resumes; the samples go on from where they were cut)."""
+        while True:
+            self._tool_turns()
+            live = [t for t in self.trajectories if not t.done]
+            if not live:
+                return True
+            segments = engine.generate_segments([t.request(self.budget) for t in live], self.sampling)
+            cut = False
+            for t, segment in zip(live, segments, strict=True):
+                self.versions_known &= segment.version is not None
+                if self.tools is not None:
+                    segment = self.tools.read(t.turn_text, segment)
+                t.add(segment)
+                if segment.finish == "interrupted":
+                    cut = True
+                    self.interrupted += bool(segment.tokens)
+                    if len(t.tokens) >= self.budget:  # cut right at its last token: nothing left to ask for
+                        t.end_turn()
+                        t.close("length")
+                elif self.tools is None or segment.finish in ("length", "error"):
+                    t.end_turn()
+                    t.close(segment.finish)
+                else:
+                    self.tools.end_turn(t)
+            if cut:
+                return False
+
+    def _tool_turns(self) -> None:
+        if self.tools is not None and any(t.pending is not None for t in self.trajectories):
+            start = time.perf_counter()
+            self.tools.tool_turns(self.trajectories, self.budget)
+            self.tool_wait_s += time.perf_counter() - start
+
+    def rollout(self, pad_token_id: int) -> Rollout:
+        """The finished samples as one `Rollout` (with every token's policy version when the engine gave them)."""
+        return assemble(self.trajectories, self.n, pad_token_id, episodes=self.tools is not None,
+                        tool_wait_s=self.tool_wait_s, versions=self.versions_known)
+
+
+def generate(engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams, *,
+             tools: ToolEpisodes | None = None, seeds: Sequence[int | None] | None = None) -> Rollout:
+    """``n`` samples of each prompt on ``engine`` (one turn, or tool episodes with ``tools``); rows grouped per
+    prompt (`Rollout`). For an engine that may be interrupted meanwhile, drive a `Generation` instead."""
+    generation = Generation(prompt_ids, n, sampling, tools=tools, seeds=seeds)
+    if not generation.advance(engine):
+        raise RuntimeError("generate(): the engine was interrupted; a Generation continues after it resumes")
+    return generation.rollout(engine.pad_token_id)

@@ -1,0 +1,139 @@
+"""`Trajectory`: one sample under way, its seeds, and the ONE assembler of trajectories into a `Rollout`.
+
+A sample is a sequence of segments (`stapo.rollout.engine`): one for a one-turn response, one per policy turn
+of a tool episode, one more each time a weight sync cuts a segment in flight (``rollout.partial``). Between
+segments an episode appends context tokens (tool output): read by the model, never sampled.
+
+**One seed scheme** for every driver and engine (docs/rollout.md, "Seeds"): sample k of prompt p of a call
+seeded S has the seed ``derived_seed(S, p) + k`` — vLLM seeds the k-th of a request's n samples with
+``seed + k``, so n seeded one-sample requests sample what one n-sample request does — and segment j of that
+sample (every request it makes: turns and continuations alike) uses the sample's seed for j = 0 and
+``derived_seed(sample seed, j)`` after. A seed therefore reproduces a sample given where it was cut, whatever
+else is in the batch, and an uncut one-turn sample is the one the whole-prompt request gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from stapo.rollout.batch import EpisodeInfo, Rollout, left_pad, right_pad
+from stapo.rollout.engine import Segment, SegmentRequest
+from stapo.rollout.sampling import derived_seed
+from stapo.tools import ParsedTurn
+
+__all__ = ["Trajectory", "assemble", "prompt_seeds", "segment_seed"]
+
+
+def prompt_seeds(seed: int | None, num_prompts: int) -> list[int | None]:
+    """Prompt p's seed in a call seeded ``seed`` (independent streams per prompt; NumPy's SeedSequence)."""
+    return [None if seed is None else derived_seed(seed, p) for p in range(num_prompts)]
+
+
+def segment_seed(sample_seed: int | None, segment: int) -> int | None:
+    """The seed of a sample's segment: its own seed for segment 0, then ``derived_seed(seed, segment)``."""
+    if sample_seed is None or segment == 0:
+        return sample_seed
+    return derived_seed(sample_seed, segment)
+
+
+@dataclass
+class Trajectory:
+    """One sample under way: its tokens (policy and context), their log-probs and versions, the text of its
+    turns, and, in a tool episode, its tool facts and sessions."""
+
+    prompt: list[int]
+    seed: int | None  # the sample's seed (its segment 0's)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # 0 on context tokens
+    sampled: list[bool] = field(default_factory=list)  # True: the policy's token, False: a context token
+    versions: list[int] = field(default_factory=list)  # the policy version of each token (0 on context)
+    texts: list[str] = field(default_factory=list)  # segment and context texts, in order
+    turn_text: str = ""  # the policy turn under way (across segments a sync cut)
+    final_text: str = ""  # the last finished policy turn: what the verifier scores
+    finish: str | None = None  # None while under way
+    segments: int = 0  # requests that produced tokens (the next one's seed index)
+    first_version: int | None = None  # the version its first segment started with
+    turns: int = 0  # finished policy turns
+    calls: int = 0
+    errors: int = 0
+    tool_seconds: float = 0.0
+    sessions: dict = field(default_factory=dict)  # tool name -> its session in this episode
+    pending: ParsedTurn | None = None  # a finished turn's parsed calls, waiting for their tool turn
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def request(self, budget: int) -> SegmentRequest:
+        """The next segment: prompt + everything so far, this segment's seed, the tokens left of ``budget``."""
+        return SegmentRequest(self.prompt + self.tokens, segment_seed(self.seed, self.segments),
+                              budget - len(self.tokens))
+
+    def add(self, segment: Segment) -> None:
+        """What a segment sampled (an interrupted one's too: it stays with the sample)."""
+        if self.first_version is None:
+            self.first_version = segment.version
+        if segment.tokens:
+            self.segments += 1
+        self.tokens += segment.tokens
+        self.logprobs += segment.logprobs
+        self.sampled += [True] * len(segment.tokens)
+        self.versions += [segment.version or 0] * len(segment.tokens)
+        self.texts.append(segment.text)
+        self.turn_text += segment.text
+
+    def end_turn(self) -> str:
+        """Close the policy turn under way; returns its text."""
+        self.final_text, self.turn_text = self.turn_text, ""
+        self.turns += 1
+        return self.final_text
+
+    def add_context(self, ids: list[int], text: str) -> None:
+        """Tokens the model reads but never sampled (a tool turn)."""
+        self.tokens += ids
+        self.logprobs += [0.0] * len(ids)
+        self.sampled += [False] * len(ids)
+        self.versions += [0] * len(ids)
+        self.texts.append(text)
+
+    def close(self, finish: str) -> None:
+        self.finish = finish
+        for session in self.sessions.values():
+            if session is not None:
+                session.close()
+        self.sessions = {}
+
+
+def assemble(trajectories: Sequence[Trajectory], n: int, pad_token_id: int, *, episodes: bool = False,
+             tool_wait_s: float = 0.0, versions: bool = False) -> Rollout:
+    """Finished trajectories (row ``p * n + k``: prompt p, sample k) as a `Rollout`: prompts left-padded,
+    responses right-padded, groups of ``n``; ``episodes``: with context tokens and `EpisodeInfo`; ``versions``:
+    with every token's policy version (`Rollout.token_version`, a row's oldest as its `policy_version`)."""
+    unfinished = [i for i, t in enumerate(trajectories) if not t.done]
+    if unfinished:
+        raise RuntimeError(f"assemble: trajectories {unfinished[:5]} are not finished")
+    prompt_ids, prompt_mask = left_pad([t.prompt for t in trajectories], pad_token_id)
+    sampled = right_pad([[int(s) for s in t.sampled] for t in trajectories], 0, torch.long).bool()  # (B, T)
+    real = right_pad([[1] * len(t.tokens) for t in trajectories], 0, torch.long).bool()  # (B, T)
+    info = None
+    if episodes:
+        info = EpisodeInfo(
+            turns=torch.tensor([t.turns for t in trajectories]),
+            tool_calls=torch.tensor([t.calls for t in trajectories]),
+            tool_errors=torch.tensor([t.errors for t in trajectories]),
+            tool_seconds=torch.tensor([t.tool_seconds for t in trajectories], dtype=torch.float64),
+            final_text=[t.final_text for t in trajectories], tool_wait_s=tool_wait_s)
+    rollout = Rollout(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+        response_ids=right_pad([t.tokens for t in trajectories], pad_token_id, torch.long), response_mask=sampled,
+        sampling_logprobs=right_pad([t.logprobs for t in trajectories], 0.0, torch.float32),
+        finish_reason=[t.finish for t in trajectories], response_text=["".join(t.texts) for t in trajectories],
+        group_index=torch.arange(len(trajectories) // n).repeat_interleave(n), group_size=n,
+        pad_token_id=pad_token_id, context_mask=real & ~sampled if episodes else None, episodes=info)
+    if not versions:
+        return rollout
+    return rollout.with_token_versions(right_pad([t.versions for t in trajectories], 0, torch.long),
+                                       [t.first_version or 0 for t in trajectories])
