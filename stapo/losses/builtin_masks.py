@@ -22,6 +22,7 @@ default q = 0.8 "low entropy" is the bottom 80%. The paper counts from the top: 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -62,12 +63,9 @@ class NoMask(TokenMask):
         return torch.zeros_like(stats.response_mask)
 
 
-@register_mask("stapo")
-class STAPOMask(TokenMask):
-    """S2T: silence spurious tokens, A > 0 and p < tau_p and H < tau_h (Algorithm 1 line 10).
-
-    ``entropy_quantile`` 0.8 is the paper's tau_h = 20% (tau_h% = 1 - entropy_quantile).
-    """
+@dataclass
+class _LowProbEntropyMask(TokenMask):
+    """The parameters of the masks that split ``A > 0 and p < tau_p`` by ``tau_h``."""
 
     tau_p: float = DEFAULT_TAU_P
     entropy_quantile: float = DEFAULT_ENTROPY_QUANTILE
@@ -75,6 +73,14 @@ class STAPOMask(TokenMask):
     def __post_init__(self):
         _check_tau_p(self.tau_p)
         _check_quantile(self.entropy_quantile)
+
+
+@register_mask("stapo")
+class STAPOMask(_LowProbEntropyMask):
+    """S2T: silence spurious tokens, A > 0 and p < tau_p and H < tau_h (Algorithm 1 line 10).
+
+    ``entropy_quantile`` 0.8 is the paper's tau_h = 20% (tau_h% = 1 - entropy_quantile).
+    """
 
     def silence(self, stats: TokenStats):
         tau_h = _entropy_threshold(stats, self.entropy_quantile)
@@ -95,15 +101,8 @@ class ProbOnlyMask(TokenMask):
 
 
 @register_mask("high_entropy_low_prob")
-class HighEntropyLowProbMask(TokenMask):
+class HighEntropyLowProbMask(_LowProbEntropyMask):
     """Ablation: silence A > 0 and p < tau_p and H >= tau_h (Fig. 5)."""
-
-    tau_p: float = DEFAULT_TAU_P
-    entropy_quantile: float = DEFAULT_ENTROPY_QUANTILE
-
-    def __post_init__(self):
-        _check_tau_p(self.tau_p)
-        _check_quantile(self.entropy_quantile)
 
     def silence(self, stats: TokenStats):
         tau_h = _entropy_threshold(stats, self.entropy_quantile)

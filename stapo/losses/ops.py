@@ -19,7 +19,7 @@ With ``entropy_grad=True`` the entropy is differentiable too (the entropy bonus,
 term per vocabulary slice. Still nothing ``(N, V)``-sized is held.
 
 Without grad mode (the no-grad stats pass) only the forward chunk loop runs, without Jacobian.
-Masked reductions and the distributed quantile live in ``reduce.py`` and are re-exported here.
+Masked reductions and the distributed quantile live in ``reduce.py``.
 """
 
 from __future__ import annotations
@@ -28,17 +28,11 @@ from typing import NamedTuple
 
 import torch
 
-from stapo.losses.reduce import all_reduce_sum_, masked_mean, masked_quantile, masked_sum
-
 __all__ = [
     "token_logprobs_and_entropy",
     "logprobs_and_entropy_from_logits",
     "token_topk",
     "TokenTopK",
-    "masked_sum",
-    "masked_mean",
-    "masked_quantile",
-    "all_reduce_sum_",
 ]
 
 DEFAULT_CHUNK_SIZE = 128  # tuned in bench/token_stats.py (docs/losses.md has the figures)
