@@ -39,14 +39,6 @@ from stapo.config import ConfigError
 __all__ = ["UserError", "build_parser", "builtin_recipe", "main"]
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    try:
-        from stapo.evaluation import run_cli as run_eval
-    except ImportError:
-        raise UserError("stapo eval is not available in this build") from None
-    return run_eval(args)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     """Replace this process with vLLM's server, set up for ``rollout.mode: server`` (docs/rollout.md). Its first
     line says where the shared secret is (`stapo.rollout.server_secret`), the second the server's command line."""
@@ -90,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_catalog_parsers(sub)
 
+    from stapo.evaluation import add_arguments as add_eval_arguments, run_cli as cmd_eval
+
     evaluate = sub.add_parser("eval", help="avg@N / pass@k accuracy of a model on math benchmarks")
-    _add_eval_arguments(evaluate)
+    add_eval_arguments(evaluate)
     evaluate.set_defaults(func=cmd_eval)
     add_run_parsers(sub)
 
@@ -108,13 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     parser.commands = sub.choices  # for _unknown's suggestions
     return parser
-def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    try:
-        from stapo.evaluation import add_arguments
-    except ImportError:
-        parser.add_argument("model", nargs="?")
-        return
-    add_arguments(parser)
 
 
 def _quiet_third_party() -> None:
