@@ -1,16 +1,6 @@
 """stapo command line: train, list masks, tools and recipes, evaluate, inspect runs and their health.
 
-    stapo train                          # the built-in tiny CPU recipe (demo)
-    stapo train tiny_tir                 # a recipe by name (stapo recipes lists them)
-    stapo train recipe.yaml optim.lr=2e-6 trainer.output_dir=runs/x
-    stapo train recipe.yaml --dry-run --world-size 64   # check a recipe and its batch shares; loads nothing
-    stapo masks                          # registered token masks and their parameters
-    stapo tools [CONFIG]                 # registered tools with the values training uses, the sandbox, parsers
-    stapo recipes                        # the recipes `stapo train NAME` finds
-    stapo eval MODEL_DIR --benchmark math500
-    stapo status RUN_DIR                 # where a run is, its last checkpoint, the command that resumes it
-    stapo inspect RUN_DIR                # spurious-token report of a run recorded with inspect.record_every
-    stapo health RUN_DIR                 # the run's health timeline: monitors, alarms, rollbacks (docs/health.md)
+``stapo --help`` lists the commands; README.md and docs/index.md show them at work.
 
 User mistakes (missing file, unknown key or option, bad value, unreadable data or checkpoint, a user module
 that fails to import) print one line, not a traceback. Ctrl-C / SIGTERM during training save a checkpoint
