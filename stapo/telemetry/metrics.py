@@ -105,7 +105,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from stapo.run_dir import METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR, read_metrics, restore_nonfinite
+from stapo.run_dir import (METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR, read_metrics, restore_nonfinite,
+                            write_text_atomic)
 from stapo.telemetry.console import ConsoleView
 
 STEP_METRIC_KEYS: tuple[str, ...] = (
@@ -172,15 +173,9 @@ def _truncate_jsonl(path: Path, step: int) -> int:
     """Rewrite ``path`` atomically without rows whose step > ``step``; returns the rows dropped."""
     rows = read_metrics(path)
     kept = [r for r in rows if r.get("step", -1) <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in kept:
-            f.write(json.dumps({k: v if isinstance(v, (list, dict)) else _json_value(k, v)
-                                for k, v in row.items()}, allow_nan=False,
-                               ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    lines = [json.dumps({k: v if isinstance(v, (list, dict)) else _json_value(k, v) for k, v in row.items()},
+                        allow_nan=False, ensure_ascii=False) + "\n" for row in kept]
+    write_text_atomic(path, "".join(lines))
     return len(rows) - len(kept)
 
 
