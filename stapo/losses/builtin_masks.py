@@ -1,16 +1,7 @@
 """Built-in mask strategies: STAPO's S2T mask, its ablations and the baselines (docs/losses.md).
 
-With ``p = exp(logprob)``, ``H`` = entropy, ``A`` = advantage (silence = 0 in the paper):
-
-=========================  =======================================  ========================
-name                       silences                                 paper role
-=========================  =======================================  ========================
-``none``                   nothing                                  GRPO / JustRL / DAPO
-``stapo``                  ``A > 0 and p < tau_p and H < tau_h``    S2T, Algorithm 1 line 10
-``prob_only``              ``A > 0 and p < tau_p``                  ablation (Fig. 5)
-``high_entropy_low_prob``  ``A > 0 and p < tau_p and H >= tau_h``   ablation (Fig. 5)
-``entropy_top``            ``H < tau_h`` (keeps the top ``1 - q``)  20-Entropy baseline
-=========================  =======================================  ========================
+Each class states what it silences (``p`` = token probability, ``H`` = entropy, ``A`` = advantage)
+and its role in the paper; docs/losses.md has one section per mask.
 
 ``tau_p`` is absolute (Remark 3.5) and compared in log space, ``logprob < log(tau_p)``, so no
 ``exp`` underflow decides anything. ``tau_h`` is the ``entropy_quantile`` (q) quantile of the
