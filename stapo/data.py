@@ -328,7 +328,7 @@ class PromptSampler:
     """Deterministic prompt batches: each epoch is a permutation drawn from (seed, epoch), so a run
     resumed from `state_dict()` continues with exactly the same data order (docs/distributed.md, "Resuming").
 
-    `next_batch()` returns the next list of example indices; iterating yields batches forever.
+    `next_batch()` returns the next list of example indices.
     """
 
     def __init__(self, num_examples: int, batch_size: int, seed: int, drop_last: bool = True) -> None:
@@ -338,11 +338,6 @@ class PromptSampler:
             raise ValueError(f"batch_size {batch_size} > num_examples {num_examples}: every batch would be dropped")
         self.num_examples, self.batch_size, self.seed, self.drop_last = num_examples, batch_size, seed, drop_last
         self.epoch, self.position = 0, 0  # position: examples of this epoch already served
-
-    @property
-    def batches_per_epoch(self) -> int:
-        full, rest = divmod(self.num_examples, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The permutation of example indices used in `epoch`."""
@@ -356,10 +351,6 @@ class PromptSampler:
         batch = self.epoch_order(self.epoch)[self.position: end].tolist()
         self.position = min(end, self.num_examples)
         return batch
-
-    def __iter__(self) -> Iterator[list[int]]:
-        while True:
-            yield self.next_batch()
 
     def state_dict(self) -> dict[str, int | bool]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,

@@ -69,6 +69,17 @@ def written_artifacts(output_dir: str | Path) -> list[str]:
 
 # ---- metrics.jsonl ------------------------------------------------------------------------------
 
+def write_text_atomic(path: Path, text: str, tmp: Path | None = None) -> None:
+    """Write ``text`` to ``tmp`` (default ``path`` + ``.tmp``), fsync, then rename it over ``path``: a
+    reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp") if tmp is None else tmp
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
 def restore_nonfinite(record: dict[str, Any]) -> dict[str, Any]:
     """The strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (how metrics.jsonl stores them) as floats."""
     return {k: (NONFINITE[v] if isinstance(v, str) and v in NONFINITE else v)

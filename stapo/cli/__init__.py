@@ -1,16 +1,6 @@
 """stapo command line: train, list masks, tools and recipes, evaluate, inspect runs and their health.
 
-    stapo train                          # the built-in tiny CPU recipe (demo)
-    stapo train tiny_tir                 # a recipe by name (stapo recipes lists them)
-    stapo train recipe.yaml optim.lr=2e-6 trainer.output_dir=runs/x
-    stapo train recipe.yaml --dry-run --world-size 64   # check a recipe and its batch shares; loads nothing
-    stapo masks                          # registered token masks and their parameters
-    stapo tools [CONFIG]                 # registered tools with the values training uses, the sandbox, parsers
-    stapo recipes                        # the recipes `stapo train NAME` finds
-    stapo eval MODEL_DIR --benchmark math500
-    stapo status RUN_DIR                 # where a run is, its last checkpoint, the command that resumes it
-    stapo inspect RUN_DIR                # spurious-token report of a run recorded with inspect.record_every
-    stapo health RUN_DIR                 # the run's health timeline: monitors, alarms, rollbacks (docs/health.md)
+``stapo --help`` lists the commands; README.md and docs/index.md show them at work.
 
 User mistakes (missing file, unknown key or option, bad value, unreadable data or checkpoint, a user module
 that fails to import) print one line, not a traceback. Ctrl-C / SIGTERM during training save a checkpoint
@@ -37,14 +27,6 @@ from stapo.cli.train import add_train_parser
 from stapo.config import ConfigError
 
 __all__ = ["UserError", "build_parser", "builtin_recipe", "main"]
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    try:
-        from stapo.evaluation import run_cli as run_eval
-    except ImportError:
-        raise UserError("stapo eval is not available in this build") from None
-    return run_eval(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -90,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_catalog_parsers(sub)
 
+    from stapo.evaluation import add_arguments as add_eval_arguments, run_cli as cmd_eval
+
     evaluate = sub.add_parser("eval", help="avg@N / pass@k accuracy of a model on math benchmarks")
-    _add_eval_arguments(evaluate)
+    add_eval_arguments(evaluate)
     evaluate.set_defaults(func=cmd_eval)
     add_run_parsers(sub)
 
@@ -108,13 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     parser.commands = sub.choices  # for _unknown's suggestions
     return parser
-def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    try:
-        from stapo.evaluation import add_arguments
-    except ImportError:
-        parser.add_argument("model", nargs="?")
-        return
-    add_arguments(parser)
 
 
 def _quiet_third_party() -> None:

@@ -33,11 +33,10 @@ from stapo.config.rollout_sections import RolloutConfig, ToolsConfig
 from stapo.config.sections import (DataConfig, InspectConfig, LoggingConfig, LoraConfig, LossConfig, MaskConfig,
                                    ModelConfig, OptimConfig, RewardConfig, TinyConfig, TrainerConfig, ZeroConfig)
 from stapo.config.validation import validate
-from stapo.data import PAPER_INSTRUCTION  # the default of data.instruction; re-exported
 
 log = logging.getLogger("stapo.config")
 
-__all__ = ["STAPOConfig", "ConfigError", "PAPER_INSTRUCTION", "DataConfig", "HealthConfig", "InspectConfig", "LoggingConfig",
+__all__ = ["STAPOConfig", "ConfigError", "DataConfig", "HealthConfig", "InspectConfig", "LoggingConfig",
            "LoraConfig", "LossConfig", "MaskConfig", "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "TinyConfig",
            "ToolsConfig", "TrainerConfig", "ZeroConfig", "validate"]
 

@@ -11,12 +11,9 @@ module's forward*: DeepSpeed's module hooks gather the weight for forward and ag
 exactly as they do for the plain ``nn.Linear`` they replace, and reduce-scatter its gradient.
 
 The whole pass (decoder, then the head at the target positions) in turn runs *as the root module's
-forward* (:func:`head_on_targets`): DeepSpeed's stage-3 parameter coordinator starts a new pass of
-its recorded module trace only from a forward pre-hook on the root module. Without that call its
-trace never completes, and it neither prefetches the next layers nor keeps the last ones for the
-backward (``zero.prefetch_bucket_size``, ``zero.max_reuse_distance``); every layer's all-gather then
-blocks, and even ``zero.param_persistence_threshold``'s tensors are released and gathered again at
-every use (docs/distributed.md, "ZeRO-3 prefetch"; tests/trainer/test_prefetch.py).
+forward* (:func:`head_on_targets`): DeepSpeed's stage-3 parameter coordinator starts a pass of its
+recorded trace only from the root module's forward pre-hook, and without a complete trace it prefetches
+nothing (docs/distributed.md, "ZeRO-3 prefetch").
 
 Rows are fed either padded (:class:`PolicyInputs`) or packed into one padding-free row
 (:class:`PackedInputs`, ``trainer.packing``); both give the same statistics (to float rounding,

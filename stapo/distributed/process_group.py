@@ -18,8 +18,8 @@ One code path for every launch mode:
 Backend: ``nccl`` when CUDA is available, ``gloo`` on CPU (DeepSpeed's CPU accelerator is picked
 automatically without a GPU, or with ``DS_ACCELERATOR=cpu``).
 
-Metrics follow STYLE §11: tensors until the end of the step, then :func:`reduce_metrics` does
-one all-reduce of one stacked tensor and one ``.tolist()``.
+Metrics stay tensors until the end of the step, then :func:`reduce_metrics` does one all-reduce of
+one stacked tensor and one ``.tolist()``.
 """
 
 from __future__ import annotations

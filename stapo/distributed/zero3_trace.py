@@ -1,22 +1,12 @@
 """One ZeRO-3 parameter trace per pass kind, so every pass prefetches (docs/distributed.md, "ZeRO-3 prefetch").
 
-DeepSpeed's stage-3 ``PartitionedParameterCoordinator`` (0.19.8, ``partitioned_param_coordinator.py``)
-records the order in which modules fetch their parameters between two forward pre-hooks of the root
-module, and prefetches from that trace only while it is COMPLETE. It holds ONE trace per engine:
-``trace_prologue`` invalidates it at the first module that does not match (or runs past its end), the
-next pass records a new one, and only the pass after that prefetches. The trainer alternates two
-kinds of pass within every step (the no-grad stats pass, forward only, and the update, forward +
-backward); with one update micro-batch per mini-batch the stats pass records a forward-only trace, the
-update's backward runs past its end, and only the update's forward prefetched (39-47% of the
-fetches of a tiny ``stapo train trainer.zero_stage=3`` on a complete trace, tests/trainer/test_pass_traces.py).
-
-Every hook of the engine reaches the coordinator through ``DeepSpeedZeRoOffload.get_param_coordinator()``,
-which returns its ``param_coordinator`` attribute. :func:`pass_kind` makes a coordinator of the pass's
-own kind the active one for the ``with`` body: each kind records its trace once and keeps it. The
-coordinators share the engine's in-flight registry (whichever starts the next pass waits for and
-releases anything left in flight), so gathers and releases follow DeepSpeed's own rules; only the
-choice of trace changes. Arithmetic is untouched: prefetching changes when a parameter is gathered,
-never its value.
+DeepSpeed's stage-3 ``PartitionedParameterCoordinator`` (0.19.8) holds ONE trace per engine and
+prefetches only from a complete one; the trainer's stats pass (forward only) and update (forward +
+backward) keep invalidating each other's. :func:`pass_kind` makes a coordinator of the pass's own kind
+the active one for the ``with`` body, through ``DeepSpeedZeRoOffload.get_param_coordinator()``: each kind
+records its trace once and keeps it. The coordinators share the engine's in-flight registry, so gathers
+and releases follow DeepSpeed's own rules; prefetching changes when a parameter is gathered, never its
+value. docs/distributed.md has the measurements and the tests.
 """
 
 from __future__ import annotations

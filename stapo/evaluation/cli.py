@@ -1,12 +1,5 @@
-"""`stapo eval`: arguments and entry point (wired into `stapo/cli.py` by `add_arguments` / `run_cli`).
-
-    stapo eval runs/stapo/final                                  # the paper protocol: 6 benchmarks x 2 settings
-    stapo eval MODEL --benchmark aime24 --benchmark math500 --settings train
-    stapo eval MODEL --data math500=MATH-500-test.parquet        # a preset from a local file (offline)
-    stapo eval MODEL --data my.jsonl --prompt-field question --answer-field answer --samples 8
-    stapo eval MODEL --data my.jsonl --reward-function my_rewards.py:score   # correct = reward > 0
-    stapo eval MODEL --data my.jsonl --tools python --max-turns 4  # tool episodes (docs/tir.md)
-    stapo eval MODEL --benchmark aime24 --dry-run                # check the arguments; samples nothing
+"""`stapo eval`: arguments and entry point (wired into `stapo/cli.py` by `add_arguments` / `run_cli`;
+docs/evaluation.md has the usage, from the paper protocol to local files and tool episodes).
 
 User mistakes raise FileNotFoundError / ValueError with one line; the CLI prints it.
 """

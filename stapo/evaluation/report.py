@@ -17,6 +17,7 @@ import numpy as np
 
 from stapo.evaluation.benchmarks import BenchmarkPreset, DecodingSetting
 from stapo.evaluation.metrics import avg_at_n, correct_counts, mean_pass_at_k
+from stapo.run_dir import write_text_atomic
 
 __all__ = ["BenchmarkResult", "EvalReport"]
 
@@ -161,11 +162,11 @@ class EvalReport:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {"markdown": out / "results.md", "json": out / "results.json"}
-        _atomic_write(paths["markdown"], self.markdown())
-        _atomic_write(paths["json"], json.dumps(self.to_dict(), indent=2) + "\n")
+        write_text_atomic(paths["markdown"], self.markdown())
+        write_text_atomic(paths["json"], json.dumps(self.to_dict(), indent=2) + "\n")
         if any(r.responses for r in self.results):
             paths["samples"] = out / "samples.jsonl"
-            _atomic_write(paths["samples"], "".join(_sample_lines(self.results)))
+            write_text_atomic(paths["samples"], "".join(_sample_lines(self.results)))
         return paths
 
 
@@ -175,12 +176,6 @@ def _sample_lines(results: list[BenchmarkResult]):
             yield json.dumps({"benchmark": r.benchmark, "setting": r.setting.name, "index": r.problem_index[i],
                               "ground_truth": r.ground_truth[i], "responses": responses,
                               "correct": r.correct[i].tolist()}) + "\n"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 def _pct(value: float) -> str:

@@ -10,14 +10,7 @@ so they do not depend on how the batch was split.
 
 Most monitors are a robust z-score against the window: ``(x - median) / scale`` with ``scale`` the
 MAD times 1.4826 (the standard deviation of normal noise), floored so that a quiet, nearly constant
-history does not turn rounding into a spike. Adding your own takes a few lines::
-
-    from stapo.health import register_monitor, robust_z
-
-    @register_monitor("kl_spike", reads=("kl",), threshold="z", fires="above")
-    def kl_spike(window, z: float = 6.0, floor: float = 1e-3):
-        \"\"\"KL to the reference jumping: robust z of ``kl``.\"\"\"
-        return robust_z(window, "kl", abs_floor=floor)
+history does not turn rounding into a spike. docs/health.md shows how to add your own.
 """
 
 from __future__ import annotations

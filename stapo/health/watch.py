@@ -6,12 +6,10 @@ statistic past its threshold starts (or extends) that monitor's streak; the stre
 anomaly's **onset**; the streak reaching ``patience`` steps raises ONE alarm, and the monitor stays in
 alarm (silent) until a step within its threshold ends the streak.
 
-A checkpoint of step s holds the weights after update s, which only step s + 1's rollouts judge. So a
-checkpoint saved while no monitor has a streak is a candidate, and becomes **healthy** when step s + 1
-ends quiet too: its weights then produced a normal step, and every later anomaly's onset comes after
-it. A rollback returns to the newest healthy checkpoint; the newest ``keep_healthy`` (and the candidate)
-are kept from pruning. The watch is plain data (its state is JSON and goes into every checkpoint), so a
-resumed run continues with the same window, streaks and checkpoints.
+A checkpoint saved while no monitor has a streak becomes **healthy** when the next step ends quiet too
+(docs/health.md, "Healthy checkpoints"); a rollback returns to the newest healthy one, and the newest
+``keep_healthy`` (and the candidate) are kept from pruning. The watch is plain data (its state is JSON and
+goes into every checkpoint), so a resumed run continues with the same window, streaks and checkpoints.
 """
 
 from __future__ import annotations

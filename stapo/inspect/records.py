@@ -39,11 +39,10 @@ from typing import Any
 
 import torch
 
+from stapo.losses.builtin_masks import DEFAULT_ENTROPY_QUANTILE, DEFAULT_TAU_P  # the paper's, as the stapo mask
 from stapo.run_dir import RECORDS_DIR, token_record_paths
 
 FORMAT_VERSION = 1
-DEFAULT_TAU_P = 2e-3  # paper defaults, as in stapo.losses' ``stapo`` mask
-DEFAULT_ENTROPY_QUANTILE = 0.8
 _TENSORS = {  # field -> (dtype, ndim)
     "row": (torch.long, 1), "position": (torch.long, 1), "token_id": (torch.long, 1),
     "logprob": (torch.float32, 1), "entropy": (torch.float32, 1),

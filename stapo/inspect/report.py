@@ -121,7 +121,7 @@ def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, *,
                                               encoding="utf-8")
     summary = _summary_lines(_summary(records))
     _write_index(out, run_dir, summary, figures, grad_md + "\n## Weighted tokens next to S2T\n\n" + weights_md)
-    _write_html(out, run_dir, summary, figures, stats, table_html, weights_md)
+    _write_html(out, run_dir, summary, figures, grad_md, table_html, weights_md)
     return out
 
 
@@ -135,28 +135,28 @@ def _write_index(out: Path, run_dir: Path, summary: list[str], figures, grad_md:
     (out / "index.md").write_text("\n".join(md), encoding="utf-8")
 
 
-def _write_html(out: Path, run_dir: Path, summary: list[str], figures,
-                stats: Sequence[ClassStat], table_html: str, weights_md: str) -> None:
+def _write_html(out: Path, run_dir: Path, summary: list[str], figures, grad_md: str, table_html: str,
+                weights_md: str) -> None:
     esc = html.escape
     body = [f"<h1>Spurious-token inspection: {esc(run_dir.name)}</h1><ul>"]
     body += [f"<li>{esc(line[2:])}</li>" for line in summary] + ["</ul>"]
     for name, title in figures:
         body.append(f'<h2>{esc(title)}</h2><img src="{name}" alt="{esc(title)}">')
-    body.append("<h2>Gradient norm by class</h2><table><tr><th>class</th><th>tokens</th>"
-                "<th>silenced</th><th>mean A²(1−2p+Σπ²)</th><th>mean ‖∇‖</th><th>rel.</th></tr>")
-    for s in stats:
-        rel = "–" if math.isnan(s.rel_to_baseline) else f"{100 * s.rel_to_baseline:+.1f}%"
-        body.append(f"<tr><td>{esc(s.name)}</td><td>{s.count}</td><td>{s.silenced}</td>"
-                    f"<td>{_num(s.mean_grad_norm_sq, '.4g')}</td>"
-                    f"<td>{_num(s.mean_grad_norm, '.4g')}</td><td>{rel}</td></tr>")
-    body.append("</table><h2>Weighted tokens next to S2T</h2><table>")
-    for i, line in enumerate(weights_md.strip().splitlines()):
+    body += ["<h2>Gradient norm by class</h2>", _html_table(grad_md),
+             "<h2>Weighted tokens next to S2T</h2>", _html_table(weights_md),
+             "<h2>Silenced tokens (paper App. C Tables 3–5)</h2>", table_html]
+    (out / "report.html").write_text(_page("stapo inspect", "\n".join(body)), encoding="utf-8")
+
+
+def _html_table(markdown: str) -> str:
+    """One of this module's Markdown tables as HTML, so both reports show the same table."""
+    rows = []
+    for i, line in enumerate(markdown.strip().splitlines()):
         if i != 1:  # the Markdown separator row
             cell = "th" if i == 0 else "td"
-            body.append("<tr>" + "".join(f"<{cell}>{esc(c.strip())}</{cell}>" for c in line.strip("|").split("|"))
-                        + "</tr>")
-    body += ["</table>", "<h2>Silenced tokens (paper App. C Tables 3–5)</h2>", table_html]
-    (out / "report.html").write_text(_page("stapo inspect", "\n".join(body)), encoding="utf-8")
+            rows.append("<tr>" + "".join(f"<{cell}>{html.escape(c.strip().replace('**', ''))}</{cell}>"
+                                         for c in line.strip("|").split("|")) + "</tr>")
+    return "<table>" + "\n".join(rows) + "</table>"
 
 
 def _page(title: str, body: str) -> str:

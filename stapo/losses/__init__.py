@@ -6,16 +6,8 @@ pure tensor functions, no trainer, config or rollout.
 """
 
 from stapo.losses.advantages import group_advantages
-from stapo.losses.ops import (
-    TokenTopK,
-    all_reduce_sum_,
-    logprobs_and_entropy_from_logits,
-    masked_mean,
-    masked_quantile,
-    masked_sum,
-    token_logprobs_and_entropy,
-    token_topk,
-)
+from stapo.losses.ops import TokenTopK, logprobs_and_entropy_from_logits, token_logprobs_and_entropy, token_topk
+from stapo.losses.reduce import all_reduce_sum_, masked_mean, masked_quantile, masked_sum
 from stapo.losses.masks import (
     MASKS,
     MaskResult,

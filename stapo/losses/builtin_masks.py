@@ -1,16 +1,7 @@
 """Built-in mask strategies: STAPO's S2T mask, its ablations and the baselines (docs/losses.md).
 
-With ``p = exp(logprob)``, ``H`` = entropy, ``A`` = advantage (silence = 0 in the paper):
-
-=========================  =======================================  ========================
-name                       silences                                 paper role
-=========================  =======================================  ========================
-``none``                   nothing                                  GRPO / JustRL / DAPO
-``stapo``                  ``A > 0 and p < tau_p and H < tau_h``    S2T, Algorithm 1 line 10
-``prob_only``              ``A > 0 and p < tau_p``                  ablation (Fig. 5)
-``high_entropy_low_prob``  ``A > 0 and p < tau_p and H >= tau_h``   ablation (Fig. 5)
-``entropy_top``            ``H < tau_h`` (keeps the top ``1 - q``)  20-Entropy baseline
-=========================  =======================================  ========================
+Each class states what it silences (``p`` = token probability, ``H`` = entropy, ``A`` = advantage)
+and its role in the paper; docs/losses.md has one section per mask.
 
 ``tau_p`` is absolute (Remark 3.5) and compared in log space, ``logprob < log(tau_p)``, so no
 ``exp`` underflow decides anything. ``tau_h`` is the ``entropy_quantile`` (q) quantile of the
@@ -22,6 +13,7 @@ default q = 0.8 "low entropy" is the bottom 80%. The paper counts from the top: 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -62,12 +54,9 @@ class NoMask(TokenMask):
         return torch.zeros_like(stats.response_mask)
 
 
-@register_mask("stapo")
-class STAPOMask(TokenMask):
-    """S2T: silence spurious tokens, A > 0 and p < tau_p and H < tau_h (Algorithm 1 line 10).
-
-    ``entropy_quantile`` 0.8 is the paper's tau_h = 20% (tau_h% = 1 - entropy_quantile).
-    """
+@dataclass
+class _LowProbEntropyMask(TokenMask):
+    """The parameters of the masks that split ``A > 0 and p < tau_p`` by ``tau_h``."""
 
     tau_p: float = DEFAULT_TAU_P
     entropy_quantile: float = DEFAULT_ENTROPY_QUANTILE
@@ -75,6 +64,14 @@ class STAPOMask(TokenMask):
     def __post_init__(self):
         _check_tau_p(self.tau_p)
         _check_quantile(self.entropy_quantile)
+
+
+@register_mask("stapo")
+class STAPOMask(_LowProbEntropyMask):
+    """S2T: silence spurious tokens, A > 0 and p < tau_p and H < tau_h (Algorithm 1 line 10).
+
+    ``entropy_quantile`` 0.8 is the paper's tau_h = 20% (tau_h% = 1 - entropy_quantile).
+    """
 
     def silence(self, stats: TokenStats):
         tau_h = _entropy_threshold(stats, self.entropy_quantile)
@@ -95,15 +92,8 @@ class ProbOnlyMask(TokenMask):
 
 
 @register_mask("high_entropy_low_prob")
-class HighEntropyLowProbMask(TokenMask):
+class HighEntropyLowProbMask(_LowProbEntropyMask):
     """Ablation: silence A > 0 and p < tau_p and H >= tau_h (Fig. 5)."""
-
-    tau_p: float = DEFAULT_TAU_P
-    entropy_quantile: float = DEFAULT_ENTROPY_QUANTILE
-
-    def __post_init__(self):
-        _check_tau_p(self.tau_p)
-        _check_quantile(self.entropy_quantile)
 
     def silence(self, stats: TokenStats):
         tau_h = _entropy_threshold(stats, self.entropy_quantile)

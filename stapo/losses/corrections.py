@@ -6,19 +6,12 @@ With ``log r_t = log pi_old(y_t) - log pi_sampler(y_t)`` on the valid tokens of 
 computes, as pure functions of ``(B, T)`` tensors (docs/losses.md, "Off-policy corrections"; names and
 semantics of verl's rollout correction, ``verl/trainer/ppo/rollout_corr_helper.py``):
 
-* **importance weights** (``rollout_is``): ``token`` ``w_t = r_t``; ``sequence`` ``w_t = prod_s r_s``
-  (a sum of log ratios, then one exp) on every token of the row. Log ratios are clamped to +-20
-  before ``exp``. ``rollout_is_threshold`` ``C`` truncates, ``w = min(w, C)`` (TIS); a band
-  ``"lo_hi"`` zeroes instead, ``w = r if lo <= r <= hi else 0`` (IcePop). A weight multiplies its
-  token's surrogate; a zero weight keeps the token in the loss normalizer.
-* **batch normalization** (``rollout_is_batch_normalize``): weights divided by their mean over the
-  valid tokens (``token``) or rows (``sequence``) of the mini-batch on ALL ranks.
-* **rejection** (``rollout_rs``): per token ``k1 = -log r``, ``k2 = (log r)^2 / 2``,
-  ``k3 = r - 1 - log r``; ``token_kN`` tests each token, ``seq_sum_kN`` / ``seq_mean_kN`` /
-  ``seq_max_kN`` the row's sum / mean / max (over valid tokens). k2/k3 statistics must be ``<= upper``;
-  k1 ones must lie in ``[log lo, log hi]`` (a single ``hi`` means ``lo = 1 / hi``). Several options
-  at once: a token must pass all. A rejected token (a whole row for ``seq_*``) leaves the loss AND
-  its normalizer, as a silenced one does.
+importance weights (``rollout_is``: ``token`` or ``sequence``, truncated at ``C`` (TIS) or zeroed
+outside a band ``"lo_hi"`` (IcePop), optionally batch-normalized over ALL ranks) and rejection
+(``rollout_rs``: k1 / k2 / k3 divergences per token or per row). docs/losses.md has the table of
+formulas and thresholds. A weight multiplies its token's surrogate and a zero weight keeps the token in
+the loss normalizer; a rejected token (a whole row for ``seq_*``) leaves the loss AND its normalizer, as
+a silenced one does.
 
 Everything here depends on a row's own tokens, except batch normalization (two all-reduced sums):
 the result never depends on how rows are spread over micro-batches or ranks.

@@ -14,22 +14,7 @@ per step with the rollout batch's mean entropy) and ``state_dict`` / ``load_stat
 the trainer's checkpoint, so a resumed run continues exactly).
 
 The mask registry (``MASKS``, a :class:`stapo.registry.Registry`) makes a strategy available to
-``build_mask``, configs and ``stapo masks``. Adding your own takes ~10 lines::
-
-    import math
-    from dataclasses import dataclass
-    from stapo.losses import TokenMask, TokenStats, register_mask, build_mask
-
-    @register_mask("neg_low_prob")
-    @dataclass
-    class NegLowProb(TokenMask):
-        \"\"\"Silence negative-advantage tokens with p < tau_p.\"\"\"
-        tau_p: float = 1e-3
-
-        def silence(self, stats: TokenStats):
-            return (stats.advantages_bt < 0) & (stats.logprobs < math.log(self.tau_p))
-
-    keep = build_mask("neg_low_prob", tau_p=1e-4)(stats)  # (B, T) bool
+``build_mask``, configs and ``stapo masks``; docs/losses.md, "Your own mask", shows how to add one.
 
 The built-ins (``none``, ``stapo``, ``prob_only``, ``high_entropy_low_prob``, ``entropy_top``)
 live in ``builtin_masks.py``; the weighting ones (``stare``, ``clip_cov``) in ``weighting_masks.py``.

@@ -3,23 +3,14 @@
 Algorithm 1 lines 7-8 need ``p_{i,t}`` (the sampled token's probability) and ``h_{i,t}`` (the
 entropy of the next-token distribution), and Eq. 1 needs ``log pi_theta(y_{i,t})`` with gradients.
 For Qwen3 (V = 151,936) and 15k-token responses the naive full-logits path needs tens of GB, so
-``token_logprobs_and_entropy`` works from the final hidden states in token chunks (docs/losses.md),
-inside a custom ``torch.autograd.Function``:
+``token_logprobs_and_entropy`` works from the final hidden states in token chunks inside a custom
+``torch.autograd.Function``: the forward keeps only the per-token Jacobian ``d logp_i / d h_i``
+(``(N, H)``) and the log-partition, and the backward recomputes the softmax one vocabulary slice at a
+time for the lm_head's gradient, so nothing ``(N, V)``-sized is held (no grad mode: the forward loop
+alone). docs/losses.md, "Token log-probabilities and entropy", has the formulas, the differentiable
+entropy (``entropy_grad=True``) and the cost notes.
 
-* forward, per chunk of ``n`` tokens, in one reused fp32 ``(n, V)`` buffer: logits ``h W^T / T``,
-  log-partition, target logprob, entropy and (while the chunk's softmax is at hand) the
-  per-token Jacobian ``d logp_i / d h_i = (W[y_i] - softmax_i @ W) / T``, only ``(N, H)``;
-* backward: ``grad_hidden = g * jacobian``; if the lm_head weight needs a gradient, the softmax
-  is RECOMPUTED from the saved log-partition, one buffer-sized vocabulary slice at a time, and
-  ``grad_W = (g/T (onehot - p))^T h`` is written slice by slice. Nothing ``(N, V)``-sized is held.
-
-With ``entropy_grad=True`` the entropy is differentiable too (the entropy bonus, docs/losses.md):
-``dH/dz = -p (log p + H)`` per row (``z`` the tempered logits), so the forward also keeps
-``dH/dh = -(p (log p + H)) @ W / T`` (another ``(N, H)``) and the weight-grad recompute adds that
-term per vocabulary slice. Still nothing ``(N, V)``-sized is held.
-
-Without grad mode (the no-grad stats pass) only the forward chunk loop runs, without Jacobian.
-Masked reductions and the distributed quantile live in ``reduce.py`` and are re-exported here.
+Masked reductions and the distributed quantile live in ``reduce.py``.
 """
 
 from __future__ import annotations
@@ -28,17 +19,11 @@ from typing import NamedTuple
 
 import torch
 
-from stapo.losses.reduce import all_reduce_sum_, masked_mean, masked_quantile, masked_sum
-
 __all__ = [
     "token_logprobs_and_entropy",
     "logprobs_and_entropy_from_logits",
     "token_topk",
     "TokenTopK",
-    "masked_sum",
-    "masked_mean",
-    "masked_quantile",
-    "all_reduce_sum_",
 ]
 
 DEFAULT_CHUNK_SIZE = 128  # tuned in bench/token_stats.py (docs/losses.md has the figures)

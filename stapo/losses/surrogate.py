@@ -6,33 +6,12 @@ Per token, with ``rho = exp(clamp(logprobs - old_logprobs, +-log_ratio_clamp))``
     l_t = min(l_t, -clip_c A)   if clip_c is set and A < 0              (dual-clip, verl / DAPO)
     l_t = w_t * l_t             if token weights are given              (mask weight x IS weight)
 
-``aggregate_loss`` is the ONE place that normalizes (a second normalizer would silently disagree):
-
-* ``token-mean`` (Eq. 1, default): ``sum keep * l / normalizer``; the normalizer defaults to
-  ``keep.sum()``. Silenced tokens leave numerator and denominator: that is STAPO's
-  renormalization. A trainer passes the GLOBAL kept-token count of the mini-batch (all
-  micro-batches, all ranks) so micro-batch losses add up to the exact mini-batch loss.
-* ``seq-mean-token-mean`` (original GRPO): ``sum_rows [sum_t keep l / max(sum_t keep, 1)] /
-  normalizer`` (default B).
-* ``seq-mean-token-sum-norm`` (Dr.GRPO): ``sum_rows [sum_t keep l / max_response_length] /
-  normalizer`` (defaults T and B).
-
-Silenced tokens get EXACTLY zero gradient even when their logprobs are inf/NaN: inputs are
+``aggregate_loss`` is the ONE place that normalizes (a second normalizer would silently disagree);
+given the GLOBAL kept-token count of the mini-batch, micro-batch losses add up to the exact mini-batch
+loss. Silenced tokens get EXACTLY zero gradient even when their logprobs are inf/NaN: inputs are
 selected with ``torch.where(keep, x, 0)`` before any arithmetic (never multiplied by the mask).
-A zero normalizer (nothing kept anywhere) gives a loss of exactly 0, never NaN.
-
-Token weights ``w`` (float ``(B, T)``): ONE tensor, which the trainer composes once per mini-batch
-as a weighting mask's ``MaskResult.weights`` times the off-policy correction's importance weights
-(``stapo.trainer.update``). A kept token counts ``w_t l_t`` in the numerator and ONE in the denominator
-(weights do not renormalize, as in STARE; an IcePop weight of 0 keeps its token in the normalizer).
-Weights never change ``keep``: a token a mask silences (weight 0) is already out of
-``MaskResult.keep``. With weights in ``{0, 1}`` the loss and its gradient are bit-identical to the
-keep mask alone (``l * 1.0 == l`` exactly), in every aggregation mode.
-
-Entropy bonus (PPO's entropy term, verl's ``entropy_coeff``; off in the paper): with ``entropy``
-(differentiable, see ``token_logprobs_and_entropy(..., entropy_grad=True)``) and ``entropy_coef``,
-``loss -= entropy_coef * aggregate_loss(entropy, keep, agg, normalizer, ...)``, i.e. the entropy of
-the KEPT tokens with the surrogate's own normalizer (docs/losses.md).
+docs/losses.md, "Clipped surrogate and aggregation", has the three aggregation modes, how token
+weights count (numerator only) and the entropy bonus.
 """
 
 from __future__ import annotations
@@ -62,7 +41,7 @@ def aggregate_loss(
     normalizer: Optional[Number] = None,
     max_response_length: Optional[int] = None,
 ) -> torch.Tensor:
-    """Reduce a ``(B, T)`` per-token loss over kept tokens to a 0-dim loss (see module doc)."""
+    """Reduce a ``(B, T)`` per-token loss over kept tokens to a 0-dim loss (modes: docs/losses.md)."""
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
     x = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))

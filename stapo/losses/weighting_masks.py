@@ -1,18 +1,9 @@
 """Weighting strategies next to STAPO: STARE and Clip-Cov (docs/losses.md, "Token weights").
 
-``stare`` (Surprisal-guided Token-level Advantage Reweighting for policy Entropy stability, as its
-released verl code defines it): among the valid tokens with ``A > 0`` the ``k = max(1, ceil(P n))``
-of highest surprisal ``-log p`` get weight ``W``; variant ``C2`` also gives the top ``k`` of the
-``A < 0`` tokens weight ``M``; every other token weight 1. The weights act only while the rollout
-batch's token-mean entropy is below ``target_entropy`` (the gate); off, the loss is exactly GRPO's.
-With ``adaptive``, once per step and BEFORE the step's weights are used (as the released
-controller does): ``W <- clip(W + alpha sgn(H_tgt - H), 1, w_max)``, ``M <- clip(M - alpha sgn(H_tgt - H),
-m_min, 1)``.
-
-``clip_cov`` (verl's Clip-Cov): per valid token ``cov = (A - mean A)(log p - mean log p)``; among the
-tokens with ``lb < cov < ub`` that the ratio does not already clip, ``max(1, int(ratio N))`` chosen
-at random (N valid tokens) get weight 0. Unlike verl, a zeroed token also leaves the token-mean's
-denominator (it is silenced, as every weight-0 token is).
+``stare`` (Surprisal-guided Token-level Advantage Reweighting for policy Entropy stability) weights the
+highest-surprisal tokens while the batch entropy is below a target; ``clip_cov`` (verl's Clip-Cov) zeroes
+a random share of the tokens with a large ``cov(A, log p)``. docs/losses.md has their formulas, parameters
+and the one place Clip-Cov differs from verl (a zeroed token also leaves the token-mean's denominator).
 
 Both select over the whole mini-batch on all ranks (means all-reduced, top-k and random picks in
 one global order: :mod:`stapo.losses.selection`), so the update does not depend on the split; the

@@ -5,12 +5,9 @@ symbolic comparison runs in a separate worker process that is killed when its it
 ``timeout_s`` (the item scores -1) and replaced. Items run concurrently across workers, so
 one pathological answer never stalls the rest of the batch.
 
-Workers are fresh interpreters (``python -m stapo.rewards._worker``: fork+exec, i.e. spawn
-semantics; ``fork`` is unsafe in a trainer with torch threads, and multiprocessing's spawn
-would re-import the user's training script, torch included, in every worker). They start
-lazily on the first item that needs sympy and then persist. They die with the parent:
-``close()``, the context manager, a finalizer at interpreter exit, stdin EOF, and a
-parent-pid watchdog inside the worker for a SIGKILLed parent.
+Workers are fresh interpreters (``python -m stapo.rewards._worker``), start on the first item that
+needs sympy, persist, and never outlive the trainer; docs/rewards.md, "Hang-proofing", says why neither
+``fork`` nor multiprocessing's spawn, and how a worker notices a dead parent.
 
 The same pool runs user reward functions (``function="pkg.mod:fn"``, see ``user_function.py``):
 then each task is one call of that function, and a timed-out, crashing or raising call is

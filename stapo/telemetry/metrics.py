@@ -7,88 +7,8 @@ most the line being written, and :meth:`MetricsLogger.truncate_after` drops the 
 checkpoint does not contain. Only the main process writes anything; the console view is
 :mod:`stapo.telemetry.console`.
 
-THE list of per-step keys (:data:`STEP_METRIC_KEYS`; a trainer test checks every one is logged):
-
-- ``step``, ``epoch``
-- ``reward_mean``, ``reward_std`` (of the rewards the advantages see, penalty included),
-  ``accuracy`` (fraction of responses the scorer gave > 0)
-- ``response_length_mean``, ``response_length_max``, ``response_clip_ratio`` (fraction truncated at
-  the max response length), ``overlong_penalty_mean`` (DAPO's soft overlong penalty per response, 0
-  unless ``reward.overlong_buffer``), ``reward_failures`` (responses whose scorer hung or raised and
-  scored ``reward.failure_value``), ``repetition_frac`` (response tokens that close a 4-gram already seen
-  in the same response: loops)
-- ``entropy_mean`` (mean over valid response tokens)
-- ``silenced_frac`` (silenced / valid tokens under the active mask), ``spurious_frac`` (fraction of
-  valid tokens meeting STAPO's criterion ``A > 0 ∧ p < τ_p ∧ H < τ_h`` at the active mask's ``tau_p`` /
-  ``entropy_quantile`` (the paper's defaults for a mask without them),
-  whatever mask is active), ``keep_frac``, ``mask_tau_h`` (the active mask's entropy threshold; NaN
-  for a mask without one), ``probe_tau_h`` (the S2T probe's)
-- ``upweighted_frac``, ``downweighted_frac`` (valid tokens a weighting mask gave a weight > 1 / in
-  (0, 1); 0 for a plain mask), ``weight_mean`` (mean token weight over valid tokens: ``keep_frac`` for
-  a plain mask)
-- ``clip_frac_low``, ``clip_frac_high``, ``approx_kl``, ``loss``, ``grad_norm``, ``lr``
-- ``mismatch_logp_abs_mean``, ``mismatch_logp_abs_max``, ``mismatch_kl`` (rollout engine vs trainer:
-  |log pi_sampler - log pi_old| over valid response tokens, its max, and the k3 estimate of
-  KL(sampler || trainer); the trainer's theta_old recompute, so ~1e-6 in fp32 with the HF engine),
-  ``mismatch_kl_k1`` (the k1 estimate of the same KL, mean of log pi_sampler - log pi_old; may be < 0),
-  ``rollout_ppl``, ``training_ppl`` (mean over responses of exp(-mean token log-prob) under the sampler
-  and under theta_old; verl's names)
-- ``rejected_frac``, ``rejected_seq_frac`` (valid tokens / responses with a token that the off-policy
-  correction's rejection, ``loss.rollout_rs``, took out of the loss; 0 without it; counted apart from
-  ``silenced_frac``, the mask's)
-- ``zero_std_group_frac`` (groups whose rewards are all equal, hence A = 0), ``skipped_updates`` (mini-batch
-  updates skipped this step for a non-finite loss or gradient norm), ``skipped_steps`` (steps skipped
-  so far, cumulative)
-- ``time_rollout``, ``time_reward``, ``time_stats``, ``time_update``, ``time_sync``, ``time_step``
-  (seconds, rank 0's), ``time_rollout_max``, ``time_rollout_min`` (the slowest and fastest rank's
-  generation: the next collective waits for the slowest), ``tokens_per_s``, ``sync_mb`` (MiB pushed into
-  each rank's rollout engine by the weight sync)
-- ``tokens_per_s_rollout`` (generated tokens), ``tokens_per_s_stats`` (real tokens of the no-grad
-  passes), ``tokens_per_s_update`` (real tokens of the update), over all ranks
-
-Optional (:data:`OPTIONAL_METRIC_KEYS`): ``eval_accuracy``, ``eval_reward_mean``,
-``eval_response_length_mean`` (greedy response tokens; eval steps only);
-``kl`` (k3 KL to the reference policy over kept tokens, only when ``loss.kl_coef > 0``);
-with importance weights (``loss.rollout_is``, docs/losses.md "Off-policy corrections"): ``rollout_is_mean``,
-``rollout_is_max`` (of the untruncated ratios pi_old / pi_sampler over valid tokens; sequence level: the
-row's product on each of its tokens), ``rollout_is_eff_sample_size`` (ESS of the applied weights,
-(sum w)^2 / (n sum w^2), before batch normalization; 1 when all are equal), ``rollout_is_clipped_frac``
-(valid tokens whose weight the threshold truncated or zeroed);
-``mask_gate`` (a gated weighting mask's gate, e.g. STARE's: 1 on, 0 off, the mean over the step's
-mini-batches; only for such a mask);
-``mfu_stats``, ``mfu_update`` (model FLOPs utilization of the phase on a GPU whose peak is known,
-stapo.telemetry.mfu; absent on CPU); ``entropy_bonus`` (``loss.entropy_coef`` x mean entropy of kept
-tokens, subtracted from the loss; only when ``loss.entropy_coef != 0``); with ``rollout.dynamic_sampling``: ``sampling_rounds``,
-``groups_kept`` (informative groups trained on, all ranks), ``groups_dropped`` (all-equal-reward
-groups dropped), ``groups_surplus`` (informative groups generated beyond the batch),
-``sampling_capped`` (1 when ``rollout.max_sampling_rounds`` ended the search short); with
-``rollout.mode: server``: ``policy_staleness`` (optimizer iterations between the policy that sampled the
-step's oldest token and the one it trains: 0 in lock-step, at most ``rollout.max_staleness``),
-``policy_staleness_mean`` (the same lag averaged over the step's response tokens: with
-``rollout.partial`` a response continued after a sync has younger tokens than its first ones),
-``generation_s`` (wall seconds the step's batch took to generate; asynchronous, it ran during earlier
-updates and ``time_rollout`` is only the trainer's wait for it), ``sync_sent_mb`` (MiB the step's weight sync
-broadcast into the servers, each receiving it once: ``sync_mb`` with ``rollout.sync: full``, less with
-``delta``); with ``rollout.sync: delta``: ``sync_changed_frac`` (fraction of the synced elements that changed
-since the servers' copy; NaN when the sync had no copy to compare with, e.g. after a failed one); with
-``rollout.partial``: ``partial_interrupted`` (response segments a weight sync cut, all ranks; they went on
-with the new weights); with ``rollout.tools`` (multi-turn episodes, docs/tir.md): ``turns_mean`` (policy
-turns per episode), ``tool_calls_mean``,
-``tool_errors_mean`` (per episode), ``tool_error_frac`` (errors / calls), ``context_token_frac`` (context
-tokens / all response tokens: what the model read but did not write), ``tool_penalty_mean`` (the tool
-shaping per episode, 0 unless configured), ``time_tools`` (seconds the episode loop waited for tools, part
-of ``time_rollout``, mean over ranks), ``control_token_frac``, ``control_token_prob`` (the call format's
-single-token tags, e.g. ``<tool_call>``: their share of the policy's tokens and the mean sampling probability
-of those emitted, NaN when none was; only for a format whose tags are single tokens), and at evaluation
-``eval_tool_calls_mean``; with
-``rollout.tools.eval_without_tools``: ``eval_no_tools_accuracy``, ``eval_no_tools_reward_mean``,
-``eval_no_tools_response_length_mean`` (the held-out prompts offering no tools, one turn each).
-
-Health (docs/health.md): ``health_<monitor>``, each active monitor's statistic (from the step its window
-is warm). Besides step rows the file holds **event rows** (:meth:`MetricsLogger.log_event`: ``step``,
-``event`` and the event's fields, no step metrics): ``health`` (the monitors and their thresholds, at the
-start of each session), ``alarm`` (a monitor past its threshold for ``health.patience`` steps, with the
-action taken), ``rollback`` and ``stop``.
+The keys and what each means: docs/metrics.md (a trainer test checks it names every key of
+:data:`STEP_METRIC_KEYS` and :data:`OPTIONAL_METRIC_KEYS`).
 
 Non-finite values (a skipped step's loss) are stored as the strings ``"NaN"``, ``"Infinity"``,
 ``"-Infinity"`` so every line stays valid JSON; :func:`stapo.run_dir.read_metrics` turns them back
@@ -105,7 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from stapo.run_dir import METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR, read_metrics, restore_nonfinite
+from stapo.run_dir import (METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR, read_metrics, restore_nonfinite,
+                            write_text_atomic)
 from stapo.telemetry.console import ConsoleView
 
 STEP_METRIC_KEYS: tuple[str, ...] = (
@@ -172,15 +93,9 @@ def _truncate_jsonl(path: Path, step: int) -> int:
     """Rewrite ``path`` atomically without rows whose step > ``step``; returns the rows dropped."""
     rows = read_metrics(path)
     kept = [r for r in rows if r.get("step", -1) <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in kept:
-            f.write(json.dumps({k: v if isinstance(v, (list, dict)) else _json_value(k, v)
-                                for k, v in row.items()}, allow_nan=False,
-                               ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    lines = [json.dumps({k: v if isinstance(v, (list, dict)) else _json_value(k, v) for k, v in row.items()},
+                        allow_nan=False, ensure_ascii=False) + "\n" for row in kept]
+    write_text_atomic(path, "".join(lines))
     return len(rows) - len(kept)
 
 

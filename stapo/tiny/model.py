@@ -127,16 +127,3 @@ def model_fingerprint(model_dir: Path) -> str:
         raise FileNotFoundError(f"{model_dir} is not a model dir: no config.json")
     return hash_files(model_dir, names)
 
-
-def count_parameters(model_dir: Path) -> int:
-    """Number of distinct parameters stored in ``model_dir`` (tied weights are stored once)."""
-    from safetensors import safe_open
-
-    total = 0
-    with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
-        for name in f.keys():
-            numel = 1
-            for size in f.get_slice(name).get_shape():
-                numel *= size
-            total += numel
-    return total

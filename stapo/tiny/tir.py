@@ -1,20 +1,12 @@
 """The tiny tool-integrated-reasoning demo: products the tiny model cannot work out in its head, and a
 calculator it can call (``tiny.task: tir``; docs/tir.md, "The tiny demo").
 
-* **Task** (`tir_problems`): mostly products of a 3-digit and a 2-digit number (``Compute 347*58.``),
-  which a 0.8M-parameter model does not learn to multiply; some one-digit sums (``Compute 4+7.``), which
-  it answers in its head. The answer format is the verifier's ``\\boxed{}``.
-* **Tool call** (Qwen3's format, the ``qwen3`` parser): ``<tool_call>\\n{"name": "calculator",
-  "arguments": {"expression": "347*58"}}\\n</tool_call>``; the result comes back as Qwen3's tool turn
-  (a user turn holding ``<tool_response>...</tool_response>``), rendered by this variant's chat template
-  (`TIR_CHAT_TEMPLATE`), which lists the tools in a system line when the prompt offers them.
-* **Tokenizer**: the tiny byte-level BPE trained on this task's text, with the four tool tags as whole,
-  non-special tokens; its own cache entry (the default demo's tokenizer and model are untouched).
-* **Warm start** (`encode_tir_examples`): half the examples offer no tools and answer in the head
-  (``347*58=20126. \\boxed{20126}``: the expression copied from the question, its value, the value copied
-  into the box); the other half offer the calculator, and a fraction (``tiny.warm_start_tool_fraction``)
-  of those call it and copy its result into ``\\boxed{}``; the rest answer in the head. Tool-turn tokens
-  are inputs, not targets, as in RL. RL then finds out when a call pays.
+Here: the task (`tir_problems`: mostly 3-digit x 2-digit products, some one-digit sums it answers in its
+head), the chat template (`TIR_CHAT_TEMPLATE`, tools listed in a system line, results as Qwen3's tool
+turn), the tokenizer (the four tool tags as whole, non-special tokens; its own cache entry) and the warm
+start's examples (`encode_tir_examples`: half offer no tools; of the others a ``tiny.warm_start_tool_fraction``
+call the calculator in Qwen3's format). Tool-turn tokens are inputs, not targets, as in RL; RL then finds
+out when a call pays.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Tools the policy calls during an episode, the sandbox they run in, and the parsers that find the
 calls in its text (docs/tools.md).
 
-The contract the episode loop uses::
-
-    from stapo.tools import build_tool, build_tool_parser, run_tool_calls
-
-    parser = build_tool_parser("qwen3", tools=("python", "calculator"))  # or "python_block"
-    tools = {"python": build_tool("python", stateful=True, timeout_s=10), "calculator": build_tool("calculator")}
-    session = tools["python"].open_session()        # one per episode (None for a stateless tool)
-    turn = parser.parse(text)                        # ParsedTurn(calls, error); text ends with parser.stop
-    if turn.error: ...                               # return turn.error to the policy as a failed tool result
-    results = run_tool_calls([(tools[c.name], c, session) for c in turn.calls])   # ToolResult(text, error, seconds)
-    session.close()                                  # at the episode's end
-
-* ``ToolCall(name, arguments, text)``: one call as the policy wrote it; ``ToolResult(text, error,
-  seconds)``: its output, capped at the tool's ``max_output_chars`` (cut output is an error).
-* ``Tool``: a dataclass whose fields are its parameters (``timeout_s``, ``max_output_chars``, ...);
-  ``schema()`` is the entry a chat template renders in its tool list; ``tool(arguments, session)``
-  never raises for bad input (an error result instead); ``open_session()`` gives a stateful tool's
-  per-episode state (``close()`` it). Add one with ``@register_tool("name")``; ``stapo tools`` lists them.
-* ``ToolCallParser``: ``stop`` (strings that end a turn holding a call) and ``parse(text)``; register
-  one with ``@register_tool_parser("name")``.
-* ``run_tool_calls(jobs)``: ``(tool, call, session)`` jobs run concurrently (bounded), results in order.
+The contract the episode loop uses (a call never raises, output is capped, calls of one session run in
+order) is docs/tools.md, "The contract": ``build_tool_parser`` finds a turn's ``ToolCall``s,
+``run_tool_calls`` runs them and returns ``ToolResult``s; add a tool with ``@register_tool("name")``, a
+parser with ``@register_tool_parser("name")``.
 
 Built in: ``python`` (code in a fresh, limited, isolated process; ``sandbox.py``; or a remote
 SandboxFusion service), ``calculator`` (exact arithmetic, no code execution).

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from stapo.run_dir import (CHECKPOINT_DIR, CLIENT_FILE, LATEST, MERGED_DIR, PREVIOUS_RUNS_DIR, RUN_ARTIFACTS,
-                           checkpoint_name, complete_checkpoints, latest_checkpoint)
+                           checkpoint_name, complete_checkpoints, latest_checkpoint, write_text_atomic)
 from stapo.distributed.process_group import all_gather_object, barrier, get_rank, get_world_size
 from stapo.distributed.lora import adapter_state, is_peft_model, plain_model
 from stapo.sync.buckets import DEFAULT_BUCKET_BYTES, iter_weight_buckets
@@ -60,12 +60,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, text, tmp=path.with_name(f"{TMP_PREFIX}{path.name}"))
 
 
 def _fsync_dir(path: Path) -> None:

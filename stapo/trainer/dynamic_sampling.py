@@ -8,16 +8,12 @@ groups, for at most ``max_rounds`` rounds (docs/grpo_options.md)::
     batch = collect_informative(draw, generate, score, group_size=8, target_groups=64, max_rounds=3,
                                 gather=all_gather_object)
 
-Agreement across ranks: after every round each rank publishes ``(kept, dropped)`` through the
-injected ``gather`` (one small all-gather); every rank sees the same list and so takes the same
-decision (stop or draw again), so all ranks run the same number of rounds and draw the same
-global prompt batches. Exactly ``target_groups`` groups per rank are kept (the first informative
-ones, in draw order; the surplus is discarded). If the round cap is hit first, every rank keeps
-``min(kept over ranks)`` groups, rounded down to a multiple of ``multiple_of`` (pass the groups
-per rank of one mini-batch to keep every mini-batch full): all ranks hold the same number of
-groups, so mini-batches stay equal across ranks. If that number is 0 (nothing informative
-anywhere), round 0's batch is returned whole, so the step trains exactly as without dynamic
-sampling (its advantages are all 0). A warning is logged and ``capped`` is set.
+After every round each rank publishes ``(kept, dropped)`` through the injected ``gather`` (one small
+all-gather), so all ranks decide alike and run the same rounds. Exactly ``target_groups`` groups per
+rank are kept (the first in draw order). When the round cap comes first (a warning, ``capped``), every
+rank keeps ``min(kept over ranks)`` rounded down to ``multiple_of``, and if that is 0, round 0's batch
+whole (its advantages are all 0: the step trains as without dynamic sampling). docs/grpo_options.md
+has the why of each rule.
 
 Resume stays exact: ``draw`` takes prompts from the trainer's ``PromptSampler``, whose
 ``state_dict`` (saved in every checkpoint) already counts the extra draws.

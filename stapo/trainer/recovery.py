@@ -3,21 +3,11 @@
 Every step the trainer hands its metrics to :meth:`Recovery.observe` (the monitors' statistics join
 the step's row) and, when an alarm went off, calls :meth:`Recovery.respond`:
 
-* ``warn``: one console line and one ``alarm`` event per alarm (monitor, value, threshold, onset);
-* ``stop``: the same, a checkpoint, a ``stop`` event, and :class:`~stapo.trainer.interrupt.HealthStop`
-  (``stapo train`` exits with status 3; the same command resumes);
-* ``rollback``: model, optimizer, lr schedule and mask state return to the newest healthy checkpoint
-  saved before the anomaly's onset (its weights produced a normal step, stapo.health.watch); the lr is
-  multiplied by ``health.rollback_lr_scale``; the data order and random streams go on (the failed
-  stretch's batches are not replayed); the monitors' window returns to the checkpoint's, so the failed
-  stretch is not their baseline; the rollout engine gets the restored weights; then a checkpoint of the
-  new state is saved at the current step. A kill anywhere in
-  a rollback leaves the last complete checkpoint, from which the run replays to the same alarm and the
-  same rollback: resuming is as exact as after any kill. After ``health.max_rollbacks`` rollbacks, or
-  without a healthy checkpoint before the onset, the alarm warns (and says why).
-
-Step numbers keep counting iterations: the rows of the failed stretch stay in metrics.jsonl, followed by
-the ``rollback`` event, and the run still ends at ``trainer.total_steps``.
+``warn`` logs the alarm, ``stop`` checkpoints and raises :class:`~stapo.trainer.interrupt.HealthStop`
+(exit status 3), ``rollback`` returns model, optimizer, lr schedule, mask state and the monitors' window
+to the newest healthy checkpoint saved before the onset (stapo.health.watch), gives the rollout engine
+those weights, scales the lr and checkpoints the new state, while the data order and random streams go on.
+docs/health.md, "Alarms and actions", has the details and why resuming inside a rollback stays exact.
 """
 
 from __future__ import annotations

@@ -377,13 +377,3 @@ class STAPOTrainer:
         if state.get("rollouts_ahead"):
             log.info("%d rollout batches generated ahead of step %d before the restart are regenerated",
                      state["rollouts_ahead"], self.step_count)
-
-    @classmethod
-    def from_checkpoint(cls, path: str | Path, **kwargs) -> "STAPOTrainer":
-        """Rebuild the trainer from a run directory or checkpoint and continue where it stopped."""
-        path = Path(path)
-        run_dir = path if (path / CONFIG_FILE).exists() else path.parent.parent
-        config = STAPOConfig.from_yaml(run_dir / CONFIG_FILE,
-                                       overrides=[f"trainer.resume={'auto' if path == run_dir else path}",
-                                                  f"trainer.output_dir={run_dir}"])
-        return cls(config, **kwargs)

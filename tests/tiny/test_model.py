@@ -6,7 +6,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
 from stapo.tiny import TinySpec, build_tiny_model
 from stapo.tiny.cache import build_atomically
-from stapo.tiny.model import count_parameters
 
 SMALL = TinySpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16)
@@ -24,7 +23,7 @@ def test_loads_with_auto_classes(tiny_model_dir):
     assert model.generation_config.eos_token_id == tok.eos_token_id
     assert model.generation_config.pad_token_id == tok.pad_token_id
     n = sum(p.numel() for p in model.parameters())
-    assert n == count_parameters(tiny_model_dir) and n < 5_000_000
+    assert n < 5_000_000
     ids = tok("1+2=3", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         logits = model(ids).logits
