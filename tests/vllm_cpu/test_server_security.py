@@ -20,7 +20,7 @@ from _servers import VLLMServer
 from conftest import LANE_TOKEN
 from test_server_faults import figure, state, status
 
-from stapo.rollout import server_weights
+from stapo.rollout import SamplingParams, generate, server_weights
 from stapo.rollout.server_engine import ServerEngine
 from stapo.rollout.server_secret import trainer_secret
 from stapo.rollout.weight_group import GroupSpec, listening_store, new_nonce
@@ -70,7 +70,6 @@ def test_the_trainer_syncs_into_it_with_no_setting(bare, warm_model_dir, prompts
     the real worker) commits."""
     from transformers import AutoModelForCausalLM
 
-    from stapo.rollout import SamplingParams
     from stapo.sync.buckets import sync_weights
 
     server, cache = bare
@@ -80,7 +79,7 @@ def test_the_trainer_syncs_into_it_with_no_setting(bare, warm_model_dir, prompts
     sync_weights(model, engine, bucket_bytes=2**20, version=3)
     assert engine.last_sync.ok, engine.last_sync
     assert engine.policy_versions() == {server.address: [3]}
-    assert len(engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=4))) == len(prompts)
+    assert len(generate(engine, prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=4))) == len(prompts)
     figure("trainer with no setting: full sync into the server that made its own secret", time.monotonic() - start)
 
 
