@@ -106,7 +106,7 @@ class Rollout:
         pad_token_id: id used for padding (needed to re-pad in `concat`).
         policy_version: (B,) long, the policy version (optimizer iterations completed) whose weights
             sampled each row — its OLDEST token's, when a partial rollout spans a weight sync — or None
-            where nobody tracks it; fill with `with_policy_version` or `with_token_versions`.
+            where nobody tracks it; fill with `with_policy_version`.
         token_version: (B, T) long, the policy version that sampled each response token (0 on padding),
             or None when every token of a row has its row's `policy_version` (``rollout.partial``:
             a response continued after a sync carries two or more versions).
@@ -206,16 +206,6 @@ class Rollout:
         return dataclasses.replace(self, policy_version=torch.full((len(self),), int(version), dtype=torch.long),
                                    token_version=None)
 
-    def with_token_versions(self, versions: torch.Tensor, first: Sequence[int]) -> Rollout:
-        """Copy with the version of every response token (``versions`` (B, T); padding is zeroed) and each
-        row's `policy_version` set to its oldest token's (``first[i]``: the version a row without tokens
-        started with)."""
-        versions = torch.where(self.response_mask, versions.long(), torch.zeros((), dtype=torch.long))
-        oldest = torch.where(self.response_mask, versions, torch.full_like(versions, 2**62)).min(dim=1).values
-        started = torch.as_tensor(list(first), dtype=torch.long)
-        return dataclasses.replace(self, token_version=versions,
-                                   policy_version=torch.where(self.response_mask.any(dim=1), oldest, started))
-
     def token_versions(self) -> torch.Tensor | None:
         """(B, T) long: each response token's policy version (`token_version`, else the row's), or None."""
         if self.token_version is not None:
@@ -299,12 +289,6 @@ class Rollout:
             token_version=None if all(p.token_version is None for p in parts) or any(p.policy_version is None for p in parts)
             else torch.cat([_pad_columns(p.token_versions(), t, 0, False) for p in parts]),
             episodes=None if parts[0].episodes is None else EpisodeInfo.concat([p.episodes for p in parts]))
-
-    def to(self, device: torch.device | str) -> Rollout:
-        """Copy with every tensor on `device`."""
-        return dataclasses.replace(self, **{
-            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def row_lengths(seqs) -> list[int]:

@@ -71,10 +71,6 @@ class Generation:
         self.tool_wait_s = 0.0  # wall seconds spent waiting for tool turns
         self.versions_known = True  # every segment came with the version that sampled it
 
-    @property
-    def done(self) -> bool:
-        return all(t.done for t in self.trajectories)
-
     def unfinished(self) -> int:
         return sum(not t.done for t in self.trajectories)
 

@@ -23,7 +23,7 @@ import torch
 from stapo.registry import Registry
 from stapo.rollout.engine import RolloutEngine
 
-__all__ = ["AUTO", "EngineOptions", "available_engines", "build_engine", "engine_choices", "engine_problem",
+__all__ = ["AUTO", "EngineOptions", "build_engine", "engine_choices", "engine_problem",
            "register_engine", "resolve_engine", "vllm_available", "vllm_installed"]
 
 AUTO = "auto"
@@ -66,13 +66,9 @@ def register_engine(name: str, *, check: EngineCheck | None = None) -> Callable[
     return decorate
 
 
-def available_engines() -> list[str]:
-    return sorted(_ENGINES)
-
-
 def engine_choices() -> tuple[str, ...]:
     """Valid values of ``rollout.engine`` / ``stapo eval --engine``."""
-    return (AUTO, *available_engines())
+    return (AUTO, *_ENGINES.names())
 
 
 def vllm_installed() -> bool:

@@ -62,7 +62,3 @@ class ToolTurnRenderer:
                              "its tool turns cannot be appended to a generated turn")
         text = rendered.split(_MARK)[1]
         return text[len(after_eos):] if after_eos and text.startswith(after_eos) else text
-
-    def token_ids(self, results: Sequence[str], after_eos: str = "") -> list[int]:
-        """`text` as token ids (no BOS or other added special tokens)."""
-        return self.tokenizer(self.text(results, after_eos), add_special_tokens=False)["input_ids"]

@@ -118,7 +118,12 @@ def assemble(trajectories: Sequence[Trajectory], n: int, pad_token_id: int, *, e
     prompt_ids, prompt_mask = left_pad([t.prompt for t in trajectories], pad_token_id)
     sampled = right_pad([[int(s) for s in t.sampled] for t in trajectories], 0, torch.long).bool()  # (B, T)
     real = right_pad([[1] * len(t.tokens) for t in trajectories], 0, torch.long).bool()  # (B, T)
-    info = None
+    info = token_version = policy_version = None
+    if versions:  # a row's version is its oldest token's; a row without tokens: the one it started with
+        token_version = right_pad([t.versions for t in trajectories], 0, torch.long)  # 0 on context and padding
+        oldest = token_version.masked_fill(~sampled, 2**62).min(dim=1).values
+        started = torch.tensor([t.first_version or 0 for t in trajectories], dtype=torch.long)
+        policy_version = torch.where(sampled.any(dim=1), oldest, started)
     if episodes:
         info = EpisodeInfo(
             turns=torch.tensor([t.turns for t in trajectories]),
@@ -126,14 +131,11 @@ def assemble(trajectories: Sequence[Trajectory], n: int, pad_token_id: int, *, e
             tool_errors=torch.tensor([t.errors for t in trajectories]),
             tool_seconds=torch.tensor([t.tool_seconds for t in trajectories], dtype=torch.float64),
             final_text=[t.final_text for t in trajectories], tool_wait_s=tool_wait_s)
-    rollout = Rollout(
+    return Rollout(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask,
         response_ids=right_pad([t.tokens for t in trajectories], pad_token_id, torch.long), response_mask=sampled,
         sampling_logprobs=right_pad([t.logprobs for t in trajectories], 0.0, torch.float32),
         finish_reason=[t.finish for t in trajectories], response_text=["".join(t.texts) for t in trajectories],
         group_index=torch.arange(len(trajectories) // n).repeat_interleave(n), group_size=n,
-        pad_token_id=pad_token_id, context_mask=real & ~sampled if episodes else None, episodes=info)
-    if not versions:
-        return rollout
-    return rollout.with_token_versions(right_pad([t.versions for t in trajectories], 0, torch.long),
-                                       [t.first_version or 0 for t in trajectories])
+        pad_token_id=pad_token_id, context_mask=real & ~sampled if episodes else None, episodes=info,
+        policy_version=policy_version, token_version=token_version)
