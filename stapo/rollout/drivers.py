@@ -3,15 +3,9 @@
     rollout = generate(engine, prompt_ids, n=8, sampling=SamplingParams(seed=step))            # one turn
     rollout = generate(engine, prompt_ids, n=8, sampling=..., tools=ToolEpisodes(...))         # tool episodes
 
-`Generation` is the loop under both: ``n`` samples of each prompt (`Trajectory`, one seed scheme) advanced one
-round of segments at a time, one `generate_segments` call per round over every live sample. A sample ends at
-its segment's stop or token limit — or, in a tool episode (`stapo.rollout.episodes.ToolEpisodes`), at a turn
-without a call, out of turns or out of tokens; a turn with calls gets its tool turn as context and the next
-round continues it. The two separations compose: when an `interruptible` engine is interrupted (a weight
-sync, ``rollout.partial``), the cut segments keep their tokens, `advance` returns False, and the next
-`advance` (after the sync) continues every sample from its prompt plus everything so far with its next
-segment's seed — a tool episode cut in the middle of a turn goes on exactly as a fresh request from that
-prefix would. `Generation.rollout` is the one `Rollout` assembler (`stapo.rollout.trajectory.assemble`).
+`Generation` is the loop under both, one `generate_segments` call per round over every live sample. Tool turns
+and weight syncs (an `interruptible` engine, ``rollout.partial``) both separate a sample's segments, and they
+compose: a tool episode cut in the middle of a turn goes on exactly as a fresh request from that prefix would.
 """
 
 from __future__ import annotations

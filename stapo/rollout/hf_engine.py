@@ -7,13 +7,7 @@ from its own `torch.Generator` (`sample_with_uniforms`: one uniform per position
 tokens do not depend on what else is in the batch (the seed scheme of `stapo.rollout.trajectory`). The loop
 prefills each distinct context once and gives each of its requests a copy of the KV cache (the G samples of
 a prompt share one prefill), and drops finished rows from the batch so long-tail responses do not pay for
-short ones.
-
-Usage (the engine owns its weights; the trainer pushes new ones every iteration):
-
-    engine = HFEngine("path/to/model")            # loads its own copy (safe under ZeRO-3)
-    rollout = generate(engine, prompt_ids, n=8, sampling=SamplingParams(seed=0))   # stapo.rollout.drivers
-    engine.load_weights(bucket)                   # [(hf_name, full_tensor), ...], bucket by bucket
+short ones. Usage: `stapo.rollout` (the package docstring) and docs/rollout.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Rollout-engine registry: one name -> factory table for the trainer and `stapo eval`.
-
-    @register_engine("my_engine")
-    def build_my_engine(model_path, tokenizer, opts: EngineOptions) -> RolloutEngine: ...
-
-`build_engine(name, model_path, tokenizer, opts)` builds one, after the engine's ``check`` (what it
-needs on this machine; `engine_problem` asks without building, for ``stapo train --dry-run``);
-``"auto"`` resolves to ``vllm`` when a CUDA GPU is visible and vllm is importable, else ``hf``
-(`resolve_engine`); ``vllm`` by name also runs on vLLM's CPU build. The config's
-``rollout.engine`` accepts ``auto`` and every registered name (`engine_choices`). Factories import
-their engine lazily, so registering costs nothing (vllm is imported only by `VLLMEngine`).
+"""Rollout-engine registry: one name -> factory table for the trainer and `stapo eval` (docs/rollout.md,
+"Engine registry"; adding an engine: CONTRIBUTING.md). Factories import their engine lazily, so registering
+costs nothing (vllm is imported only by `VLLMEngine`).
 """
 
 from __future__ import annotations

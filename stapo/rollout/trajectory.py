@@ -4,12 +4,8 @@ A sample is a sequence of segments (`stapo.rollout.engine`): one for a one-turn 
 of a tool episode, one more each time a weight sync cuts a segment in flight (``rollout.partial``). Between
 segments an episode appends context tokens (tool output): read by the model, never sampled.
 
-**One seed scheme** for every driver and engine (docs/rollout.md, "Seeds"): sample k of prompt p of a call
-seeded S has the seed ``derived_seed(S, p) + k`` — vLLM seeds the k-th of a request's n samples with
-``seed + k``, so n seeded one-sample requests sample what one n-sample request does — and segment j of that
-sample (every request it makes: turns and continuations alike) uses the sample's seed for j = 0 and
-``derived_seed(sample seed, j)`` after. A seed therefore reproduces a sample given where it was cut, whatever
-else is in the batch, and an uncut one-turn sample is the one the whole-prompt request gives.
+**One seed scheme** for every driver and engine (`prompt_seeds`, `segment_seed`; docs/rollout.md, "Seeds"), so
+a seed reproduces a sample given where it was cut, whatever else is in the batch.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from _fake_server import FakeServer
 from stapo.rollout import Generation, Rollout, SamplingParams, Segment
