@@ -16,7 +16,7 @@ from stapo.registry import Registry
 from stapo.rollout.engine import RolloutEngine
 
 __all__ = ["AUTO", "EngineOptions", "build_engine", "engine_choices", "engine_problem",
-           "register_engine", "resolve_engine", "vllm_available", "vllm_installed"]
+           "register_engine", "resolve_engine", "vllm_installed"]
 
 AUTO = "auto"
 
@@ -68,16 +68,11 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def vllm_available() -> bool:
-    """A CUDA GPU is visible and vllm is importable: what ``auto`` needs to pick vLLM."""
-    return torch.cuda.is_available() and vllm_installed()
-
-
 def resolve_engine(name: str) -> str:
-    """``auto`` -> ``vllm`` (GPU + vllm) or ``hf`` (on CPU even with vLLM's CPU build: HF is faster
+    """``auto`` -> ``vllm`` (a CUDA GPU and vllm) or ``hf`` (on CPU even with vLLM's CPU build: HF is faster
     to start for the tiny CPU runs); any other name is checked against the registry."""
     if name == AUTO:
-        return "vllm" if "vllm" in _ENGINES and vllm_available() else "hf"
+        return "vllm" if "vllm" in _ENGINES and torch.cuda.is_available() and vllm_installed() else "hf"
     _ENGINES.lookup(name, engine_choices())
     return name
 
