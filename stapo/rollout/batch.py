@@ -20,17 +20,11 @@ __all__ = ["EpisodeInfo", "Rollout", "left_pad", "right_pad", "row_lengths"]
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> `(ids (N, L) long, mask (N, L) bool)`, padded on the left to the longest."""
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, row in enumerate(rows):
-        if len(row):
-            ids[i, width - len(row):] = torch.as_tensor(list(row), dtype=torch.long)
-            mask[i, width - len(row):] = True
-    return ids, mask
+    ids = right_pad([list(r)[::-1] for r in rows], pad_id, torch.long).flip(1)
+    return ids, right_pad([[True] * len(r) for r in rows], False, torch.bool).flip(1)
 
 
-def right_pad(rows: Sequence[Sequence[float]], pad: float, dtype: torch.dtype) -> torch.Tensor:
+def right_pad(rows: Sequence[Sequence[float | bool]], pad: float | bool, dtype: torch.dtype) -> torch.Tensor:
     """Lists -> `(N, L)` tensor of `dtype`, padded on the right with `pad` to the longest."""
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), width), pad, dtype=dtype)
@@ -42,10 +36,7 @@ def right_pad(rows: Sequence[Sequence[float]], pad: float, dtype: torch.dtype) -
 
 def _pad_columns(x: torch.Tensor, width: int, value: float | bool, left: bool) -> torch.Tensor:
     extra = width - x.shape[1]
-    if extra == 0:
-        return x
-    fill = torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)
-    return torch.cat([fill, x] if left else [x, fill], dim=1)
+    return torch.nn.functional.pad(x, (extra, 0) if left else (0, extra), value=value)
 
 
 @dataclass(frozen=True)

@@ -114,8 +114,8 @@ class Generation:
         if unfinished:
             raise RuntimeError(f"Generation.rollout: samples {unfinished[:5]} are not finished")
         prompt_ids, prompt_mask = left_pad([t.prompt for t in trajectories], pad_token_id)
-        sampled = right_pad([[int(s) for s in t.sampled] for t in trajectories], 0, torch.long).bool()  # (B, T)
-        real = right_pad([[1] * len(t.tokens) for t in trajectories], 0, torch.long).bool()  # (B, T)
+        sampled = right_pad([t.sampled for t in trajectories], False, torch.bool)  # (B, T)
+        real = right_pad([[True] * len(t.tokens) for t in trajectories], False, torch.bool)  # (B, T)
         info = token_version = policy_version = None
         if self.versions_known:  # a row's version is its oldest token's; a row without tokens: the one it started with
             token_version = right_pad([t.versions for t in trajectories], 0, torch.long)  # 0 on context and padding

@@ -110,10 +110,9 @@ class ToolEpisodes:
         stops = self.parser.stop
         width = max(map(len, stops), default=1) - 1  # a stop string split by the cut has this much before it
         head = before[len(before) - width:] if width else ""
-        if not head or not any(0 <= (head + text).find(s) < len(head) for s in stops):
-            return Segment(segment.tokens, segment.logprobs, text, segment.finish, segment.version)
-        for k in range(1, len(segment.tokens) + 1):
-            text = self.tokenizer.decode(segment.tokens[:k], skip_special_tokens=True)
-            if any(s in head + text for s in stops):
-                return Segment(segment.tokens[:k], segment.logprobs[:k], text, "stop", segment.version)
-        return Segment(segment.tokens, segment.logprobs, text, segment.finish, segment.version)
+        if head and any(0 <= (head + text).find(s) < len(head) for s in stops):
+            for k in range(1, len(segment.tokens) + 1):
+                cut = self.tokenizer.decode(segment.tokens[:k], skip_special_tokens=True)
+                if any(s in head + cut for s in stops):
+                    return Segment(segment.tokens[:k], segment.logprobs[:k], cut, "stop", segment.version)
+        return replace(segment, text=text)

@@ -1,13 +1,9 @@
 """`HFEngine`: KV-cached batched sampling with a plain transformers model (CPU by default, GPU works).
 
 Why our own decoding loop instead of `model.generate`: the trainer needs the log-probability of each
-sampled token under the exact distribution it was drawn from (temperature → top-k → top-p,
-renormalized; see `stapo.rollout.sampling`), reproducible from each request's seed. Every request draws
-from its own `torch.Generator` (`sample_with_uniforms`: one uniform per position from its seed), so a row's
-tokens do not depend on what else is in the batch (the seed scheme of `stapo.rollout.trajectory`). The loop
-prefills each distinct context once and gives each of its requests a copy of the KV cache (the G samples of
-a prompt share one prefill), and drops finished rows from the batch so long-tail responses do not pay for
-short ones. Usage: `stapo.rollout` (the package docstring) and docs/rollout.md.
+sampled token under the exact distribution it was drawn from (`stapo.rollout.sampling`), reproducible from
+each request's seed whatever else is in the batch (a `torch.Generator` per request). What the loop does
+(one prefill per distinct context, finished rows dropped): docs/rollout.md, "`HFEngine`".
 """
 
 from __future__ import annotations
