@@ -119,8 +119,8 @@ class Generation:
         info = token_version = policy_version = None
         if self.versions_known:  # a row's version is its oldest token's; a row without tokens: the one it started with
             token_version = right_pad([t.versions for t in trajectories], 0, torch.long)  # 0 on context and padding
-            oldest = token_version.masked_fill(~sampled, 2**62).min(dim=1).values
             started = torch.tensor([t.first_version or 0 for t in trajectories], dtype=torch.long)
+            oldest = token_version.masked_fill(~sampled, 2**62).min(dim=1).values if sampled.any() else started
             policy_version = torch.where(sampled.any(dim=1), oldest, started)
         if self.tools is not None:
             info = EpisodeInfo(
