@@ -43,7 +43,7 @@ def _pad_columns(x: torch.Tensor, width: int, value: float | bool, left: bool) -
 class EpisodeInfo:
     """What each row's multi-turn episode did besides its tokens (docs/tir.md); B entries each."""
 
-    turns: torch.Tensor  # (B,) long: policy turns (one `generate` each)
+    turns: torch.Tensor  # (B,) long: policy turns
     tool_calls: torch.Tensor  # (B,) long: tool calls parsed from its turns (each ran, or failed to parse)
     tool_errors: torch.Tensor  # (B,) long: calls that ended in a tool error (bad call, failure, a limit)
     tool_seconds: torch.Tensor  # (B,) float64: seconds its tool calls ran (summed over calls)

@@ -30,9 +30,7 @@ class HFEngine(RolloutEngine):
     """A transformers causal LM held for inference, separate from the training copy.
 
     Args:
-        model: a model directory / hub name (loaded here: the engine's own copy) or a
-            `PreTrainedModel` (used as given, moved to `device` / `dtype`; pass a separate instance
-            from the one being trained).
+        model: a model directory / hub name or a `PreTrainedModel` (docs/rollout.md, "`HFEngine`").
         tokenizer: tokenizer or its path; default: loaded from the model's directory.
         device: where the model runs; segments always come back as Python lists.
         dtype: model dtype (sampling math is always fp32).
