@@ -19,10 +19,9 @@ from stapo.rollout.drivers import Generation, generate
 from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
 from stapo.rollout.episodes import ToolEpisodes
 from stapo.rollout.hf_engine import HFEngine
-from stapo.rollout.registry import EngineOptions, available_engines, build_engine, register_engine
+from stapo.rollout.registry import EngineOptions, build_engine, register_engine
 from stapo.rollout.sampling import SamplingParams
 from stapo.rollout.vllm_engine import VLLMEngine
 
 __all__ = ["EngineOptions", "Generation", "HFEngine", "Rollout", "RolloutEngine", "SamplingParams", "Segment",
-           "SegmentRequest", "ToolEpisodes", "VLLMEngine", "available_engines", "build_engine", "generate",
-           "register_engine"]
+           "SegmentRequest", "ToolEpisodes", "VLLMEngine", "build_engine", "generate", "register_engine"]

@@ -1,16 +1,10 @@
-"""`Rollout`: the typed batch that every engine returns and the trainer consumes (docs/rollout.md).
+"""`Rollout`: the typed batch that every driver returns and the trainer consumes (docs/rollout.md, "`Rollout`").
 
-P prompts × G samples give B = P·G rows; row i answers prompt i // G and is its sample i % G, so the
-groups are consecutive (the group advantages of paper §2.1 rely on that). Prompts are LEFT-padded
-and responses RIGHT-padded, so `cat(prompt_ids, response_ids)` puts every response right after its
-prompt at column Lp; the trainer builds its teacher-forced inputs (padded or packed) from these
-tensors in `stapo.distributed.policy.teacher_forced_inputs`.
-
-A multi-turn episode (docs/tir.md) is ONE row: its response holds the policy's turns interleaved with
-context tokens (tool output and chat-template tokens). Two masks say which is which:
-``response_mask`` (the policy's sampled tokens: they train) and ``context_mask`` (read by the model,
-never sampled, silenced, counted or given gradient); ``real_mask`` is their union, what attention,
-positions, packing, lengths and token budgets see. A single-turn row has no context token.
+Row i answers prompt i // G, so the groups are consecutive (the group advantages of paper §2.1 rely on that).
+Prompts are LEFT-padded and responses RIGHT-padded, so `cat(prompt_ids, response_ids)` puts every response
+right after its prompt at column Lp (`stapo.distributed.policy.teacher_forced_inputs`). A multi-turn episode is
+ONE row whose context tokens (tool output) are read by the model but never trained (docs/tir.md, "Token
+accounting"): ``response_mask`` marks the policy's tokens, ``context_mask`` the context, ``real_mask`` both.
 """
 
 from __future__ import annotations
@@ -26,17 +20,11 @@ __all__ = ["EpisodeInfo", "Rollout", "left_pad", "right_pad", "row_lengths"]
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> `(ids (N, L) long, mask (N, L) bool)`, padded on the left to the longest."""
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, row in enumerate(rows):
-        if len(row):
-            ids[i, width - len(row):] = torch.as_tensor(list(row), dtype=torch.long)
-            mask[i, width - len(row):] = True
-    return ids, mask
+    ids = right_pad([list(r)[::-1] for r in rows], pad_id, torch.long).flip(1)
+    return ids, right_pad([[True] * len(r) for r in rows], False, torch.bool).flip(1)
 
 
-def right_pad(rows: Sequence[Sequence[float]], pad: float, dtype: torch.dtype) -> torch.Tensor:
+def right_pad(rows: Sequence[Sequence[float | bool]], pad: float | bool, dtype: torch.dtype) -> torch.Tensor:
     """Lists -> `(N, L)` tensor of `dtype`, padded on the right with `pad` to the longest."""
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), width), pad, dtype=dtype)
@@ -48,17 +36,14 @@ def right_pad(rows: Sequence[Sequence[float]], pad: float, dtype: torch.dtype) -
 
 def _pad_columns(x: torch.Tensor, width: int, value: float | bool, left: bool) -> torch.Tensor:
     extra = width - x.shape[1]
-    if extra == 0:
-        return x
-    fill = torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)
-    return torch.cat([fill, x] if left else [x, fill], dim=1)
+    return torch.nn.functional.pad(x, (extra, 0) if left else (0, extra), value=value)
 
 
 @dataclass(frozen=True)
 class EpisodeInfo:
     """What each row's multi-turn episode did besides its tokens (docs/tir.md); B entries each."""
 
-    turns: torch.Tensor  # (B,) long: policy turns (one `generate` each)
+    turns: torch.Tensor  # (B,) long: policy turns
     tool_calls: torch.Tensor  # (B,) long: tool calls parsed from its turns (each ran, or failed to parse)
     tool_errors: torch.Tensor  # (B,) long: calls that ended in a tool error (bad call, failure, a limit)
     tool_seconds: torch.Tensor  # (B,) float64: seconds its tool calls ran (summed over calls)
@@ -85,53 +70,25 @@ class EpisodeInfo:
 
 @dataclass
 class Rollout:
-    """Sampled responses for P prompts × G samples (B = P·G rows, row i: prompt i // G, sample i % G).
+    """Sampled responses for P prompts × G samples (B = P·G rows, row i: prompt i // G, sample i % G); each
+    field's meaning in full: the table in docs/rollout.md, "`Rollout`"."""
 
-    Attributes:
-        prompt_ids: (B, Lp) long, LEFT-padded with `pad_token_id`.
-        prompt_mask: (B, Lp) bool, True on real prompt tokens.
-        response_ids: (B, T) long, RIGHT-padded with `pad_token_id`.
-        response_mask: (B, T) bool, True on generated tokens, including the EOS / stop token that
-            ended the row (it is a sampled action and gets its own logprob and gradient).
-        sampling_logprobs: (B, T) float32, log-probability of each sampled token under the processed
-            sampling distribution (temperature, top-k, top-p); 0 on padding.
-        finish_reason: B strings, "stop" (EOS / stop id sampled), "length" (max_new_tokens hit) or
-            "error" (a rollout server refused the request: no tokens; `ServerEngine`).
-        response_text: B decoded responses, special tokens skipped.
-        group_index: (B,) long; rows with equal values answer the same prompt (engines set i // G;
-            `concat` offsets later parts, `select` keeps the values so rows stay traceable).
-        group_size: G, samples per prompt.
-        ground_truth: B reference answers, or empty; fill with `with_ground_truth`.
-        prompt_text: B prompt strings, or empty; fill with `with_prompt_text`.
-        pad_token_id: id used for padding (needed to re-pad in `concat`).
-        policy_version: (B,) long, the policy version (optimizer iterations completed) whose weights
-            sampled each row — its OLDEST token's, when a partial rollout spans a weight sync — or None
-            where nobody tracks it; fill with `with_policy_version` or `with_token_versions`.
-        token_version: (B, T) long, the policy version that sampled each response token (0 on padding),
-            or None when every token of a row has its row's `policy_version` (``rollout.partial``:
-            a response continued after a sync carries two or more versions).
-        context_mask: (B, T) bool, True on context tokens of a multi-turn episode (tool output and
-            chat-template tokens between the policy's turns; `sampling_logprobs` 0 there); never True
-            where `response_mask` is. None (single-turn engines) means no context token: False everywhere.
-        episodes: per-row facts of multi-turn episodes (turns, tool calls, the final turn's text), or None.
-    """
-
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    sampling_logprobs: torch.Tensor
-    finish_reason: list[str]
-    response_text: list[str]
-    group_index: torch.Tensor
-    group_size: int
-    ground_truth: list[str] = field(default_factory=list)
-    prompt_text: list[str] = field(default_factory=list)
-    pad_token_id: int = 0
-    policy_version: torch.Tensor | None = None
-    token_version: torch.Tensor | None = None
-    context_mask: torch.Tensor | None = None
-    episodes: EpisodeInfo | None = None
+    prompt_ids: torch.Tensor  # (B, Lp) long, LEFT-padded with pad_token_id
+    prompt_mask: torch.Tensor  # (B, Lp) bool, True on real prompt tokens
+    response_ids: torch.Tensor  # (B, T) long, RIGHT-padded with pad_token_id
+    response_mask: torch.Tensor  # (B, T) bool: the sampled tokens, the EOS / stop token that ended a row too
+    sampling_logprobs: torch.Tensor  # (B, T) float32 under the processed sampling distribution; 0 elsewhere
+    finish_reason: list[str]  # "stop", "length" or "error" (a rollout server refused the request: no tokens)
+    response_text: list[str]  # decoded, special tokens skipped
+    group_index: torch.Tensor  # (B,) long: equal values answer one prompt (`concat` offsets later parts)
+    group_size: int  # G, samples per prompt
+    ground_truth: list[str] = field(default_factory=list)  # B answers or empty (`with_ground_truth`)
+    prompt_text: list[str] = field(default_factory=list)  # B prompts or empty (`with_prompt_text`)
+    pad_token_id: int = 0  # what `concat` re-pads with
+    policy_version: torch.Tensor | None = None  # (B,) long: the version that sampled a row (its oldest token's)
+    token_version: torch.Tensor | None = None  # (B, T) long, 0 off response_mask; None: a row's version throughout
+    context_mask: torch.Tensor | None = None  # (B, T) bool: an episode's context tokens; None: none (all False)
+    episodes: EpisodeInfo | None = None  # per row: turns, tool calls and errors, the final turn's text
 
     def __post_init__(self) -> None:
         if self.context_mask is None:
@@ -205,16 +162,6 @@ class Rollout:
         """Copy with every row stamped as sampled by policy ``version``."""
         return dataclasses.replace(self, policy_version=torch.full((len(self),), int(version), dtype=torch.long),
                                    token_version=None)
-
-    def with_token_versions(self, versions: torch.Tensor, first: Sequence[int]) -> Rollout:
-        """Copy with the version of every response token (``versions`` (B, T); padding is zeroed) and each
-        row's `policy_version` set to its oldest token's (``first[i]``: the version a row without tokens
-        started with)."""
-        versions = torch.where(self.response_mask, versions.long(), torch.zeros((), dtype=torch.long))
-        oldest = torch.where(self.response_mask, versions, torch.full_like(versions, 2**62)).min(dim=1).values
-        started = torch.as_tensor(list(first), dtype=torch.long)
-        return dataclasses.replace(self, token_version=versions,
-                                   policy_version=torch.where(self.response_mask.any(dim=1), oldest, started))
 
     def token_versions(self) -> torch.Tensor | None:
         """(B, T) long: each response token's policy version (`token_version`, else the row's), or None."""
@@ -299,12 +246,6 @@ class Rollout:
             token_version=None if all(p.token_version is None for p in parts) or any(p.policy_version is None for p in parts)
             else torch.cat([_pad_columns(p.token_versions(), t, 0, False) for p in parts]),
             episodes=None if parts[0].episodes is None else EpisodeInfo.concat([p.episodes for p in parts]))
-
-    def to(self, device: torch.device | str) -> Rollout:
-        """Copy with every tensor on `device`."""
-        return dataclasses.replace(self, **{
-            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def row_lengths(seqs) -> list[int]:

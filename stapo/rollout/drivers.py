@@ -3,15 +3,9 @@
     rollout = generate(engine, prompt_ids, n=8, sampling=SamplingParams(seed=step))            # one turn
     rollout = generate(engine, prompt_ids, n=8, sampling=..., tools=ToolEpisodes(...))         # tool episodes
 
-`Generation` is the loop under both: ``n`` samples of each prompt (`Trajectory`, one seed scheme) advanced one
-round of segments at a time, one `generate_segments` call per round over every live sample. A sample ends at
-its segment's stop or token limit — or, in a tool episode (`stapo.rollout.episodes.ToolEpisodes`), at a turn
-without a call, out of turns or out of tokens; a turn with calls gets its tool turn as context and the next
-round continues it. The two separations compose: when an `interruptible` engine is interrupted (a weight
-sync, ``rollout.partial``), the cut segments keep their tokens, `advance` returns False, and the next
-`advance` (after the sync) continues every sample from its prompt plus everything so far with its next
-segment's seed — a tool episode cut in the middle of a turn goes on exactly as a fresh request from that
-prefix would. `Generation.rollout` is the one `Rollout` assembler (`stapo.rollout.trajectory.assemble`).
+`Generation` is the loop under both, one `generate_segments` call per round over every live sample. Tool turns
+and weight syncs (an `interruptible` engine, ``rollout.partial``) both separate a sample's segments, and they
+compose: a tool episode cut in the middle of a turn goes on exactly as a fresh request from that prefix would.
 """
 
 from __future__ import annotations
@@ -19,11 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from stapo.rollout.batch import Rollout
+import torch
+
+from stapo.rollout.batch import EpisodeInfo, Rollout, left_pad, right_pad
 from stapo.rollout.engine import RolloutEngine
 from stapo.rollout.episodes import ToolEpisodes
 from stapo.rollout.sampling import SamplingParams
-from stapo.rollout.trajectory import Trajectory, assemble, prompt_seeds
+from stapo.rollout.trajectory import Trajectory, prompt_seeds
 
 __all__ = ["Generation", "check_prompts", "generate"]
 
@@ -71,10 +67,6 @@ class Generation:
         self.tool_wait_s = 0.0  # wall seconds spent waiting for tool turns
         self.versions_known = True  # every segment came with the version that sampled it
 
-    @property
-    def done(self) -> bool:
-        return all(t.done for t in self.trajectories)
-
     def unfinished(self) -> int:
         return sum(not t.done for t in self.trajectories)
 
@@ -114,9 +106,37 @@ class Generation:
             self.tool_wait_s += time.perf_counter() - start
 
     def rollout(self, pad_token_id: int) -> Rollout:
-        """The finished samples as one `Rollout` (with every token's policy version when the engine gave them)."""
-        return assemble(self.trajectories, self.n, pad_token_id, episodes=self.tools is not None,
-                        tool_wait_s=self.tool_wait_s, versions=self.versions_known)
+        """The finished samples as one `Rollout`, the one assembler: prompts left-padded, responses right-padded,
+        groups of ``n``; tool episodes with context tokens and `EpisodeInfo`; every token's policy version when the
+        engine gave them (a row's oldest as its `policy_version`)."""
+        trajectories = self.trajectories
+        unfinished = [i for i, t in enumerate(trajectories) if not t.done]
+        if unfinished:
+            raise RuntimeError(f"Generation.rollout: samples {unfinished[:5]} are not finished")
+        prompt_ids, prompt_mask = left_pad([t.prompt for t in trajectories], pad_token_id)
+        sampled = right_pad([t.sampled for t in trajectories], False, torch.bool)  # (B, T)
+        real = right_pad([[True] * len(t.tokens) for t in trajectories], False, torch.bool)  # (B, T)
+        info = token_version = policy_version = None
+        if self.versions_known:  # a row's version is its oldest token's; a row without tokens: the one it started with
+            token_version = right_pad([t.versions for t in trajectories], 0, torch.long)  # 0 on context and padding
+            started = torch.tensor([t.first_version or 0 for t in trajectories], dtype=torch.long)
+            oldest = token_version.masked_fill(~sampled, 2**62).min(dim=1).values if sampled.any() else started
+            policy_version = torch.where(sampled.any(dim=1), oldest, started)
+        if self.tools is not None:
+            info = EpisodeInfo(
+                turns=torch.tensor([t.turns for t in trajectories]),
+                tool_calls=torch.tensor([t.calls for t in trajectories]),
+                tool_errors=torch.tensor([t.errors for t in trajectories]),
+                tool_seconds=torch.tensor([t.tool_seconds for t in trajectories], dtype=torch.float64),
+                final_text=[t.final_text for t in trajectories], tool_wait_s=self.tool_wait_s)
+        return Rollout(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+            response_ids=right_pad([t.tokens for t in trajectories], pad_token_id, torch.long), response_mask=sampled,
+            sampling_logprobs=right_pad([t.logprobs for t in trajectories], 0.0, torch.float32),
+            finish_reason=[t.finish for t in trajectories], response_text=["".join(t.texts) for t in trajectories],
+            group_index=torch.arange(len(trajectories) // self.n).repeat_interleave(self.n), group_size=self.n,
+            pad_token_id=pad_token_id, context_mask=real & ~sampled, episodes=info,
+            policy_version=policy_version, token_version=token_version)
 
 
 def generate(engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams, *,

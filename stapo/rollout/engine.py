@@ -2,16 +2,10 @@
 lines 1-2). This base class is the whole contract: every member anyone outside the engine uses is listed
 here, with its default; nothing probes an engine for more (CONTRIBUTING.md, "a rollout engine").
 
-The primitive is a **segment**: continue a batch of token contexts, each with its own seed and token limit,
-until a stop string, EOS, the limit or an interrupt, and return per context the new tokens, their sampler
-log-probs (under the processed distribution, `stapo.rollout.sampling`), the decoded text, the finish reason
-and the policy version that sampled them. One-turn responses, tool episodes and responses continued after a
-weight sync are all sequences of segments (`stapo.rollout.drivers`, docs/rollout.md).
-
-An engine holds its OWN copy of the policy weights (never the ZeRO-3-sharded training module): the trainer
-gathers the training weights in buckets and pushes them with `load_weights`, all buckets of one sync inside
-one `weight_update` session (docs/distributed.md, "Weight sync"). `sleep` / `wake` let a colocated GPU
-engine release its memory while the trainer runs the optimizer steps.
+The primitive is a **segment**, so that one-turn responses, tool episodes and responses continued after a
+weight sync are all sequences of the same call (docs/rollout.md, "Segments and drivers"). An engine holds its
+OWN copy of the policy weights (never the ZeRO-3-sharded training module), pushed bucket by bucket inside one
+`weight_update` per sync (docs/distributed.md, "Weight sync").
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""Tool episodes: what turns a sample's segments into a multi-turn, tool-integrated episode (docs/tir.md).
-
-`ToolEpisodes` is given to a driver (`stapo.rollout.drivers.Generation`, `generate(..., tools=...)`), which
-runs every live episode's next segment in one `generate_segments` call per round. Per turn:
-
-1. the segment stops at the parser's stop strings (a closed tool call; a stop string that is one added
-   token stops by id too) or EOS, within what is left of the episode's token budget;
-2. `end_turn` parses the turn. No call: the episode is done, and its turn is the final answer the verifier
-   scores. A malformed call is answered with the parser's error message. A call on the last allowed turn is
-   counted, not run, and the episode ends with ``length``;
-3. `tool_turns` runs the calls of every episode that made some together (`stapo.tools.run_tool_calls`; a
-   stateful tool keeps one session per episode), renders the results as the template's tool turn
-   (`ToolTurnRenderer`) and appends them as CONTEXT tokens: read by the model, never sampled, silenced,
-   counted or given gradient. An episode without room for a policy token after them ends with ``length``.
+"""Tool episodes: what turns a sample's segments into a multi-turn, tool-integrated episode. `ToolEpisodes` is
+given to a driver (`generate(..., tools=...)`); the steps of a turn (segment, `end_turn`, `tool_turns`, stop)
+are in docs/tir.md, "How an episode runs". Tool turns are CONTEXT tokens: read by the model, never trained.
 
 An episode whose turn a weight sync cut continues the turn with its next segment; a stop string the cut
 split in two is found across the cut (`read`), so the turn ends where an uncut one would.
@@ -121,10 +110,9 @@ class ToolEpisodes:
         stops = self.parser.stop
         width = max(map(len, stops), default=1) - 1  # a stop string split by the cut has this much before it
         head = before[len(before) - width:] if width else ""
-        if not head or not any(0 <= (head + text).find(s) < len(head) for s in stops):
-            return Segment(segment.tokens, segment.logprobs, text, segment.finish, segment.version)
-        for k in range(1, len(segment.tokens) + 1):
-            text = self.tokenizer.decode(segment.tokens[:k], skip_special_tokens=True)
-            if any(s in head + text for s in stops):
-                return Segment(segment.tokens[:k], segment.logprobs[:k], text, "stop", segment.version)
-        return Segment(segment.tokens, segment.logprobs, text, segment.finish, segment.version)
+        if head and any(0 <= (head + text).find(s) < len(head) for s in stops):
+            for k in range(1, len(segment.tokens) + 1):
+                cut = self.tokenizer.decode(segment.tokens[:k], skip_special_tokens=True)
+                if any(s in head + cut for s in stops):
+                    return Segment(segment.tokens[:k], segment.logprobs[:k], cut, "stop", segment.version)
+        return replace(segment, text=text)

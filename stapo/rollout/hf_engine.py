@@ -1,19 +1,9 @@
 """`HFEngine`: KV-cached batched sampling with a plain transformers model (CPU by default, GPU works).
 
 Why our own decoding loop instead of `model.generate`: the trainer needs the log-probability of each
-sampled token under the exact distribution it was drawn from (temperature → top-k → top-p,
-renormalized; see `stapo.rollout.sampling`), reproducible from each request's seed. Every request draws
-from its own `torch.Generator` (`sample_with_uniforms`: one uniform per position from its seed), so a row's
-tokens do not depend on what else is in the batch (the seed scheme of `stapo.rollout.trajectory`). The loop
-prefills each distinct context once and gives each of its requests a copy of the KV cache (the G samples of
-a prompt share one prefill), and drops finished rows from the batch so long-tail responses do not pay for
-short ones.
-
-Usage (the engine owns its weights; the trainer pushes new ones every iteration):
-
-    engine = HFEngine("path/to/model")            # loads its own copy (safe under ZeRO-3)
-    rollout = generate(engine, prompt_ids, n=8, sampling=SamplingParams(seed=0))   # stapo.rollout.drivers
-    engine.load_weights(bucket)                   # [(hf_name, full_tensor), ...], bucket by bucket
+sampled token under the exact distribution it was drawn from (`stapo.rollout.sampling`), reproducible from
+each request's seed whatever else is in the batch (a `torch.Generator` per request). What the loop does
+(one prefill per distinct context, finished rows dropped): docs/rollout.md, "`HFEngine`".
 """
 
 from __future__ import annotations
@@ -40,9 +30,7 @@ class HFEngine(RolloutEngine):
     """A transformers causal LM held for inference, separate from the training copy.
 
     Args:
-        model: a model directory / hub name (loaded here: the engine's own copy) or a
-            `PreTrainedModel` (used as given, moved to `device` / `dtype`; pass a separate instance
-            from the one being trained).
+        model: a model directory / hub name or a `PreTrainedModel` (docs/rollout.md, "`HFEngine`").
         tokenizer: tokenizer or its path; default: loaded from the model's directory.
         device: where the model runs; segments always come back as Python lists.
         dtype: model dtype (sampling math is always fp32).

@@ -1,14 +1,6 @@
-"""Rollout-engine registry: one name -> factory table for the trainer and `stapo eval`.
-
-    @register_engine("my_engine")
-    def build_my_engine(model_path, tokenizer, opts: EngineOptions) -> RolloutEngine: ...
-
-`build_engine(name, model_path, tokenizer, opts)` builds one, after the engine's ``check`` (what it
-needs on this machine; `engine_problem` asks without building, for ``stapo train --dry-run``);
-``"auto"`` resolves to ``vllm`` when a CUDA GPU is visible and vllm is importable, else ``hf``
-(`resolve_engine`); ``vllm`` by name also runs on vLLM's CPU build. The config's
-``rollout.engine`` accepts ``auto`` and every registered name (`engine_choices`). Factories import
-their engine lazily, so registering costs nothing (vllm is imported only by `VLLMEngine`).
+"""Rollout-engine registry: one name -> factory table for the trainer and `stapo eval` (docs/rollout.md,
+"Engine registry"; adding an engine: CONTRIBUTING.md). Factories import their engine lazily, so registering
+costs nothing (vllm is imported only by `VLLMEngine`).
 """
 
 from __future__ import annotations
@@ -23,8 +15,8 @@ import torch
 from stapo.registry import Registry
 from stapo.rollout.engine import RolloutEngine
 
-__all__ = ["AUTO", "EngineOptions", "available_engines", "build_engine", "engine_choices", "engine_problem",
-           "register_engine", "resolve_engine", "vllm_available", "vllm_installed"]
+__all__ = ["AUTO", "EngineOptions", "build_engine", "engine_choices", "engine_problem",
+           "register_engine", "resolve_engine", "vllm_installed"]
 
 AUTO = "auto"
 
@@ -66,13 +58,9 @@ def register_engine(name: str, *, check: EngineCheck | None = None) -> Callable[
     return decorate
 
 
-def available_engines() -> list[str]:
-    return sorted(_ENGINES)
-
-
 def engine_choices() -> tuple[str, ...]:
     """Valid values of ``rollout.engine`` / ``stapo eval --engine``."""
-    return (AUTO, *available_engines())
+    return (AUTO, *_ENGINES.names())
 
 
 def vllm_installed() -> bool:
@@ -80,16 +68,11 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def vllm_available() -> bool:
-    """A CUDA GPU is visible and vllm is importable: what ``auto`` needs to pick vLLM."""
-    return torch.cuda.is_available() and vllm_installed()
-
-
 def resolve_engine(name: str) -> str:
-    """``auto`` -> ``vllm`` (GPU + vllm) or ``hf`` (on CPU even with vLLM's CPU build: HF is faster
+    """``auto`` -> ``vllm`` (a CUDA GPU and vllm) or ``hf`` (on CPU even with vLLM's CPU build: HF is faster
     to start for the tiny CPU runs); any other name is checked against the registry."""
     if name == AUTO:
-        return "vllm" if "vllm" in _ENGINES and vllm_available() else "hf"
+        return "vllm" if "vllm" in _ENGINES and torch.cuda.is_available() and vllm_installed() else "hf"
     _ENGINES.lookup(name, engine_choices())
     return name
 

@@ -2,12 +2,8 @@
 
 The RL objective (paper Eq. 1, docs/algorithm.md) compares the current policy with the distribution the
 response was *actually drawn from*, so every engine reports the log-probability of the sampled token
-under the **processed** distribution: logits / temperature, then top-k, then top-p, renormalized.
-The order and the top-p rule follow vLLM's sampler so that `HFEngine` and `VLLMEngine` agree:
-
-    top-k keeps the k largest logits;
-    top-p sorts ascending and drops every token whose cumulative probability (from the smallest)
-    is <= 1 - top_p, always keeping the most likely token.
+under the **processed** distribution, in vLLM's order and top-p rule so that the engines agree
+(docs/rollout.md, "Sampling").
 """
 
 from __future__ import annotations
@@ -22,34 +18,16 @@ __all__ = ["SamplingParams", "derived_seed", "processed_logprobs", "sample_with_
 
 @dataclass
 class SamplingParams:
-    """How to sample responses (validated on construction).
+    """How to sample responses, validated on construction (docs/rollout.md, "Sampling"). Engines read the
+    sampling settings from it; seeds and token limits reach them per request (`SegmentRequest`)."""
 
-    Attributes:
-        temperature: softmax temperature; 0 means greedy decoding (evaluation only: the reported
-            logprobs are then those of the temperature-1 distribution after top-k / top-p).
-        top_p: nucleus mass in (0, 1]; 1 switches it off.
-        top_k: keep the k most likely tokens; <= 0 switches it off.
-        max_new_tokens: response length limit (an episode's: policy + context tokens); a row that hits it
-            finishes with reason "length".
-        stop_token_ids: extra ids that end a row (the tokenizer's EOS ids always do).
-        seed: the call's seed; every sample and each of its segments derive their own from it
-            (`stapo.rollout.trajectory`), so a row's draws do not depend on the rest of the batch. None: the
-            engine's own stream (not reproducible).
-        stop: strings that end a row once its decoded text (special tokens skipped) contains one, as
-            vLLM's ``stop``: the row keeps every token up to and including the one that completed it
-            (a tool call's closing tag ends a turn; docs/tir.md).
-
-    Engines read the sampling settings (temperature, top-k, top-p, stop strings and ids) from it; seeds and
-    token limits reach them per request (`stapo.rollout.engine.SegmentRequest`).
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    temperature: float = 1.0  # 0: greedy (evaluation only; log-probs then of the temperature-1 distribution)
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1: off
+    top_k: int = -1  # keep the k most likely tokens; <= 0: off
+    max_new_tokens: int = 256  # a sample's budget (an episode's: policy + context tokens); hit: "length"
+    stop_token_ids: tuple[int, ...] = ()  # ids that end a row besides the tokenizer's EOS ids
+    seed: int | None = None  # the call's; samples and segments derive theirs (`trajectory`); None: not reproducible
+    stop: tuple[str, ...] = ()  # end a row once its decoded text holds one (vLLM's stop); the row keeps it
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:

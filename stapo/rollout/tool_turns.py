@@ -1,17 +1,9 @@
 """The context an episode reads after a turn with tool calls: the tool results as the model was trained
-to see them (docs/tir.md, "Context tokens").
+to see them (docs/tir.md, "How an episode runs", step 4).
 
-Two ways, chosen by the call format:
-
-* **chat template** (``qwen3`` and any parser without an inline format): the results are ``tool``
-  messages rendered by the tokenizer's own chat template. Qwen3's template closes the assistant turn
-  (``<|im_end|>``), opens a user turn holding one ``<tool_response>...</tool_response>`` per result,
-  and the generation prompt opens the next assistant turn. The text is what the template puts after the
-  assistant's content: rendered once with a marker as that content and cut after the marker, so the
-  template's own rules (role names, thinking blocks, separators) decide it, not a copy of them here.
-* **inline** (``python_block``, the ToRA format): the policy stopped at `````output``; the result and
-  the closing fence follow inside the same assistant turn. A parser of another inline format says how
-  with a method ``render_results(texts) -> str``.
+A chat template (``qwen3``) renders them as ``tool`` messages, cut after a marker given as the assistant's
+content, so the template's own rules decide the text, not a copy of them here. An inline format
+(``python_block``, ToRA, or a parser with ``render_results(texts) -> str``) writes them into the same turn.
 """
 
 from __future__ import annotations
@@ -62,7 +54,3 @@ class ToolTurnRenderer:
                              "its tool turns cannot be appended to a generated turn")
         text = rendered.split(_MARK)[1]
         return text[len(after_eos):] if after_eos and text.startswith(after_eos) else text
-
-    def token_ids(self, results: Sequence[str], after_eos: str = "") -> list[int]:
-        """`text` as token ids (no BOS or other added special tokens)."""
-        return self.tokenizer(self.text(results, after_eos), add_special_tokens=False)["input_ids"]

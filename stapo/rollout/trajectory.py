@@ -1,30 +1,22 @@
-"""`Trajectory`: one sample under way, its seeds, and the ONE assembler of trajectories into a `Rollout`.
+"""`Trajectory`: one sample under way and its seeds (`stapo.rollout.drivers.Generation` assembles the `Rollout`).
 
 A sample is a sequence of segments (`stapo.rollout.engine`): one for a one-turn response, one per policy turn
 of a tool episode, one more each time a weight sync cuts a segment in flight (``rollout.partial``). Between
 segments an episode appends context tokens (tool output): read by the model, never sampled.
 
-**One seed scheme** for every driver and engine (docs/rollout.md, "Seeds"): sample k of prompt p of a call
-seeded S has the seed ``derived_seed(S, p) + k`` — vLLM seeds the k-th of a request's n samples with
-``seed + k``, so n seeded one-sample requests sample what one n-sample request does — and segment j of that
-sample (every request it makes: turns and continuations alike) uses the sample's seed for j = 0 and
-``derived_seed(sample seed, j)`` after. A seed therefore reproduces a sample given where it was cut, whatever
-else is in the batch, and an uncut one-turn sample is the one the whole-prompt request gives.
+**One seed scheme** for every driver and engine (`prompt_seeds`, `segment_seed`; docs/rollout.md, "Seeds"), so
+a seed reproduces a sample given where it was cut, whatever else is in the batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from stapo.rollout.batch import EpisodeInfo, Rollout, left_pad, right_pad
 from stapo.rollout.engine import Segment, SegmentRequest
 from stapo.rollout.sampling import derived_seed
 from stapo.tools import ParsedTurn
 
-__all__ = ["Trajectory", "assemble", "prompt_seeds", "segment_seed"]
+__all__ = ["Trajectory", "prompt_seeds", "segment_seed"]
 
 
 def prompt_seeds(seed: int | None, num_prompts: int) -> list[int | None]:
@@ -106,34 +98,3 @@ class Trajectory:
                 session.close()
         self.sessions = {}
 
-
-def assemble(trajectories: Sequence[Trajectory], n: int, pad_token_id: int, *, episodes: bool = False,
-             tool_wait_s: float = 0.0, versions: bool = False) -> Rollout:
-    """Finished trajectories (row ``p * n + k``: prompt p, sample k) as a `Rollout`: prompts left-padded,
-    responses right-padded, groups of ``n``; ``episodes``: with context tokens and `EpisodeInfo`; ``versions``:
-    with every token's policy version (`Rollout.token_version`, a row's oldest as its `policy_version`)."""
-    unfinished = [i for i, t in enumerate(trajectories) if not t.done]
-    if unfinished:
-        raise RuntimeError(f"assemble: trajectories {unfinished[:5]} are not finished")
-    prompt_ids, prompt_mask = left_pad([t.prompt for t in trajectories], pad_token_id)
-    sampled = right_pad([[int(s) for s in t.sampled] for t in trajectories], 0, torch.long).bool()  # (B, T)
-    real = right_pad([[1] * len(t.tokens) for t in trajectories], 0, torch.long).bool()  # (B, T)
-    info = None
-    if episodes:
-        info = EpisodeInfo(
-            turns=torch.tensor([t.turns for t in trajectories]),
-            tool_calls=torch.tensor([t.calls for t in trajectories]),
-            tool_errors=torch.tensor([t.errors for t in trajectories]),
-            tool_seconds=torch.tensor([t.tool_seconds for t in trajectories], dtype=torch.float64),
-            final_text=[t.final_text for t in trajectories], tool_wait_s=tool_wait_s)
-    rollout = Rollout(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-        response_ids=right_pad([t.tokens for t in trajectories], pad_token_id, torch.long), response_mask=sampled,
-        sampling_logprobs=right_pad([t.logprobs for t in trajectories], 0.0, torch.float32),
-        finish_reason=[t.finish for t in trajectories], response_text=["".join(t.texts) for t in trajectories],
-        group_index=torch.arange(len(trajectories) // n).repeat_interleave(n), group_size=n,
-        pad_token_id=pad_token_id, context_mask=real & ~sampled if episodes else None, episodes=info)
-    if not versions:
-        return rollout
-    return rollout.with_token_versions(right_pad([t.versions for t in trajectories], 0, torch.long),
-                                       [t.first_version or 0 for t in trajectories])

@@ -85,11 +85,6 @@ def test_concat_repads_and_offsets_groups(rollout):
         Rollout.concat([rollout.with_ground_truth(["a", "b"]), other])
 
 
-def test_to_moves_tensors(rollout):
-    moved = rollout.to("cpu")
-    assert moved.prompt_ids.device.type == "cpu" and moved.finish_reason == rollout.finish_reason
-
-
 def _episode(rollout: Rollout) -> Rollout:
     """Row 0 as an episode: policy token 11, one context token 30, policy token 2 (EOS)."""
     ids = torch.nn.functional.pad(rollout.response_ids, (0, 1))

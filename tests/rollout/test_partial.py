@@ -12,14 +12,13 @@ import threading
 import time
 
 import pytest
-import torch
 
 from _fake_server import FakeServer
 from stapo.rollout import Generation, Rollout, SamplingParams, Segment
 from stapo.rollout.sampling import derived_seed, vllm_request_kwargs
 from stapo.rollout.server_completions import completion_body
 from stapo.rollout.server_engine import ServerEngine, ServerLimits
-from stapo.rollout.trajectory import Trajectory, assemble, segment_seed
+from stapo.rollout.trajectory import segment_seed
 
 LIMITS = ServerLimits(request_retries=0, server_down_after_s=5.0, health_interval_s=0.2, health_timeout_s=1.0)
 
@@ -39,12 +38,13 @@ def test_segment_zero_is_the_whole_prompt_requests_sample_and_later_segments_der
 
 
 def test_a_finished_batch_is_a_rollout_with_every_tokens_version():
-    a, b = Trajectory([1], None), Trajectory([2, 3], None)
+    batch = Generation([[1], [2, 3]], 1, SamplingParams(max_new_tokens=5))
+    a, b = batch.trajectories
     a.add(Segment([5, 6], [-1.0, -2.0], "x", "interrupted", version=4))
     a.add(Segment([7], [-3.0], "y", "stop", version=5))  # continued after the sync to version 5
     b.add(Segment([], [], "", "error", version=4))  # b's request was refused: no tokens
     a.finish, b.finish = "stop", "error"
-    r = assemble([a, b], 1, pad_token_id=0, versions=True)
+    r = batch.rollout(pad_token_id=0)
     assert r.response_ids.tolist() == [[5, 6, 7], [0, 0, 0]] and r.response_text == ["xy", ""]
     assert r.token_version.tolist() == [[4, 4, 5], [0, 0, 0]]
     assert r.policy_version.tolist() == [4, 4]  # the oldest token's; a row without tokens: its start
@@ -52,6 +52,10 @@ def test_a_finished_batch_is_a_rollout_with_every_tokens_version():
     both = Rollout.concat([r, r.select([0]).with_policy_version(9)])
     assert both.token_version.tolist() == [[4, 4, 5], [0, 0, 0], [9, 9, 9]]
     assert r.select([0]).token_versions().tolist() == [[4, 4, 5]]
+    refused = Generation([[1]], 1, SamplingParams(max_new_tokens=5))  # no row has a token: each its start
+    refused.trajectories[0].add(Segment([], [], "", "error", version=3))
+    refused.trajectories[0].finish = "error"
+    assert refused.rollout(pad_token_id=0).policy_version.tolist() == [3]
 
 
 @pytest.fixture

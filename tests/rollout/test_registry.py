@@ -12,17 +12,16 @@ from stapo.rollout.registry import EngineOptions, build_engine, engine_choices, 
 
 
 def test_builtin_names_and_auto(monkeypatch):
-    assert {"hf", "vllm"} <= set(registry.available_engines())
-    assert engine_choices()[0] == "auto"
-    monkeypatch.setattr(registry, "vllm_available", lambda: False)
-    assert resolve_engine("auto") == "hf"
-    monkeypatch.setattr(registry, "vllm_available", lambda: True)
-    assert resolve_engine("auto") == "vllm"
-    monkeypatch.undo()
+    assert engine_choices()[0] == "auto" and {"hf", "vllm"} <= set(engine_choices())
     # vLLM's CPU build installed, no GPU: auto stays on HF (vllm by name is allowed, see below)
     monkeypatch.setattr(registry, "vllm_installed", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_engine("auto") == "hf" and resolve_engine("vllm") == "vllm"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU and vllm: auto picks vLLM
+    assert resolve_engine("auto") == "vllm"
+    monkeypatch.setattr(registry, "vllm_installed", lambda: False)
+    assert resolve_engine("auto") == "hf"
+    monkeypatch.undo()
     with pytest.raises(ValueError, match=r"unknown rollout engine 'sglang'.*'auto', .*'hf'"):
         resolve_engine("sglang")
 
