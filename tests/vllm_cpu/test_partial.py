@@ -38,10 +38,10 @@ def _cut_by_a_sync(engine: ServerEngine, new_batch, model, version: int) -> tupl
         time.sleep(0.2 + 0.05 * attempt)
         engine.interrupt()  # the sync starts: every segment in flight is cut
         worker.join(timeout=300)
-        if batch.interrupted:
+        if batch.interrupted and result == [False]:
             break
         engine.resume()
-        if result == [True]:
+        if result == [True]:  # finished first (a cut can also land on a segment's last token): a fresh batch
             batch = new_batch()
     assert result == [False] and batch.interrupted >= 1
     cut = copy.deepcopy(batch.trajectories)
