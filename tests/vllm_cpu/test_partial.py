@@ -27,23 +27,29 @@ pytestmark = pytest.mark.timeout(1800)
 
 
 def _cut_by_a_sync(engine: ServerEngine, new_batch, model, version: int) -> tuple[Generation, list]:
-    """A batch (``new_batch()``) advanced until a weight sync cuts segments that produced tokens (the cut is
-    timing: tried again, with a fresh batch when one finished first), then ``model``'s weights moved by 2% and
-    synced as ``version``. Returns the batch and its trajectories as the cut left them."""
-    batch = new_batch()
+    """A batch (``new_batch()``) advanced until a weight sync cuts segments that produced tokens, then
+    ``model``'s weights moved by 2% and synced as ``version``. Returns the batch and its trajectories as the cut
+    left them. The cut is timing: it comes at a fraction of the time an uncut batch takes on this machine now
+    (measured first, so that a loaded machine's slow first tokens are waited for), tried again, with a fresh
+    batch when one finished first."""
+    start = time.monotonic()
+    assert new_batch().advance(engine) is True
+    whole = time.monotonic() - start
+    batch, tries = new_batch(), []
     for attempt in range(30):
         result = []
         worker = threading.Thread(target=lambda: result.append(batch.advance(engine)))
         worker.start()
-        time.sleep(0.2 + 0.05 * attempt)
+        time.sleep(whole * (0.2 + 0.6 * ((attempt * 0.618) % 1)))  # spread over the batch's run
         engine.interrupt()  # the sync starts: every segment in flight is cut
         worker.join(timeout=300)
+        tries.append((result[:], batch.interrupted, sum(t.done for t in batch.trajectories)))
         if batch.interrupted and result == [False]:
             break
         engine.resume()
         if result == [True]:  # finished first (a cut can also land on a segment's last token): a fresh batch
             batch = new_batch()
-    assert result == [False] and batch.interrupted >= 1
+    assert result == [False] and batch.interrupted >= 1, (whole, tries)  # (result, segments cut, samples done)
     cut = copy.deepcopy(batch.trajectories)
     with torch.no_grad():  # the update: new weights
         for p in model.parameters():
