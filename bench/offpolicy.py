@@ -97,7 +97,7 @@ class Server:
         self.out, self.address, self.proc = out, address, None
 
     def healthy(self) -> bool:
-        from stapo.rollout.server_client import ServerClient, parse_address
+        from stapo.servers.client import ServerClient, parse_address
 
         return self.address is not None and ServerClient(parse_address(self.address)).healthy(timeout_s=5.0)
 

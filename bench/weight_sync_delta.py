@@ -64,8 +64,8 @@ def sync_pass(spec: dict) -> dict:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from stapo.rollout.server_client import ServerClient
-    from stapo.rollout.server_engine import ServerEngine, ServerLimits
+    from stapo.servers.client import ServerClient
+    from stapo.servers.engine import ServerEngine, ServerLimits
     from stapo.sync.buckets import sync_weights
 
     out, device = Path(spec["out"]), spec["device"]

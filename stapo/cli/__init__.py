@@ -49,11 +49,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Replace this process with vLLM's server, set up for ``rollout.mode: server`` (docs/rollout.md). Its first
-    line says where the shared secret is (`stapo.rollout.server_secret`), the second the server's command line."""
+    line says where the shared secret is (`stapo.serve.secret`), the second the server's command line."""
     import torch
 
-    from stapo.rollout.serve import serve_command, take_token_file
-    from stapo.rollout.server_secret import TOKEN_ENV, serve_secret
+    from stapo.serve.launcher import serve_command, take_token_file
+    from stapo.serve.secret import TOKEN_ENV, serve_secret
 
     dry_run = "--dry-run" in args.vllm_args
     token_file, vllm_args = take_token_file([a for a in args.vllm_args if a != "--dry-run"])
@@ -149,7 +149,7 @@ def _unknown(parser: argparse.ArgumentParser, command: str, argument: str) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stapo.rollout.server_engine import NoRolloutServers  # the run checkpointed and stopped: one line
+    from stapo.servers.engine import NoRolloutServers  # the run checkpointed and stopped: one line
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()

@@ -270,8 +270,8 @@ def _check_offload_training_state(cfg) -> None:
 
 def _check_rollout_servers(r) -> None:
     """``rollout.mode`` / ``servers`` / ``max_staleness`` (docs/rollout.md, "Rollout servers")."""
-    from stapo.rollout.server_client import parse_address
-    from stapo.rollout.weight_group import MAX_JOIN_TIMEOUT_S
+    from stapo.servers.client import parse_address
+    from stapo.sync.weight_group import MAX_JOIN_TIMEOUT_S
 
     _check(r.mode in ("colocated", "server"), f"rollout.mode must be one of ['colocated', 'server'], got {r.mode!r}")
     _check(isinstance(r.servers, list), f"rollout.servers must be a list of host:port, got {r.servers!r}")

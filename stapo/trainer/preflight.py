@@ -135,7 +135,7 @@ def servers_down(cfg: STAPOConfig) -> tuple[str, ...]:
     may be started after the dry run; the run itself stops naming the first one that does not answer)."""
     if cfg.rollout.mode != "server":
         return ()
-    from stapo.rollout.server_client import ServerClient, parse_address
+    from stapo.servers.client import ServerClient, parse_address
 
     return tuple(a for a in map(parse_address, cfg.rollout.servers) if not ServerClient(a).healthy(timeout_s=2.0))
 

@@ -33,7 +33,7 @@ from stapo.distributed.process_group import DistInfo, all_gather_object, barrier
 from stapo.distributed.training_offload import offloaded
 from stapo.rewards import RewardTerm
 from stapo.rollout import Generation, Rollout, RolloutEngine, SamplingParams, ToolEpisodes
-from stapo.rollout.server_pool import NoRolloutServers
+from stapo.servers.pool import NoRolloutServers
 from stapo.sync.buckets import SyncStats, sync_weights
 from stapo.trainer.producer import ProducedBatch, RolloutProducer
 from stapo.trainer.scored_rollout import ScoredRollout, collect_scored_rollout, score_rollout

@@ -15,9 +15,9 @@ import torch
 
 from stapo.config import STAPOConfig
 from stapo.rollout import RolloutEngine
-from stapo.rollout.fingerprint import model_fingerprint, tokenizer_fingerprint
-from stapo.rollout.server_engine import ServerEngine, ServerLimits
-from stapo.rollout.server_secret import trainer_secret
+from stapo.serve.fingerprint import model_fingerprint, tokenizer_fingerprint
+from stapo.serve.secret import trainer_secret
+from stapo.servers.engine import ServerEngine, ServerLimits
 
 __all__ = ["build_server_engine", "prompt_length_limit"]
 

@@ -17,9 +17,9 @@ import torch
 from _fake_server import FakeServer
 from stapo.rollout import Generation, Rollout, SamplingParams, Segment
 from stapo.rollout.sampling import derived_seed, vllm_request_kwargs
-from stapo.rollout.server_completions import completion_body
-from stapo.rollout.server_engine import ServerEngine, ServerLimits
 from stapo.rollout.trajectory import Trajectory, assemble, segment_seed
+from stapo.servers.completions import completion_body
+from stapo.servers.engine import ServerEngine, ServerLimits
 
 LIMITS = ServerLimits(request_retries=0, server_down_after_s=5.0, health_interval_s=0.2, health_timeout_s=1.0)
 

@@ -15,13 +15,13 @@ import torch.multiprocessing as mp
 from stapo.config import ConfigError, STAPOConfig
 from stapo.rollout import Generation, SamplingParams
 from stapo.rollout.sampling import vllm_request_kwargs
-from stapo.rollout.server_client import MALFORMED, ServerClient, ServerError, parse_address
-from stapo.rollout.server_completions import completion_body, segment_from_reply
-from stapo.rollout.server_engine import NoRolloutServers, ServerPool
-from stapo.rollout.serve import serve_command, take_token_file
 from stapo.rollout.trajectory import prompt_seeds
-from stapo.rollout.bucket_format import pack_bucket_tensor, unpack_tensors
-from stapo.rollout.weight_group import GroupSpec, namespaced, new_nonce
+from stapo.serve.launcher import serve_command, take_token_file
+from stapo.servers.client import MALFORMED, ServerClient, ServerError, parse_address
+from stapo.servers.completions import completion_body, segment_from_reply
+from stapo.servers.engine import NoRolloutServers, ServerPool
+from stapo.sync.bucket_format import pack_bucket_tensor, unpack_tensors
+from stapo.sync.weight_group import GroupSpec, namespaced, new_nonce
 
 
 def test_a_request_carries_the_token_ids_and_the_colocated_seed():
@@ -103,7 +103,7 @@ def test_asynchronous_training_refuses_dynamic_sampling():
 def test_stapo_serve_adds_what_training_needs_and_keeps_the_users_options():
     argv, env = serve_command("/models/qwen", ["--port", "8001", "--logprobs-mode=raw_logprobs"], "py", {}, on_cpu=False)
     assert argv[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen"]
-    assert "--worker-extension-cls" in argv and "stapo.rollout.vllm_worker.StapoWorkerExtension" in argv
+    assert "--worker-extension-cls" in argv and "stapo.serve.worker_extension.StapoWorkerExtension" in argv
     assert "--logprobs-mode=raw_logprobs" in argv and "processed_logprobs" not in argv  # the user's choice stays
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "--no-enable-chunked-prefill" not in argv
     # a sync waiting for the trainer (rollout.sync_timeout_s) must time out before vLLM's engine-step watchdog
@@ -120,7 +120,7 @@ def test_stapo_serve_adds_what_training_needs_and_keeps_the_users_options():
 def test_stapo_serve_listens_on_loopback_and_guards_its_routes():
     argv, _ = serve_command("/m", ["--port", "8001"], "py", {}, on_cpu=False)
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
-    assert argv[argv.index("--middleware") + 1] == "stapo.rollout.server_guard.ServerGuard"
+    assert argv[argv.index("--middleware") + 1] == "stapo.serve.guard.ServerGuard"
     argv, _ = serve_command("/m", ["--host", "127.0.0.1"], "py", {}, on_cpu=False)
     assert argv.count("--host") == 1
     argv, env = serve_command("/m", ["--host=10.0.0.5"], "py", {}, on_cpu=False, secret="s3cret")

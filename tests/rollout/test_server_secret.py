@@ -1,4 +1,4 @@
-"""The shared secret of `stapo serve` and the trainer (stapo.rollout.server_secret): a server always has one, the
+"""The shared secret of `stapo serve` and the trainer (stapo.serve.secret): a server always has one, the
 two sides meet in the default file without the user doing anything, and no secret comes from a command line, a
 file others can read, or a blank value. The real server: tests/vllm_cpu/test_server_security.py."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from stapo.cli import main
 from stapo.config import ConfigError, STAPOConfig
-from stapo.rollout.server_secret import (TOKEN_ENV, check_secret, default_token_file, read_token_file, serve_secret,
+from stapo.serve.secret import (TOKEN_ENV, check_secret, default_token_file, read_token_file, serve_secret,
                                          trainer_secret)
 
 
@@ -107,7 +107,7 @@ def test_stapo_serve_names_the_secrets_file_first_and_never_prints_the_secret(en
     assert main(["serve", "/models/m", "--port", "8001", "--dry-run"]) == 0
     first, second = capsys.readouterr().err.splitlines()[:2]
     assert first == f"stapo serve: the shared secret would be created in {default_token_file(env)} (mode 0600)"
-    assert "--middleware stapo.rollout.server_guard.ServerGuard" in second
+    assert "--middleware stapo.serve.guard.ServerGuard" in second
     secret, _ = serve_secret(env, None)
     assert main(["serve", "/models/m", "--dry-run"]) == 0
     err = capsys.readouterr().err

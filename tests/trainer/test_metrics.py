@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from stapo.telemetry import metrics as metrics_mod
 from stapo.run_dir import read_metrics
+from stapo.telemetry import metrics as metrics_mod
 from stapo.telemetry.console import StepClock, format_duration
 from stapo.telemetry.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS, MetricsLogger
 
@@ -239,8 +239,8 @@ def test_log_samples_tty_highlights_with_rich(tmp_path):
 def test_the_sync_metrics_are_rank_0s_broadcast():
     # rollout servers, rollout.sync=delta, 2 ranks: rank 0 sent 1 MiB of a 4 MiB sync, 10 of 1,000 words changed;
     # rank 1 only took part in the gathers (its engine sends nothing). sync_mb is per rank: 4 MiB each.
-    from stapo.rollout.weight_delta import TransferStats
     from stapo.sync.buckets import SyncStats
+    from stapo.sync.weight_delta import TransferStats
     from stapo.telemetry.step_metrics import StepSums, sync_metrics
 
     ranks = [StepSums(), StepSums()]

@@ -16,7 +16,7 @@ import torch
 
 def _long_responses() -> None:
     """Every segment request runs to its ``max_tokens`` (vLLM's ``ignore_eos``)."""
-    import stapo.rollout.server_engine as server_engine
+    import stapo.servers.engine as server_engine
 
     body = server_engine.completion_body
     server_engine.completion_body = lambda request, base: {**body(request, base), "ignore_eos": True}

@@ -14,10 +14,10 @@ import torch
 from _bounds import assert_fp32_noise, report
 from conftest import LANE_TOKEN
 
-from stapo.rollout.server_client import ServerClient
-from stapo.rollout.server_engine import ServerEngine
-from stapo.rollout.weight_delta import checksum
+from stapo.servers.client import ServerClient
+from stapo.servers.engine import ServerEngine
 from stapo.sync.buckets import iter_weight_buckets, sync_weights
+from stapo.sync.weight_delta import checksum
 
 pytestmark = pytest.mark.timeout(1800)
 BUCKET = 2**20  # the tiny model in several buckets

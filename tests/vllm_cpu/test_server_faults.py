@@ -24,11 +24,11 @@ from conftest import FAULT_FIGURES, LANE_TOKEN, ROOT, plain_env
 from test_train import COMMON
 
 from stapo.rollout import SamplingParams, generate
-from stapo.rollout.server_client import ServerClient, ServerError
-from stapo.rollout.server_engine import ServerEngine
-from stapo.rollout.weight_group import (GroupSpec, checked_in, exchange_proofs, let_form, listening_store, namespaced,
-                                       new_nonce, route_address)
 from stapo.run_dir import METRICS_FILE, read_metrics
+from stapo.servers.client import ServerClient, ServerError
+from stapo.servers.engine import ServerEngine
+from stapo.sync.weight_group import (GroupSpec, checked_in, exchange_proofs, let_form, listening_store, namespaced,
+                                       new_nonce, route_address)
 
 pytestmark = pytest.mark.timeout(1800)
 SERVER = ["rollout.mode=server", "trainer.save_every=1", "trainer.keep_last=4"]
@@ -364,8 +364,8 @@ def test_one_5xx_mid_stream_is_retried_on_its_server_not_marked_down(both, promp
     stays in service."""
     from stapo.rollout import SegmentRequest
     from stapo.rollout.sampling import vllm_request_kwargs
-    from stapo.rollout.server_completions import completion_body, segment_from_reply
-    from stapo.rollout.server_engine import ServerLimits
+    from stapo.servers.completions import completion_body, segment_from_reply
+    from stapo.servers.engine import ServerLimits
 
     error = {"error": {"object": "error", "message": "EngineCore step failed", "type": "InternalServerError",
                        "param": None, "code": 500}}

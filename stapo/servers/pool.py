@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from stapo.rollout.server_client import ConnectionTracker, ServerClient, ServerError
+from stapo.servers.client import ConnectionTracker, ServerClient, ServerError
 
 __all__ = ["NoRolloutServers", "ServerPool"]
 

@@ -1,6 +1,6 @@
 """The process group of one weight sync into vLLM servers, and the proofs that keep strangers out of it.
 
-A sync session (``rollout.mode: server``; `stapo.rollout.server_weights`) joins the trainer (rank 0,
+A sync session (``rollout.mode: server``; `stapo.sync.broadcast`) joins the trainer (rank 0,
 the broadcast's source) and every server worker in a group of its own: gloo on CPU, NCCL between GPUs.
 The session's random nonce travels only in the authenticated HTTP call that asks a server to join
 (`GroupSpec.nonce`); everything else is tied to it:
@@ -8,7 +8,7 @@ The session's random nonce travels only in the authenticated HTTP call that asks
 * **where it listens**: the trainer's TCPStore binds ``rollout.sync_host`` only (a socket bound to that
   address, handed to the store); gloo's sockets bind the same address on the trainer's side and, on a
   server's, its address on the route to the trainer. A server joins only a store at the address its join
-  call came from (`stapo.rollout.server_guard`), within its own time bounds (`GroupSpec.bounded`);
+  call came from (`stapo.serve.guard`), within its own time bounds (`GroupSpec.bounded`);
 * **the store**: a TCPStore authenticates nobody and lists its keys to any client (``list_keys``). So every
   key the join waits for is named by an HMAC of the nonce (`proof`) — a worker's check-in, the trainer's go
   — and cannot be created by anyone without the nonce before its owner creates it; the go's value is a proof

@@ -10,7 +10,7 @@ It is the same `RolloutEngine`:
   ``logprobs=0`` (the sampled token's log-prob; the server runs with ``--logprobs-mode processed_logprobs``,
   as the colocated engine does); with ``stream`` (``rollout.partial``) it is streamed, so `interrupt` (a
   weight sync about to start) can cut it and keep what it produced;
-- at start every server must answer, serve the trainer's model and tokenizer (`stapo.rollout.fingerprint`)
+- at start every server must answer, serve the trainer's model and tokenizer (`stapo.serve.fingerprint`)
   and report its ``max_model_len``; a session a stopped trainer left open is aborted (rank 0);
 - every request, whole or streamed, goes through `ServerPool.run`: to the live server with the fewest
   requests in flight; a 5xx or a malformed reply is retried (``retries``, each logged), then the server is
@@ -43,14 +43,14 @@ from dataclasses import dataclass
 import torch
 
 from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
-from stapo.rollout.fingerprint import first_difference
 from stapo.rollout.sampling import SamplingParams, vllm_request_kwargs
-from stapo.rollout.server_client import ABORTED, MALFORMED, ServerClient, ServerError, parse_address
-from stapo.rollout.server_completions import completion_body, read_chunk, segment_from_reply
-from stapo.rollout.server_pool import NoRolloutServers, ServerPool
-from stapo.rollout.server_weights import BroadcastSession, SyncFailed
-from stapo.rollout.weight_delta import SentWeights, TransferStats
-from stapo.rollout.weight_group import sync_address
+from stapo.serve.fingerprint import first_difference
+from stapo.servers.client import ABORTED, MALFORMED, ServerClient, ServerError, parse_address
+from stapo.servers.completions import completion_body, read_chunk, segment_from_reply
+from stapo.servers.pool import NoRolloutServers, ServerPool
+from stapo.sync.broadcast import BroadcastSession, SyncFailed
+from stapo.sync.weight_delta import SentWeights, TransferStats
+from stapo.sync.weight_group import sync_address
 
 __all__ = ["NoRolloutServers", "SYNC_MODES", "ServerEngine", "ServerLimits", "ServerPool", "SyncOutcome",
            "sync_address"]
@@ -99,7 +99,7 @@ class ServerEngine(RolloutEngine):
         limits: time limits and retries (`ServerLimits`).
         token: the shared secret the servers were started with (``STAPO_SERVER_TOKEN``), or None.
         sync_host: the trainer's address the servers reach for the weight group (`sync_address`).
-        fingerprint: the trainer's `stapo.rollout.fingerprint` (``{"model", "tokenizer"}``); None: not checked.
+        fingerprint: the trainer's `stapo.serve.fingerprint` (``{"model", "tokenizer"}``); None: not checked.
         sync: ``full`` (every bucket whole) or ``delta`` (changed words where smaller; module docstring).
         stream: stream every segment, so `interrupt` can cut it (``rollout.partial``); else plain calls.
         tokenizer: the policy's tokenizer, for callers that decode (the servers decode their own text).
