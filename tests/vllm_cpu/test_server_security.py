@@ -70,7 +70,7 @@ def test_the_trainer_syncs_into_it_with_no_setting(bare, warm_model_dir, prompts
     the real worker) commits."""
     from transformers import AutoModelForCausalLM
 
-    from stapo.rollout import SamplingParams
+    from stapo.rollout import SamplingParams, generate
     from stapo.sync.buckets import sync_weights
 
     server, cache = bare
@@ -80,7 +80,7 @@ def test_the_trainer_syncs_into_it_with_no_setting(bare, warm_model_dir, prompts
     sync_weights(model, engine, bucket_bytes=2**20, version=3)
     assert engine.last_sync.ok, engine.last_sync
     assert engine.policy_versions() == {server.address: [3]}
-    assert len(engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=4))) == len(prompts)
+    assert len(generate(engine, prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=4))) == len(prompts)
     figure("trainer with no setting: full sync into the server that made its own secret", time.monotonic() - start)
 
 
