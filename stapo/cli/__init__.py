@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="a vLLM server for rollout.mode=server (vLLM's own, with stapo's "
                                          "worker extension)",
                            description="Start vLLM's OpenAI-compatible server for training through it "
-                                       "(rollout.mode=server, rollout.servers=[HOST:PORT]). Options after "
+                                       "(rollout.mode=server, rollout.server.addresses=[HOST:PORT]). Options after "
                                        "MODEL go to vLLM, e.g. --port 8000 --tensor-parallel-size 2; "
                                        "--token-file PATH: the shared secret's file (read, or created 0600; "
                                        "default: STAPO_SERVER_TOKEN, else ~/.cache/stapo/server_token); "

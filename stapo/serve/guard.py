@@ -102,7 +102,7 @@ def rpc_refusal(body: bytes, peer: str | None = None) -> str | None:
             return "the join carries no weight-group spec"
         if not _same_host(host, peer):
             return (f"the weight group's store {str(host)[:80]!r} is not at the address this call came from ({peer}): "
-                    "set rollout.sync_host to the trainer's address on the route to this server")
+                    "set rollout.server.sync_host to the trainer's address on the route to this server")
     return None
 
 

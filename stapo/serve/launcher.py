@@ -19,7 +19,7 @@ what ``rollout.mode: server`` needs added, unless the options already say otherw
   ``X-Forwarded-For`` header names;
 - ``VLLM_SERVER_DEV_MODE=1``: vLLM serves ``/collective_rpc`` and ``/reset_prefix_cache`` only then;
 - ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=900`` unless set: a worker inside a weight sync's receive waits up to
-  ``rollout.sync_timeout_s`` (300 s) for the trainer, and the engine's next step waits behind it; at vLLM's
+  ``rollout.server.sync_timeout_s`` (300 s) for the trainer, and the engine's next step waits behind it; at vLLM's
   300 s default its watchdog, not the sync, would end a wait for a hung trainer — by killing the engine;
 - on vLLM's CPU build, the colocated engine's CPU settings (`cpu_engine_kwargs`): whole-prompt prefill
   and a fixed KV cache (``VLLM_CPU_KVCACHE_SPACE``, GiB).
@@ -44,7 +44,7 @@ __all__ = ["CPU_KV_CACHE_BYTES", "SERVER_MODULE", "cpu_engine_kwargs", "serve_co
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LOOPBACK = "127.0.0.1"
 CPU_KV_CACHE_BYTES = 2 * 2**30  # vLLM's CPU build: KV cache size when neither the caller nor the env sets one
-# vLLM's limit on one engine step; above rollout.sync_timeout_s (keep it so) so a stalled sync fails first
+# vLLM's limit on one engine step; above rollout.server.sync_timeout_s (keep it so) so a stalled sync fails first
 STEP_TIMEOUT_S = 900
 # options stapo reads, or that change what stapo guards: each given at most once, never abbreviated
 _READ = ("--host", "--api-key", "--max-model-len", "--token-file")

@@ -18,7 +18,7 @@ staged bytes go, the served weights and the policy version stay what they were. 
 memory of one copy of the weights per worker (what a sync sends) and keeps an aborted sync — a server
 or the trainer dying mid-way — from ever leaving a mix of two policies in a server.
 
-Delta syncs (``rollout.sync: delta``, `stapo.sync.weight_delta`): each worker keeps a host copy of the
+Delta syncs (``rollout.server.sync: delta``, `stapo.sync.weight_delta`): each worker keeps a host copy of the
 buckets it last committed (``_stapo_kept``: one more copy of the weights per worker). A bucket may then come
 as its changed words only; the worker applies them to a copy of its kept bucket, checks the checksum of the
 result against the trainer's, and stages only the change. The kept copy changes at the commit and never
@@ -61,7 +61,7 @@ class _Session:
     device: torch.device  # where the broadcast lands (the GPU for NCCL)
     opened: float = field(default_factory=time.time)
     staged: list = field(default_factory=list)  # [(layout, host uint8 bytes | None, delta | None)] in order
-    keep: bool = False  # rollout.sync: delta — the committed buckets become the worker's kept copy
+    keep: bool = False  # rollout.server.sync: delta — the committed buckets become the worker's kept copy
     mismatched: list = field(default_factory=list)  # buckets whose checksum differs from the trainer's
 
 
@@ -130,10 +130,10 @@ class ServerWorkerMixin:
         raw = torch.empty(int(spec.get("payload_nbytes", spec["nbytes"])), dtype=torch.uint8, device=session.device)
         if raw.numel():  # an unchanged bucket of a delta sync sends nothing
             session.group.broadcast(raw, 0).wait()
-        if "encoding" in spec:  # rollout.sync: delta
+        if "encoding" in spec:  # rollout.server.sync: delta
             session.keep = True
             result, staged = self._stapo_decode(spec, raw, session.device)
-        else:  # rollout.sync: full
+        else:  # rollout.server.sync: full
             result, staged = raw, (spec, raw if raw.device.type == "cpu" else raw.cpu(), None)
         count = len(unpack_tensors(spec, result))  # validates the layout against the bytes
         mine = checksum(result)

@@ -221,7 +221,7 @@ class ServerClient:
             reply = conn.getresponse()
             if reply.status >= 400:
                 detail = reply.read().decode(errors="replace")[-500:]
-                hint = " (the server needs the shared secret: STAPO_SERVER_TOKEN or rollout.server_token_file)" \
+                hint = " (the server needs the shared secret: STAPO_SERVER_TOKEN or rollout.server.token_file)" \
                     if reply.status == 401 else ""
                 raise ServerError(self.address, f"HTTP {reply.status} on {method} {path}: {detail}{hint}",
                                   status=reply.status)

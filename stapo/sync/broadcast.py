@@ -17,7 +17,7 @@ session — begin, one load per bucket, finish — over the network:
 
 Every bucket carries rank 0's checksum (`stapo.sync.weight_delta.checksum`): a server whose checksum differs
 is not committed (it is aborted and reported as failed; its commit would be refused anyway). With
-``rollout.sync: delta`` the session takes rank 0's copy of what the servers hold
+``rollout.server.sync: delta`` the session takes rank 0's copy of what the servers hold
 (`stapo.sync.weight_delta.SentWeights`): a bucket may go as its changed words only, and a server that failed a
 checksum gets a full sync next time.
 
@@ -100,7 +100,7 @@ class BroadcastSession:
 
     ``sync_host``: the address the servers reach the trainer at (the store and gloo bind it);
     ``timeout_s``: the limit of each step (the group's formation, one bucket, the commit); ``sent``: rank 0's
-    copy of the servers' weights (``rollout.sync: delta``; None: full syncs as before); ``delta``: buckets may go
+    copy of the servers' weights (``rollout.server.sync: delta``; None: full syncs as before); ``delta``: buckets may go
     as their changes (every server holds ``sent``)."""
 
     def __init__(self, servers: Sequence[tuple[ServerCalls, int]], sync_host: str, timeout_s: float = 300.0,

@@ -1,4 +1,4 @@
-"""Delta weight syncs into rollout servers (``rollout.sync: delta``; docs/rollout.md, "Delta syncs").
+"""Delta weight syncs into rollout servers (``rollout.server.sync: delta``; docs/rollout.md, "Delta syncs").
 
 At RL learning rates most bf16 weights do not change in a step: an AdamW step of lr 1e-6 moves a weight of
 magnitude 0.02 by 5e-5 of its value, while neighbouring bf16 values lie 0.4-0.8% of a value apart

@@ -167,7 +167,7 @@ class STAPOTrainer:
                                 world_size=self.dist.world_size, scored=scored, sums=sums, timer=timer,
                                 entropy_coef=cfg.loss.entropy_coef, model_config=self.model.config,
                                 peak_flops=self.peak_flops, control_ids=self.control_ids)
-        server = dict(server=cfg.rollout.mode == "server", delta=cfg.rollout.sync == "delta")
+        server = dict(server=cfg.rollout.mode == "server", delta=cfg.rollout.server.sync == "delta")
         try:
             with timer("sync"):
                 synced = self.rollouts.sync(self.step_count)  # line 3, for the next iteration

@@ -143,12 +143,12 @@ def test_rollout_sync_reaches_the_server_engine(mode, tiny_model_dir):
                                                                 torch.float32),
                                      "tokenizer": tokenizer_fingerprint(tokenizer)}, worker=DictWorker())
     try:
-        cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", f"rollout.servers=[{server.address}]",
-                                           "model.dtype=fp32", f"rollout.sync={mode}"])
+        cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", f"rollout.server.addresses=[{server.address}]",
+                                           "model.dtype=fp32", f"rollout.server.sync={mode}"])
         engine = build_server_engine(cfg, str(tiny_model_dir), tokenizer, torch.float32)
         assert (engine.sent is not None) == (mode == "delta")
         assert build_server_engine(cfg, str(tiny_model_dir), tokenizer, torch.float32, dist_rank=1).sent is None
     finally:
         server.close()
-    with pytest.raises(ValueError, match="rollout.sync must be one of"):
+    with pytest.raises(ValueError, match="rollout.server.sync must be one of"):
         ServerEngine(["127.0.0.1:1"], pad_token_id=0, sync="sparse")

@@ -81,13 +81,13 @@ def test_a_bad_server_address_is_named(bad):
 
 @pytest.mark.parametrize("override, message", [
     ("rollout.mode=remote", "rollout.mode must be one of"),
-    ("rollout.mode=server", "rollout.mode=server needs rollout.servers"),
-    ("rollout.servers=[node3]", "rollout.servers: rollout server address 'node3' is not host:port"),
+    ("rollout.mode=server", "rollout.mode=server needs rollout.server.addresses"),
+    ("rollout.server.addresses=[node3]", "rollout.server.addresses: rollout server address 'node3' is not host:port"),
     ("rollout.max_staleness=1", "needs rollout.mode=server"),
     ("rollout.max_staleness=-1", "rollout.max_staleness must be >= 0"),
-    ("rollout.request_timeout_s=0", "rollout.request_timeout_s must be > 0"),
-    ("rollout.sync=sparse", "rollout.sync must be one of \\['full', 'delta'\\], got 'sparse'"),
-    ("rollout.sync=delta", "rollout.sync=delta needs rollout.mode=server"),
+    ("rollout.server.request_timeout_s=0", "rollout.server.request_timeout_s must be > 0"),
+    ("rollout.server.sync=sparse", "rollout.server.sync must be one of \\['full', 'delta'\\], got 'sparse'"),
+    ("rollout.server.sync=delta", "rollout.server.sync=delta needs rollout.mode=server"),
 ])
 def test_server_settings_are_checked(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -96,7 +96,7 @@ def test_server_settings_are_checked(override, message):
 
 def test_asynchronous_training_refuses_dynamic_sampling():
     with pytest.raises(ConfigError, match="rollout.dynamic_sampling needs rollout.max_staleness=0"):
-        STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.servers=[127.0.0.1:8000]",
+        STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.server.addresses=[127.0.0.1:8000]",
                                      "rollout.max_staleness=1", "rollout.dynamic_sampling=true"])
 
 
@@ -106,8 +106,8 @@ def test_stapo_serve_adds_what_training_needs_and_keeps_the_users_options():
     assert "--worker-extension-cls" in argv and "stapo.serve.worker_extension.StapoWorkerExtension" in argv
     assert "--logprobs-mode=raw_logprobs" in argv and "processed_logprobs" not in argv  # the user's choice stays
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "--no-enable-chunked-prefill" not in argv
-    # a sync waiting for the trainer (rollout.sync_timeout_s) must time out before vLLM's engine-step watchdog
-    assert int(env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"]) > STAPOConfig().rollout.sync_timeout_s
+    # a sync waiting for the trainer (rollout.server.sync_timeout_s) must time out before vLLM's engine-step watchdog
+    assert int(env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"]) > STAPOConfig().rollout.server.sync_timeout_s
     _, env = serve_command("/m", [], "py", {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "60"}, on_cpu=False)
     assert env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "60"  # the user's setting stays
     argv, env = serve_command("/m", ["--max-model-len", "8192"], "py", {"VLLM_CPU_KVCACHE_SPACE": "4"}, on_cpu=True)
@@ -187,7 +187,7 @@ def test_the_dry_run_notes_servers_that_do_not_answer(capsys, tmp_path):
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    code = main(["train", "rollout.mode=server", f"rollout.servers=[127.0.0.1:{port}]",
+    code = main(["train", "rollout.mode=server", f"rollout.server.addresses=[127.0.0.1:{port}]",
                  f"trainer.output_dir={tmp_path / 'run'}", "--dry-run"])
     assert code == 0  # a note, not an error: servers may be started after the dry run
     assert f"rollout server 127.0.0.1:{port} does not answer now (start it with `stapo serve MODEL --port {port}`)" \

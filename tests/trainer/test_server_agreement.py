@@ -52,7 +52,7 @@ def _rank(rank: int, port: int, case: str, out) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.servers=[127.0.0.1:1]", "rollout.sync_retries=1"])
+    cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.server.addresses=[127.0.0.1:1]", "rollout.server.sync_retries=1"])
     engine = scripted_engine(rank, lose_on_rank=1 if case == "generate" else None, sync_ok=case != "sync")
     rollouts = Rollouts(cfg, DistInfo(rank, WORLD, rank, torch.device("cpu")), engine, torch.nn.Linear(2, 2),
                         sampler=None, train_data=None, score=None, reward_terms=None)

@@ -1,4 +1,4 @@
-"""rollout.sync=delta against REAL vLLM servers (`stapo serve`, vLLM's CPU build, loopback): delta syncs leave a
+"""rollout.server.sync=delta against REAL vLLM servers (`stapo serve`, vLLM's CPU build, loopback): delta syncs leave a
 server's weights bit-identical to a full sync's — the checksums of the tensors it serves and teacher-forced
 log-probs — over several syncs, after an aborted session and after a restart (docs/rollout.md, "Delta syncs").
 
