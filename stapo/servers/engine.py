@@ -12,13 +12,10 @@ It is the same `RolloutEngine`:
   weight sync about to start) can cut it and keep what it produced;
 - at start every server must answer, serve the trainer's model and tokenizer (`stapo.serve.fingerprint`)
   and report its ``max_model_len``; a session a stopped trainer left open is aborted (rank 0);
-- every request, whole or streamed, goes through `ServerPool.run`: to the live server with the fewest
-  requests in flight; a 5xx or a malformed reply is retried (``retries``, each logged), then the server is
-  declared down and the request goes to another; so is a server that does not answer, or stops answering
-  its health route while requests are in flight; with no server left, `NoRolloutServers`. A request error
-  (4xx) fails that request only: its segment comes back empty (``finish`` ``"error"``, a warning names the
-  server and why). A failed attempt's tokens are dropped, and its retry has the same seed: a fault never
-  changes what is sampled;
+- every request, whole or streamed, goes through `ServerPool.run` (the one retry, backoff and failover
+  policy: `stapo.servers.pool`). A request error (4xx) fails that request only: its segment comes back
+  empty (``finish`` ``"error"``, a warning names the server and why). A failed attempt's tokens are
+  dropped, and its retry has the same seed: a fault never changes what is sampled;
 - before each generation the servers' state is read: one that holds another policy version than the last
   sync (restarted, or down during a sync) serves again only after the next sync has reached it;
 - weights: only the engine built with ``sends_weights`` (the trainer's global rank 0) runs the session

@@ -68,8 +68,8 @@ step's oldest token and the one it trains: 0 in lock-step, at most ``rollout.max
 ``rollout.partial`` a response continued after a sync has younger tokens than its first ones),
 ``generation_s`` (wall seconds the step's batch took to generate; asynchronous, it ran during earlier
 updates and ``time_rollout`` is only the trainer's wait for it), ``sync_sent_mb`` (MiB the step's weight sync
-broadcast into the servers, each receiving it once: ``sync_mb`` with ``rollout.server.sync: full``, less with
-``delta``); with ``rollout.server.sync: delta``: ``sync_changed_frac`` (fraction of the synced elements that changed
+broadcast into the servers, each receiving it once: ``sync_mb`` with ``rollout.sync: full``, less with
+``delta``); with ``rollout.sync: delta``: ``sync_changed_frac`` (fraction of the synced elements that changed
 since the servers' copy; NaN when the sync had no copy to compare with, e.g. after a failed one); with
 ``rollout.partial``: ``partial_interrupted`` (response segments a weight sync cut, all ranks; they went on
 with the new weights); with ``rollout.tools`` (multi-turn episodes, docs/tir.md): ``turns_mean`` (policy

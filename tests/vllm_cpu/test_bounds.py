@@ -12,7 +12,7 @@ import torch
 from _bounds import FP32_LOGPROB_BOUND, STALE_SYNC_MIN, assert_fp32_noise, assert_like_colocated, report
 from conftest import HERE, LANE_TOKEN
 
-from stapo.rollout import SamplingParams
+from stapo.rollout import SamplingParams, generate
 from stapo.servers.engine import ServerEngine
 from stapo.sync.buckets import sync_weights
 
@@ -42,7 +42,7 @@ def test_a_cpu_offset_passes_and_a_stale_sync_fails_the_bounds(servers, warm_mod
     engine = ServerEngine([servers[0].address], pad_token_id=0, token=LANE_TOKEN)
     model = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32).eval()
     sync_weights(model, engine, bucket_bytes=2**20, version=0)
-    rollout = engine.generate(prompts, 8, SamplingParams(temperature=1.0, max_new_tokens=40, seed=17))
+    rollout = generate(engine, prompts, 8, SamplingParams(temperature=1.0, max_new_tokens=40, seed=17))
     mask = rollout.response_mask
     signs = torch.randint(0, 2, rollout.sampling_logprobs.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
     served = rollout.sampling_logprobs + CPU_OFFSET * signs  # a CPU whose kernels differ by 3e-5 more
