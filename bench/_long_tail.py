@@ -13,7 +13,7 @@ import math
 import random
 import zlib
 
-import stapo.rollout.server_engine as server_engine
+import stapo.servers.engine as server_engine
 import stapo.rollout.trajectory as trajectory
 
 SCALE, ALPHA = 40, 1.1  # median ~75 tokens, 1 in 10 over ~320: generation outlasts the tiny update

@@ -15,7 +15,7 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
-from stapo.rollout.server_secret import trainer_secret
+from stapo.serve.secret import trainer_secret
 
 GAUGE = "vllm:num_requests_running"
 

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from stapo.rollout.server_worker import SERVER_RPC_METHODS, ServerWorkerMixin
+from stapo.serve.staging import SERVER_RPC_METHODS, ServerWorkerMixin
 
 
 class DictWorker(ServerWorkerMixin):

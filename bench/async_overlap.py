@@ -128,7 +128,7 @@ def run_mode(mode: str, model: Path, server: str, out: Path, size: str, steps: i
     imports = ["--import", str(ROOT / "bench" / "_long_tail.py")] if long_tail else []
     cmd = [sys.executable, "-m", "stapo.cli", "train", *imports, f"model.path={model}",
            f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.resume=never", *COMMON,
-           *SIZES[size], *(LONG_TAIL_MODES if long_tail else MODES)[mode], f"rollout.servers=[{server}]"]
+           *SIZES[size], *(LONG_TAIL_MODES if long_tail else MODES)[mode], f"rollout.server.addresses=[{server}]"]
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": "0" if mode == "colocated" else "1"} if gpu else {})}
     period = SMOKE_PROBE_PERIOD_S if size == "smoke" else PROBE_PERIOD_S
     probe = None if mode == "colocated" else BusyProbe(server, run_dir / METRICS_FILE, period)

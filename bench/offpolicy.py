@@ -97,7 +97,7 @@ class Server:
         self.out, self.address, self.proc = out, address, None
 
     def healthy(self) -> bool:
-        from stapo.rollout.server_client import ServerClient, parse_address
+        from stapo.servers.client import ServerClient, parse_address
 
         return self.address is not None and ServerClient(parse_address(self.address)).healthy(timeout_s=5.0)
 
@@ -122,7 +122,7 @@ def run_one(run: Run, out: Path, recipe: Path, extra: list[str], server: str) ->
     """Train (or continue) one run in a fresh process; returns its timing entry (appended to timings.jsonl)."""
     run_dir = out / run.name
     checkpoint = latest_checkpoint(run_dir)
-    overrides = [*extra, *MODES[run.mode], *CORRECTIONS[run.correction], f"rollout.servers=[{server}]"]
+    overrides = [*extra, *MODES[run.mode], *CORRECTIONS[run.correction], f"rollout.server.addresses=[{server}]"]
     cmd = train_command("stapo", run.seed, run_dir, recipe, resume="auto", extra=overrides)
     wall, cpu = time.perf_counter(), children_cpu_seconds()
     entry = {"run": run.name, "resumed_from_step": step_of(checkpoint) if checkpoint else 0, "ok": True}

@@ -1,11 +1,11 @@
-"""Benchmark: full vs delta weight syncs into a rollout server (``rollout.sync``): bytes and seconds per sync.
+"""Benchmark: full vs delta weight syncs into a rollout server (``rollout.server.sync``): bytes and seconds per sync.
 
 Two policies, each after real AdamW steps at the paper's learning rate, 1e-6 (bench/_delta_training.py):
 (a) the tiny Qwen3 in fp32, as the CPU trainer and the lane's servers hold it; (b) a Qwen3-0.6B-shaped policy
 in bf16 (fp32 master weights rounded to bf16, as DeepSpeed's bf16 training sends them). Each step's weights are
 synced through stapo's own path — `ServerEngine` (rank 0's copy, the encoding, the checksums), one gloo
 broadcast per bucket, the worker's side in another process (bench/_sync_receiver.py: stapo's worker code, a
-dict in place of vLLM's model) — once with ``rollout.sync: full`` and once with ``delta``, each into a fresh
+dict in place of vLLM's model) — once with ``rollout.server.sync: full`` and once with ``delta``, each into a fresh
 receiver; both receivers must end with the same bytes. Prints per policy the bytes sent per sync against the
 dense bytes, the seconds per sync, the changed fraction per step (measured, and expected once training is long
 underway) and what that fraction means for 8B / 14B / 32B bf16 policies at 25 and 100 Gb/s.
@@ -64,8 +64,8 @@ def sync_pass(spec: dict) -> dict:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from stapo.rollout.server_client import ServerClient
-    from stapo.rollout.server_engine import ServerEngine, ServerLimits
+    from stapo.servers.client import ServerClient
+    from stapo.servers.engine import ServerEngine, ServerLimits
     from stapo.sync.buckets import sync_weights
 
     out, device = Path(spec["out"]), spec["device"]

@@ -183,7 +183,7 @@ def test_rollout_sleep_level_is_checked_and_reaches_the_engine_options(monkeypat
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout.mode=server", "rollout.servers=[127.0.0.1:8000]"], "offload_training_state is for colocated engines"),
+    (["rollout.mode=server", "rollout.server.addresses=[127.0.0.1:8000]"], "offload_training_state is for colocated engines"),
     (["trainer.zero_stage=0", "model.dtype=fp32"], "offload_training_state needs trainer.zero_stage >= 1"),
     (["trainer.offload=true"], "offload_training_state and trainer.offload"),
     (["model.lora.enabled=true"], "offload_training_state has nothing worth moving with model.lora.enabled"),
@@ -192,3 +192,31 @@ def test_offload_training_state_names_what_it_cannot_go_with(overrides, message)
     assert STAPOConfig.from_dict({}, ["rollout.offload_training_state=true"]).rollout.offload_training_state
     with pytest.raises(ConfigError, match=message):
         STAPOConfig.from_dict({}, ["rollout.offload_training_state=true", *overrides])
+
+
+@pytest.mark.parametrize("old, new", [("rollout.request_retries=3", "rollout.server.request_retries"),
+                                      ("rollout.servers=[127.0.0.1:8000]", "rollout.server.addresses"),
+                                      ("rollout.server_token_file=/tmp/t", "rollout.server.token_file"),
+                                      ("rollout.server_down_after_s=9", "rollout.server.down_after_s"),
+                                      ("rollout.sync=delta", "rollout.server.sync")])
+def test_a_flat_server_key_fails_naming_its_new_key(old, new, tmp_path):
+    key, value = old.split("=")
+    with pytest.raises(ConfigError) as override:
+        STAPOConfig.from_yaml(None, [old])
+    path = tmp_path / "c.yaml"
+    path.write_text(f"rollout:\n  {key.split('.')[1]}: {value}\n")
+    with pytest.raises(ConfigError) as written:
+        STAPOConfig.from_yaml(path)
+    assert str(override.value) == str(written.value) == f"{key} moved: use {new}"
+    field, server_mode = new.split(".")[2], ["rollout.mode=server", "rollout.server.addresses=[127.0.0.1:8000]"]
+    moved = yaml.safe_load(f"rollout:\n  server:\n    {field}: {value}\n")  # as a file holds it
+    for cfg in (STAPOConfig.from_dict(moved, server_mode), STAPOConfig.from_dict({}, [*server_mode, f"{new}={value}"])):
+        assert getattr(cfg.rollout.server, field) == yaml.safe_load(value)
+
+
+def test_a_run_directory_config_from_before_the_server_section_still_loads():
+    """Its config.yaml holds every flat key at its default (`to_dict`): read as nothing, like a removed key."""
+    from stapo.config.rollout_sections import MOVED_TO_SERVER, ServerConfig
+
+    old = {"rollout": {k: getattr(ServerConfig(), new) for k, new in MOVED_TO_SERVER.items()}}
+    assert STAPOConfig.from_dict(old).to_dict() == STAPOConfig().to_dict()

@@ -11,7 +11,7 @@ from stapo.cli import main
 from stapo.config import ConfigError, STAPOConfig
 
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "recipes" / "tiny_cpu.yaml")
-ASYNC = ["rollout.mode=server", "rollout.servers=[127.0.0.1:9]", "rollout.max_staleness=2"]
+ASYNC = ["rollout.mode=server", "rollout.server.addresses=[127.0.0.1:9]", "rollout.max_staleness=2"]
 
 
 @pytest.fixture(autouse=True)

@@ -127,7 +127,7 @@ def test_server_mode_needs_no_colocated_engine(capsys, monkeypatch):
 
     monkeypatch.setattr(registry, "vllm_installed", lambda: False)
     recipe = str(ROOT / "examples" / "recipes" / "qwen3_8b_stapo.yaml")
-    code, out, err = _dry_run(capsys, recipe, "rollout.mode=server", "rollout.servers=[127.0.0.1:9]",
+    code, out, err = _dry_run(capsys, recipe, "rollout.mode=server", "rollout.server.addresses=[127.0.0.1:9]",
                               "rollout.max_staleness=1", "--summary")
     assert code == 0, err
     assert "needs vLLM" not in out and "rollout.engine" not in out
@@ -137,7 +137,7 @@ def test_server_mode_needs_no_colocated_engine(capsys, monkeypatch):
     assert out.startswith("stapo train --dry-run: the config is valid") and "the resolved config" not in out
     from stapo.config import STAPOConfig
 
-    plan = plan_run(STAPOConfig.from_yaml(recipe, ["rollout.mode=server", "rollout.servers=[127.0.0.1:9]",
+    plan = plan_run(STAPOConfig.from_yaml(recipe, ["rollout.mode=server", "rollout.server.addresses=[127.0.0.1:9]",
                                                    "model.path=stapo-tests/no-such-model"]), 8, data=False)
     assert plan.engine == "server" and plan.engine_problem is None and plan.run_problems == []
 

@@ -1,5 +1,6 @@
-"""The package layout holds: imports only go down the layers that docs/index.md documents, and no
-module imports itself back through a circle (issue: a layout that shows the architecture)."""
+"""The package layout holds: imports only go down the layers that docs/index.md documents, no module
+imports itself back through a circle, and no folder holds more than 15% of the package's lines (issue: a
+layout that shows the architecture; issue 44: no room that everything grows into)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,20 @@ def import_cycles(package: Path) -> list[list[str]]:
     return cycles
 
 
+MAX_SHARE = 0.15
+
+
+def oversized_units(package: Path, max_share: float = MAX_SHARE) -> list[str]:
+    """The top-level folders (or modules) holding more than ``max_share`` of the package's ``.py`` lines."""
+    lines: dict[str, int] = {}
+    for path in package.rglob("*.py"):
+        name = unit(module_name(path, package)) or path.stem
+        lines[name] = lines.get(name, 0) + len(path.read_text(encoding="utf-8").splitlines())
+    total = sum(lines.values())
+    return [f"{name}: {n} of {total} lines ({n / total:.1%} > {max_share:.0%})"
+            for name, n in sorted(lines.items()) if n > max_share * total]
+
+
 def _is_package_init_edge(cycle: list[str]) -> bool:
     """A package ``__init__`` re-exporting its own submodules, which import each other's package
     (``stapo.losses`` ↔ ``stapo.losses.masks``), is how Python packages work, not a circle of jobs."""
@@ -123,6 +138,11 @@ def test_imports_only_go_down_the_documented_layers():
 def test_no_import_circles_between_modules():
     cycles = [c for c in import_cycles(PACKAGE) if not _is_package_init_edge(c)]
     assert not cycles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_folder_holds_more_than_15_percent_of_the_lines():
+    big = oversized_units(PACKAGE)
+    assert not big, "split these folders by job:\n" + "\n".join(big)
 
 
 def test_every_folder_docstring_says_its_job_and_what_it_may_import():
@@ -162,3 +182,9 @@ def test_the_check_finds_a_circle(tmp_path):
                                    "trainer/a.py": "from stapo.trainer.b import x\n",
                                    "trainer/b.py": "def f():\n    from stapo.trainer.a import y\n"})
     assert import_cycles(pkg) == [["stapo.trainer.a", "stapo.trainer.b"]]
+
+
+def test_the_check_finds_an_oversized_folder(tmp_path):
+    files = {"__init__.py": "", "big/__init__.py": "x = 1\n" * 20,
+             **{f"small{i}/__init__.py": "x = 1\n" * 10 for i in range(8)}}
+    assert [p.split(":")[0] for p in oversized_units(_fake_package(tmp_path, files))] == ["big"]

@@ -43,7 +43,7 @@ TABLE = [
                                              "stapo's defaults, the paper's sizes (256 prompts x 8 per step, 15k-token "
                                              "responses), not a demo's; start from a recipe (`stapo recipes` lists "
                                              "them)"),
-    ("override-yaml", ["rollout.servers=[a"], "override 'rollout.servers=[a', line 1, column 3: invalid YAML"),
+    ("override-yaml", ["rollout.server.addresses=[a"], "override 'rollout.server.addresses=[a', line 1, column 3: invalid YAML"),
     ("mask-param-type", ["mask.params.tau_p=abc"], "mask.params.tau_p: expected a number, got 'abc'"),
     ("list-as-string", ["rollout.tools.enabled=true", "rollout.tools.names=python"],
      "rollout.tools.names: expected a list, got 'python' (write it as [python])"),

@@ -31,11 +31,11 @@ __all__ = ["UserError", "build_parser", "builtin_recipe", "main"]
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Replace this process with vLLM's server, set up for ``rollout.mode: server`` (docs/rollout.md). Its first
-    line says where the shared secret is (`stapo.rollout.server_secret`), the second the server's command line."""
+    line says where the shared secret is (`stapo.serve.secret`), the second the server's command line."""
     import torch
 
-    from stapo.rollout.serve import serve_command, take_token_file
-    from stapo.rollout.server_secret import TOKEN_ENV, serve_secret
+    from stapo.serve.launcher import serve_command, take_token_file
+    from stapo.serve.secret import TOKEN_ENV, serve_secret
 
     dry_run = "--dry-run" in args.vllm_args
     token_file, vllm_args = take_token_file([a for a in args.vllm_args if a != "--dry-run"])
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="a vLLM server for rollout.mode=server (vLLM's own, with stapo's "
                                          "worker extension)",
                            description="Start vLLM's OpenAI-compatible server for training through it "
-                                       "(rollout.mode=server, rollout.servers=[HOST:PORT]). Options after "
+                                       "(rollout.mode=server, rollout.server.addresses=[HOST:PORT]). Options after "
                                        "MODEL go to vLLM, e.g. --port 8000 --tensor-parallel-size 2; "
                                        "--token-file PATH: the shared secret's file (read, or created 0600; "
                                        "default: STAPO_SERVER_TOKEN, else ~/.cache/stapo/server_token); "
@@ -126,7 +126,7 @@ def _unknown(parser: argparse.ArgumentParser, command: str, argument: str) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stapo.rollout.server_engine import NoRolloutServers  # the run checkpointed and stopped: one line
+    from stapo.servers.engine import NoRolloutServers  # the run checkpointed and stopped: one line
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()

@@ -12,9 +12,9 @@ valid key, and values are type-checked and validated.
 
     cfg = STAPOConfig.from_yaml("examples/recipes/qwen3_8b_stapo.yaml", overrides=["optim.lr=2e-6"])
 
-May import: ``stapo.rollout`` (the engine registry, for validation), ``stapo.losses`` (the mask
-registry), ``stapo.rewards``, ``stapo.data``, ``stapo.tools`` (the tool and parser registries),
-``stapo.health`` (the monitor registry) and the rest below them (docs/index.md, "Layout").
+May import: ``stapo.servers`` (addresses) and ``stapo.rollout`` (the engine registry), for validation;
+``stapo.losses`` (the mask registry), ``stapo.rewards``, ``stapo.data``, ``stapo.tools`` (the tool and parser
+registries), ``stapo.health`` (the monitor registry) and the rest below them (docs/index.md, "Layout").
 """
 
 from __future__ import annotations

@@ -42,10 +42,9 @@ RUN_SETTINGS = (
     "trainer.max_tokens_per_micro_batch", "trainer.max_tokens_per_stats_micro_batch", "trainer.zero_stage",
     "trainer.offload", "trainer.save_every", "trainer.keep_last", "trainer.resume", "trainer.max_consecutive_skips",
     "trainer.eval_every", "trainer.export_hf", "trainer.collective_timeout_minutes",
-    "rollout.engine", "rollout.mode", "rollout.servers", "rollout.gpu_memory_utilization",
+    "rollout.engine", "rollout.mode", "rollout.server.", "rollout.gpu_memory_utilization",
     "rollout.tensor_parallel_size", "rollout.sleep_level", "rollout.offload_training_state",
-    "rollout.max_batch_size", "rollout.sync", "rollout.server_", "rollout.sync_", "rollout.request_",
-    "rollout.health_", "rollout.producer_close_timeout_s", "rollout.tools.max_workers",
+    "rollout.max_batch_size", "rollout.sync_bucket_mb", "rollout.producer_close_timeout_s", "rollout.tools.max_workers",
     "rollout.tools.eval_without_tools", "zero.", "logging.", "inspect.", "health.",
 )
 

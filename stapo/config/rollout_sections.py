@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-__all__ = ["RolloutConfig", "ToolsConfig"]
+__all__ = ["RolloutConfig", "ServerConfig", "ToolsConfig"]
 
 
 @dataclass
@@ -63,11 +63,72 @@ class ToolsConfig:
 
 
 @dataclass
+class ServerConfig:
+    """``rollout.mode: server``: the vLLM servers and how the trainer talks to them (docs/rollout.md, "Rollout
+    servers"); not read in colocated mode."""
+
+    addresses: list = field(default_factory=list)
+    """``host:port`` of every vLLM server (``stapo serve MODEL``). Requests go to the least loaded one; a server
+    that stops answering is left out (a warning names it) until it is back and re-synced."""
+    token_file: Union[str, None] = None
+    """A file holding the servers' shared secret (the one ``stapo serve`` names on its first line; only its owner
+    may read it). Read after ``STAPO_SERVER_TOKEN``; default: ``stapo serve``'s default file
+    (``$STAPO_CACHE/server_token``, else ``~/.cache/stapo/server_token``) when it exists. A secret is never given on
+    a command line, where every local process can read it (docs/rollout.md, "Security")."""
+    sync_host: Union[str, None] = None
+    """The trainer's address the servers reach for the weight broadcast (its TCPStore and gloo sockets bind it,
+    nothing else). Default: 127.0.0.1 when every server is local, else this machine's address on the route to
+    them."""
+    request_timeout_s: float = 600.0
+    """A generation request's time limit is this plus ``request_timeout_per_token_s`` × ``max_response_length`` (a
+    server that stops answering its health route is found far sooner: ``down_after_s``)."""
+    request_timeout_per_token_s: float = 0.1
+    """Seconds added to a request's time limit per token it may generate."""
+    request_retries: int = 2
+    """Retries of a request that got a 5xx or a malformed reply from a server (each logged) before the server is
+    declared down and its requests go to the others; a refused connection declares it down at once, and a 4xx fails
+    that request only (its rows come back empty)."""
+    down_after_s: float = 60.0
+    """A server that does not answer ``/health`` for this long while requests are in flight is declared down and its
+    requests go to the others."""
+    health_interval_s: float = 5.0
+    """How often the servers with requests in flight are probed."""
+    health_timeout_s: float = 5.0
+    """The limit of one health probe or state read."""
+    sync_timeout_s: float = 300.0
+    """The limit of each step of a weight sync (the weight group forming, one bucket, the servers loading what they
+    received). Keep it under the servers' ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (``stapo serve`` sets 900 s): a
+    server waiting longer for a stalled trainer is killed by vLLM's watchdog."""
+    sync_join_timeout_s: float = 30.0
+    """Every server checks in for a weight sync within this, or the sync is called off and retried without the ones
+    that did not (a server lost while joining never leaves the others waiting). At most 60: a server waits no longer
+    for the trainer's go."""
+    sync_retries: int = 2
+    """Times a failed weight sync is retried (with the servers that still answer) before the run checkpoints and
+    stops."""
+    sync: str = "full"
+    """``full`` sends every bucket whole at each sync; ``delta`` sends a bucket's changed elements (positions and
+    values) when that is smaller, which at RL learning rates on bf16 weights is most of them, and proves every sync
+    bit-exact with a checksum per bucket. It costs rank 0 one host copy of the policy in the servers' dtype and each
+    server worker one more (docs/rollout.md, "Delta syncs")."""
+
+
+#: the flat ``rollout.*`` keys that are ``rollout.server.*`` now (old name -> new name)
+MOVED_TO_SERVER = {"servers": "addresses", "server_token_file": "token_file", "server_down_after_s": "down_after_s",
+                   **{k: k for k in ("sync_host", "sync", "sync_timeout_s", "sync_join_timeout_s", "sync_retries",
+                                     "request_timeout_s", "request_timeout_per_token_s", "request_retries",
+                                     "health_interval_s", "health_timeout_s")}}
+
+
+@dataclass
 class RolloutConfig:
-    # a secret in a config or an override sits in /proc/PID/cmdline, which every local process reads
+    # a secret in a config or an override sits in /proc/PID/cmdline, which every local process reads; an old
+    # flat server key still holding its default (a run directory's saved config) is read as nothing
     REMOVED_KEYS = {"server_token": (None, "is no longer read (a secret on a command line is readable by every local "
                                            "process): put it in a file only you can read and set "
-                                           "rollout.server_token_file, or export STAPO_SERVER_TOKEN")}
+                                           "rollout.server.token_file, or export STAPO_SERVER_TOKEN"),
+                    **{old: (getattr(ServerConfig(), new), f"moved: use rollout.server.{new}")
+                       for old, new in MOVED_TO_SERVER.items()}}
     engine: str = "auto"
     """Rollout engine from the registry (``stapo.rollout.registry``): ``hf`` (transformers, CPU or
     GPU), ``vllm`` (colocated, GPU), a user-registered one, or ``auto`` (vLLM when a GPU and vllm are
@@ -113,60 +174,16 @@ class RolloutConfig:
     """Where rollouts run. ``colocated`` (the paper's setup): each trainer rank owns an engine
     (``rollout.engine``) and generation, training and the weight sync take turns on the same devices.
     ``server``: vLLM server processes of their own (``stapo serve MODEL``, any node), listed in
-    ``rollout.servers``; the trainer's global rank 0 broadcasts the weights into them after every step,
+    ``rollout.server.addresses``; the trainer's global rank 0 broadcasts the weights into them after every step,
     and ``rollout.engine`` is not used (docs/rollout.md, "Rollout servers")."""
-    servers: list = field(default_factory=list)
-    """``server`` mode: ``host:port`` of every vLLM server (``stapo serve MODEL``). Requests go to the least
-    loaded one; a server that stops answering is left out (a warning names it) until it is back and
-    re-synced."""
-    server_token_file: Union[str, None] = None
-    """``server`` mode: a file holding the servers' shared secret (the one ``stapo serve`` names on its first line;
-    only its owner may read it). Read after ``STAPO_SERVER_TOKEN``; default: ``stapo serve``'s default file
-    (``$STAPO_CACHE/server_token``, else ``~/.cache/stapo/server_token``) when it exists. A secret is never given on
-    a command line, where every local process can read it (docs/rollout.md, "Security")."""
-    sync_host: Union[str, None] = None
-    """``server`` mode: the trainer's address the servers reach for the weight broadcast (its TCPStore and
-    gloo sockets bind it, nothing else). Default: 127.0.0.1 when every server is local, else this machine's
-    address on the route to them."""
-    request_timeout_s: float = 600.0
-    """``server`` mode: a generation request's time limit is this plus ``request_timeout_per_token_s`` ×
-    ``max_response_length`` (a server that stops answering its health route is found far sooner:
-    ``server_down_after_s``)."""
-    request_timeout_per_token_s: float = 0.1
-    """``server`` mode: seconds added to a request's time limit per token it may generate."""
-    request_retries: int = 2
-    """``server`` mode: retries of a request that got a 5xx or a malformed reply from a server (each logged)
-    before the server is declared down and its requests go to the others; a refused connection declares it
-    down at once, and a 4xx fails that request only (its rows come back empty)."""
-    server_down_after_s: float = 60.0
-    """``server`` mode: a server that does not answer ``/health`` for this long while requests are in flight
-    is declared down and its requests go to the others."""
-    health_interval_s: float = 5.0
-    """``server`` mode: how often the servers with requests in flight are probed."""
-    health_timeout_s: float = 5.0
-    """``server`` mode: the limit of one health probe or state read."""
-    sync_timeout_s: float = 300.0
-    """``server`` mode: the limit of each step of a weight sync (the weight group forming, one bucket, the
-    servers loading what they received). Keep it under the servers' ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``
-    (``stapo serve`` sets 900 s): a server waiting longer for a stalled trainer is killed by vLLM's watchdog."""
-    sync_join_timeout_s: float = 30.0
-    """``server`` mode: every server checks in for a weight sync within this, or the sync is called off and
-    retried without the ones that did not (a server lost while joining never leaves the others waiting). At most
-    60: a server waits no longer for the trainer's go."""
-    sync_retries: int = 2
-    """``server`` mode: times a failed weight sync is retried (with the servers that still answer) before
-    the run checkpoints and stops."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """``server`` mode: the servers, the secret, time limits and retries, the weight sync's transport."""
     partial: bool = False
     """``server`` mode with ``max_staleness`` >= 1: partial rollouts. The weight sync does not wait for the
     batch under way: its requests are cut, keep the tokens they produced (each labelled with the policy
     version that sampled it), and go on after the sync from prompt + those tokens with the new weights, so
     the long tail of long responses no longer stalls the sync (docs/rollout.md, "Partial rollouts"). With
     ``tools.enabled`` a tool episode cut in the middle of a turn continues that turn the same way."""
-    sync: str = "full"
-    """``server`` mode: ``full`` sends every bucket whole at each sync; ``delta`` sends a bucket's changed
-    elements (positions and values) when that is smaller, which at RL learning rates on bf16 weights is most
-    of them, and proves every sync bit-exact with a checksum per bucket. It costs rank 0 one host copy of the
-    policy in the servers' dtype and each server worker one more (docs/rollout.md, "Delta syncs")."""
     producer_close_timeout_s: float = 60.0
     """``server`` mode with ``max_staleness`` >= 1: how long the end of a run waits for a generation in
     flight to finish."""

@@ -269,37 +269,40 @@ def _check_offload_training_state(cfg) -> None:
 
 
 def _check_rollout_servers(r) -> None:
-    """``rollout.mode`` / ``servers`` / ``max_staleness`` (docs/rollout.md, "Rollout servers")."""
-    from stapo.rollout.server_client import parse_address
-    from stapo.rollout.weight_group import MAX_JOIN_TIMEOUT_S
+    """``rollout.mode`` / ``rollout.server`` / ``max_staleness`` (docs/rollout.md, "Rollout servers")."""
+    from stapo.servers.client import parse_address
+    from stapo.sync.weight_group import MAX_JOIN_TIMEOUT_S
 
     _check(r.mode in ("colocated", "server"), f"rollout.mode must be one of ['colocated', 'server'], got {r.mode!r}")
-    _check(isinstance(r.servers, list), f"rollout.servers must be a list of host:port, got {r.servers!r}")
+    s = r.server
+    _check(isinstance(s.addresses, list), f"rollout.server.addresses must be a list of host:port, got {s.addresses!r}")
     if r.mode == "server":
-        _check(bool(r.servers), "rollout.mode=server needs rollout.servers: the host:port of every `stapo serve MODEL`, "
-                                "e.g. rollout.servers=[127.0.0.1:8000]")
-    for address in r.servers:
+        _check(bool(s.addresses), "rollout.mode=server needs rollout.server.addresses: the host:port of every "
+                                  "`stapo serve MODEL`, e.g. rollout.server.addresses=[127.0.0.1:8000]")
+    for address in s.addresses:
         try:
             parse_address(address)
         except ValueError as err:
-            _check(False, f"rollout.servers: {err}")
-    for name in ("request_timeout_s", "server_down_after_s", "health_interval_s", "health_timeout_s",
-                 "sync_timeout_s", "sync_join_timeout_s", "producer_close_timeout_s"):
-        _check(getattr(r, name) > 0, f"rollout.{name} must be > 0, got {getattr(r, name)}")
-    _check(r.request_timeout_per_token_s >= 0,
-           f"rollout.request_timeout_per_token_s must be >= 0, got {r.request_timeout_per_token_s}")
+            _check(False, f"rollout.server.addresses: {err}")
+    for name in ("request_timeout_s", "down_after_s", "health_interval_s", "health_timeout_s", "sync_timeout_s",
+                 "sync_join_timeout_s"):
+        _check(getattr(s, name) > 0, f"rollout.server.{name} must be > 0, got {getattr(s, name)}")
+    _check(r.producer_close_timeout_s > 0,
+           f"rollout.producer_close_timeout_s must be > 0, got {r.producer_close_timeout_s}")
+    _check(s.request_timeout_per_token_s >= 0,
+           f"rollout.server.request_timeout_per_token_s must be >= 0, got {s.request_timeout_per_token_s}")
     for name in ("request_retries", "sync_retries"):
-        _check(getattr(r, name) >= 0, f"rollout.{name} must be >= 0, got {getattr(r, name)}")
-    _check(r.server_token_file is None or r.server_token_file.strip() != "",
-           "rollout.server_token_file must name a file (or be unset: STAPO_SERVER_TOKEN, then stapo serve's default "
+        _check(getattr(s, name) >= 0, f"rollout.server.{name} must be >= 0, got {getattr(s, name)}")
+    _check(s.token_file is None or s.token_file.strip() != "",
+           "rollout.server.token_file must name a file (or be unset: STAPO_SERVER_TOKEN, then stapo serve's default "
            "file, is read)")
-    _check(r.sync_join_timeout_s <= MAX_JOIN_TIMEOUT_S,
-           f"rollout.sync_join_timeout_s must be <= {MAX_JOIN_TIMEOUT_S:g}, got {r.sync_join_timeout_s}: a server "
-           "waits no longer for the trainer's go")
-    _check(r.sync in ("full", "delta"), f"rollout.sync must be one of ['full', 'delta'], got {r.sync!r}")
-    _check(r.sync == "full" or r.mode == "server",
-           "rollout.sync=delta needs rollout.mode=server: a colocated engine loads the weights from the trainer's "
-           "own memory, nothing crosses a network")
+    _check(s.sync_join_timeout_s <= MAX_JOIN_TIMEOUT_S,
+           f"rollout.server.sync_join_timeout_s must be <= {MAX_JOIN_TIMEOUT_S:g}, got {s.sync_join_timeout_s}: a "
+           "server waits no longer for the trainer's go")
+    _check(s.sync in ("full", "delta"), f"rollout.server.sync must be one of ['full', 'delta'], got {s.sync!r}")
+    _check(s.sync == "full" or r.mode == "server",
+           "rollout.server.sync=delta needs rollout.mode=server: a colocated engine loads the weights from the "
+           "trainer's own memory, nothing crosses a network")
     _check(r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}")
     _check(r.max_staleness == 0 or r.mode == "server",
            f"rollout.max_staleness={r.max_staleness} (asynchronous training) needs rollout.mode=server: a "

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
-from stapo.rollout.engine import release_cached_memory
+from stapo.distributed.device_memory import release_cached_memory
 
 __all__ = ["TrainingOffload", "offloaded"]
 

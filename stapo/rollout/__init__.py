@@ -10,8 +10,8 @@ responses continued after a weight sync out of them. `HFEngine` runs a transform
 engine reports the log-probability of each sampled token under the processed sampling distribution
 (temperature, top-k, top-p).
 
-May import: ``stapo.losses``, ``stapo.registry`` and the rest below them (docs/index.md, "Layout");
-only this folder imports vllm, lazily.
+May import: ``stapo.serve``, ``stapo.sync``, ``stapo.distributed`` and the rest below them (docs/index.md,
+"Layout"); only ``vllm_engine`` and ``stapo.serve.worker_extension`` import vllm, lazily.
 """
 
 from stapo.rollout.batch import Rollout

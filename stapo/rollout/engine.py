@@ -19,7 +19,7 @@ import torch
 
 from stapo.rollout.sampling import SamplingParams
 
-__all__ = ["FINISH_REASONS", "RolloutEngine", "Segment", "SegmentRequest", "release_cached_memory"]
+__all__ = ["FINISH_REASONS", "RolloutEngine", "Segment", "SegmentRequest"]
 
 #: stop: EOS, a stop id or a stop string; length: the request's token limit; interrupted: cut by
 #: `RolloutEngine.interrupt` (its tokens are kept, the sample goes on later); error: the request was refused
@@ -65,7 +65,7 @@ class RolloutEngine(abc.ABC):
     interruptible: bool = False  # `interrupt` can cut segments in flight (rollout servers with rollout.partial)
     needs_weights: bool = False  # a level-2 sleep discarded the weights: sync before generating
     policy_version: int | None = None  # the version of the last `weight_update(version)` (None: not told)
-    last_sync = None  # what the last sync did (rollout servers: a `server_engine.SyncOutcome`; None elsewhere)
+    last_sync = None  # what the last sync did (rollout servers: a `stapo.servers.engine.SyncOutcome`; None elsewhere)
 
     @abc.abstractmethod
     def generate_segments(self, requests: Sequence[SegmentRequest], sampling: SamplingParams) -> list[Segment]:
@@ -101,13 +101,3 @@ class RolloutEngine(abc.ABC):
     def resume(self) -> None:
         """Let segments run again after `interrupt` (default: nothing to undo)."""
 
-
-def release_cached_memory() -> None:
-    """Return the blocks PyTorch's caching allocator holds but does not use (freed gathers, activations,
-    offloaded training state) to the GPU, so a colocated vLLM can map them when it starts or wakes
-    (vLLM empties that cache only when it sleeps). No-op without CUDA."""
-    if torch.cuda.is_available():
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()

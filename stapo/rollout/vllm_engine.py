@@ -1,7 +1,7 @@
 """`VLLMEngine`: vLLM colocated in the training process (one engine per rank), with sleep mode.
 
-Only `stapo/rollout/vllm*.py` import vllm, and only inside `VLLMEngine.__init__`, so stapo imports on a CPU box
-(docs/rollout.md).
+Only this module and `stapo/serve/worker_extension.py` import vllm, and only inside functions, so stapo
+imports on a CPU box (docs/rollout.md).
 
 Choices (checked against vLLM 0.26's and the CPU build 0.32's source; see docs/rollout.md and
 docs/gpu.md):
@@ -21,7 +21,7 @@ docs/gpu.md):
   Python, NumPy and torch globally (``set_random_seed``) and draws from them, which in-process would
   reset and move the trainer's streams.
 - Weights: a sync is ONE update session (`weight_update`: begin, `load_weights` per bucket,
-  finish) through vLLM's layerwise reload, run by `stapo.rollout.vllm_worker` over
+  finish) through vLLM's layerwise reload, run by `stapo.serve.worker_extension` over
   ``llm.collective_rpc``: tensors as they are when the worker is in this process, one packed
   byte string per bucket when it runs in vLLM's engine-core process. No lambdas, no pickle.
 - Segments (`generate_segments`): ONE ``llm.generate`` over all requests, one sample each with its own
@@ -60,17 +60,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stapo.rollout.bucket_format import pack_bucket
-from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest, release_cached_memory
+from stapo.distributed.device_memory import release_cached_memory
+from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
 from stapo.rollout.sampling import SamplingParams, vllm_request_kwargs
-from stapo.rollout.vllm_worker import WORKER_EXTENSION
+from stapo.serve.launcher import cpu_engine_kwargs
+from stapo.serve.worker_extension import WORKER_EXTENSION
+from stapo.sync.bucket_format import pack_bucket
 
-__all__ = ["VLLMEngine", "ExecutorPlan", "GroupFacts", "plan_executor", "segment_from_vllm", "CPU_KV_CACHE_BYTES",
-           "cpu_engine_kwargs"]
+__all__ = ["VLLMEngine", "ExecutorPlan", "GroupFacts", "plan_executor", "segment_from_vllm"]
 
 EXTERNAL_LAUNCHER = "external_launcher"
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-CPU_KV_CACHE_BYTES = 2 * 2**30  # vLLM's CPU build: KV cache size when neither the caller nor the env sets one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,22 +146,6 @@ def _spare_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def cpu_engine_kwargs(max_model_len: int, env: Mapping[str, str]) -> dict:
-    """`vllm.LLM` settings for vLLM's CPU build (pure; the CPU build's source, 0.32):
-
-    - ``kv_cache_memory_bytes``: there ``gpu_memory_utilization`` is a fraction of the machine's RAM
-      reserved per engine (so two ranks at 0.5 ask for all of it); a fixed KV cache fits instead,
-      unless ``VLLM_CPU_KVCACHE_SPACE`` (GiB, vLLM's own knob) is set.
-    - ``enable_chunked_prefill=False``: a partially prefilled seeded request makes the CPU model
-      runner rewind its torch.Generator's offset, which CPU generators refuse ("CPU Generator does
-      not use offset"); whole prompts in one step never take that path.
-    """
-    out = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
-    if "VLLM_CPU_KVCACHE_SPACE" not in env:
-        out["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-    return out
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ import torch
 from stapo.distributed.flat_gather import GatherBuffers, gather_partitioned
 from stapo.distributed.lora import AdapterMerge
 from stapo.distributed.names import hf_name
-from stapo.rollout.weight_delta import TransferStats
+from stapo.sync.weight_delta import TransferStats
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20  # 256 MiB
 
@@ -58,7 +58,7 @@ class WeightConsumer(Protocol):
 @dataclass(frozen=True)
 class SyncStats:
     """What one :func:`sync_weights` moved: buckets, tensors, bytes (dense) and wall time; ``transfer``: what
-    the engine put on the wire, when it says (rollout servers, on rank 0: `stapo.rollout.weight_delta`)."""
+    the engine put on the wire, when it says (rollout servers, on rank 0: `stapo.sync.weight_delta`)."""
 
     num_buckets: int
     num_tensors: int

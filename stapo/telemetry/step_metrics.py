@@ -166,7 +166,7 @@ def _throughput(s: dict, timer: PhaseTimer, model_config, peak_flops: float | No
 
 def sync_metrics(s: dict) -> dict[str, float]:
     """The weight sync's optional keys from the step's sums over ranks (`StepSums.add_sync`): ``sync_sent_mb``
-    with rollout servers, ``sync_changed_frac`` with ``rollout.sync: delta`` (NaN: the sync had no copy to
+    with rollout servers, ``sync_changed_frac`` with ``rollout.server.sync: delta`` (NaN: the sync had no copy to
     compare with)."""
     out = {}
     if "sync_sent_mb" in s:

@@ -211,7 +211,7 @@ def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank
     name, engine = build_engine(r.engine, model_path, tokenizer, opts)
     log.info("rollout engine: %s", name)
     if r.tensor_parallel_size > 1:  # one engine per group of ranks: the group submits its prompts together
-        from stapo.distributed.tensor_parallel import TensorParallelRollout, tensor_parallel_group
+        from stapo.rollout.tensor_parallel import TensorParallelRollout, tensor_parallel_group
 
         engine = TensorParallelRollout(engine, tensor_parallel_group(r.tensor_parallel_size))
     return engine

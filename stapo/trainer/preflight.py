@@ -135,9 +135,9 @@ def servers_down(cfg: STAPOConfig) -> tuple[str, ...]:
     may be started after the dry run; the run itself stops naming the first one that does not answer)."""
     if cfg.rollout.mode != "server":
         return ()
-    from stapo.rollout.server_client import ServerClient, parse_address
+    from stapo.servers.client import ServerClient, parse_address
 
-    return tuple(a for a in map(parse_address, cfg.rollout.servers) if not ServerClient(a).healthy(timeout_s=2.0))
+    return tuple(a for a in map(parse_address, cfg.rollout.server.addresses) if not ServerClient(a).healthy(timeout_s=2.0))
 
 
 def missing_packages(cfg: STAPOConfig) -> tuple[tuple[str, str, bool], ...]:
@@ -198,7 +198,8 @@ def _rollout_line(cfg: STAPOConfig, plan: RunPlan) -> str:
                                                          if r.tensor_parallel_size > 1 else "")
     lag = (f"asynchronous, max_staleness {r.max_staleness}" + (", partial rollouts" if r.partial else "")
            if r.max_staleness else "lock-step (max_staleness 0)")
-    return f"rollout: server mode, {len(r.servers)} server(s) {', '.join(r.servers)}; {lag}; weight sync {r.sync}"
+    s = r.server
+    return f"rollout: server mode, {len(s.addresses)} server(s) {', '.join(s.addresses)}; {lag}; weight sync {s.sync}"
 
 
 def _method_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:

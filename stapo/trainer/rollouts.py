@@ -33,7 +33,7 @@ from stapo.distributed.process_group import DistInfo, all_gather_object, barrier
 from stapo.distributed.training_offload import offloaded
 from stapo.rewards import RewardTerm
 from stapo.rollout import Generation, Rollout, RolloutEngine, SamplingParams, ToolEpisodes
-from stapo.rollout.server_pool import NoRolloutServers
+from stapo.servers.pool import NoRolloutServers
 from stapo.sync.buckets import SyncStats, sync_weights
 from stapo.trainer.producer import ProducedBatch, RolloutProducer
 from stapo.trainer.scored_rollout import ScoredRollout, collect_scored_rollout, score_rollout
@@ -201,7 +201,7 @@ class Rollouts:
         learn the version, and no rank generates before the sync is done (nor, asynchronous, during it)."""
         if not self.server:
             return sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20)
-        attempts = self.cfg.rollout.sync_retries + 1
+        attempts = self.cfg.rollout.server.sync_retries + 1
         for attempt in range(1, attempts + 1):
             cut = self.engine.interruptible  # rollout.partial: the batch under way is cut, not waited for
             with self.producer.paused(interrupt=cut) if self.producer is not None else contextlib.nullcontext():

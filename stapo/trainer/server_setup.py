@@ -1,13 +1,14 @@
 """``rollout.mode: server``: the `ServerEngine` a config asks for, and what the servers allow the data.
 
 Where the rollout servers' settings become components (the server-mode part of
-`stapo.trainer.components`): the secret (``STAPO_SERVER_TOKEN`` or ``rollout.server_token_file``), every limit
+`stapo.trainer.components`): the secret (``STAPO_SERVER_TOKEN`` or ``rollout.server.token_file``), every limit
 (`ServerLimits`), the fingerprint of the trainer's model and tokenizer the servers are checked against,
 and the longest prompt the servers' ``max_model_len`` leaves room for. docs/rollout.md, "Rollout servers".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -15,9 +16,9 @@ import torch
 
 from stapo.config import STAPOConfig
 from stapo.rollout import RolloutEngine
-from stapo.rollout.fingerprint import model_fingerprint, tokenizer_fingerprint
-from stapo.rollout.server_engine import ServerEngine, ServerLimits
-from stapo.rollout.server_secret import trainer_secret
+from stapo.serve.fingerprint import model_fingerprint, tokenizer_fingerprint
+from stapo.serve.secret import trainer_secret
+from stapo.servers.engine import ServerEngine, ServerLimits
 
 __all__ = ["build_server_engine", "prompt_length_limit"]
 
@@ -28,20 +29,17 @@ def build_server_engine(cfg: STAPOConfig, model_path: str, tokenizer, dtype: tor
     """The listed servers, checked against this model (held in ``dtype``) and tokenizer (docs/rollout.md)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    r = cfg.rollout
+    s = cfg.rollout.server
     trust = cfg.model.trust_remote_code
     fingerprint = {"model": model_fingerprint(AutoConfig.from_pretrained(model_path, trust_remote_code=trust),
                                               dtype),
                    "tokenizer": tokenizer_fingerprint(AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust))}
-    limits = ServerLimits(request_timeout_s=r.request_timeout_s, request_timeout_per_token_s=r.request_timeout_per_token_s,
-                          request_retries=r.request_retries, server_down_after_s=r.server_down_after_s,
-                          health_interval_s=r.health_interval_s, health_timeout_s=r.health_timeout_s,
-                          sync_timeout_s=r.sync_timeout_s, sync_join_timeout_s=r.sync_join_timeout_s)
+    limits = ServerLimits(**{f.name: getattr(s, f.name) for f in dataclasses.fields(ServerLimits)})
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    log.info("rollout engine: vLLM servers %s", ", ".join(r.servers))
-    return ServerEngine(r.servers, pad, sends_weights=dist_rank == 0, limits=limits,
-                        token=trainer_secret(os.environ, r.server_token_file), sync_host=r.sync_host,
-                        fingerprint=fingerprint, sync=r.sync, stream=r.partial, tokenizer=tokenizer)
+    log.info("rollout engine: vLLM servers %s", ", ".join(s.addresses))
+    return ServerEngine(s.addresses, pad, sends_weights=dist_rank == 0, limits=limits,
+                        token=trainer_secret(os.environ, s.token_file), sync_host=s.sync_host,
+                        fingerprint=fingerprint, sync=s.sync, stream=cfg.rollout.partial, tokenizer=tokenizer)
 
 
 def prompt_length_limit(cfg: STAPOConfig, rollout_engine: RolloutEngine) -> int:

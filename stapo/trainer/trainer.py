@@ -24,7 +24,7 @@ from stapo.config import STAPOConfig
 from stapo.losses import (TokenMask, TokenStats, build_mask, group_advantages, mismatch_sums, registered_name,
                           spurious_probe, truncated_keep, truncated_rows)
 from stapo.rollout import Rollout
-from stapo.rollout.server_engine import NoRolloutServers
+from stapo.servers.engine import NoRolloutServers
 from stapo.trainer import components as build, tool_setup
 from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, read_metrics
 from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_final
@@ -167,7 +167,7 @@ class STAPOTrainer:
                                 world_size=self.dist.world_size, scored=scored, sums=sums, timer=timer,
                                 entropy_coef=cfg.loss.entropy_coef, model_config=self.model.config,
                                 peak_flops=self.peak_flops, control_ids=self.control_ids)
-        server = dict(server=cfg.rollout.mode == "server", delta=cfg.rollout.sync == "delta")
+        server = dict(server=cfg.rollout.mode == "server", delta=cfg.rollout.server.sync == "delta")
         try:
             with timer("sync"):
                 synced = self.rollouts.sync(self.step_count)  # line 3, for the next iteration

@@ -25,7 +25,7 @@ from stapo.trainer.components import build_health
     (["health.rollback_lr_scale=2"], r"health.rollback_lr_scale must be in \(0, 1\]"),
     (["health.max_rollbacks=0"], "health.max_rollbacks must be >= 1"),
     (["health.on_alarm=rollback", "trainer.save_every=0"], "set trainer.save_every > 0"),
-    (["health.on_alarm=rollback", "rollout.mode=server", "rollout.servers=[127.0.0.1:8000]",
+    (["health.on_alarm=rollback", "rollout.mode=server", "rollout.server.addresses=[127.0.0.1:8000]",
       "rollout.max_staleness=1"], "health.on_alarm=rollback needs rollout.max_staleness=0"),
 ])
 def test_bad_health_settings_name_the_field(overrides, message):

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from stapo.rollout.server_worker import ServerWorkerMixin
+from stapo.serve.staging import ServerWorkerMixin
 
 
 class DictWorker(ServerWorkerMixin):

@@ -1,11 +1,11 @@
-"""The trainer-vs-server check (stapo.rollout.fingerprint): the same model and tokenizer agree; another
+"""The trainer-vs-server check (stapo.serve.fingerprint): the same model and tokenizer agree; another
 size, dtype or vocabulary is named by its first difference."""
 
 from __future__ import annotations
 
 import torch
 
-from stapo.rollout.fingerprint import first_difference, model_fingerprint, tokenizer_fingerprint
+from stapo.serve.fingerprint import first_difference, model_fingerprint, tokenizer_fingerprint
 
 
 def fingerprint(config, tokenizer, dtype=torch.float32) -> dict:

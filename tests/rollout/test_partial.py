@@ -16,11 +16,11 @@ import pytest
 from _fake_server import FakeServer
 from stapo.rollout import Generation, Rollout, SamplingParams, Segment
 from stapo.rollout.sampling import derived_seed, vllm_request_kwargs
-from stapo.rollout.server_completions import completion_body
-from stapo.rollout.server_engine import ServerEngine, ServerLimits
 from stapo.rollout.trajectory import segment_seed
+from stapo.servers.completions import completion_body
+from stapo.servers.engine import ServerEngine, ServerLimits
 
-LIMITS = ServerLimits(request_retries=0, server_down_after_s=5.0, health_interval_s=0.2, health_timeout_s=1.0)
+LIMITS = ServerLimits(request_retries=0, down_after_s=5.0, health_interval_s=0.2, health_timeout_s=1.0)
 
 
 def test_segment_zero_is_the_whole_prompt_requests_sample_and_later_segments_derive_their_seed():
@@ -138,7 +138,7 @@ def test_a_server_fault_reruns_the_segment_with_the_same_seed_elsewhere():
 
 
 def test_a_5xx_mid_stream_is_retried_on_the_same_server_not_marked_down(streaming, caplog):
-    """rollout.request_retries holds for streamed segments as for whole requests (ServerPool.run)."""
+    """rollout.server.request_retries holds for streamed segments as for whole requests (ServerPool.run)."""
     error = {"error": {"object": "error", "message": "engine step failed", "type": "InternalServerError", "code": 500}}
     _broken_stream(streaming, b"data: " + json.dumps(error).encode() + b"\n\n", once=True)
     engine = ServerEngine([streaming.address], pad_token_id=0, stream=True,
@@ -156,7 +156,7 @@ def test_a_5xx_mid_stream_is_retried_on_the_same_server_not_marked_down(streamin
 def test_partial_rollouts_of_tool_episodes_are_a_valid_setting():
     from stapo.config import STAPOConfig
 
-    cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.servers=[127.0.0.1:8000]", "rollout.partial=true",
+    cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.server.addresses=[127.0.0.1:8000]", "rollout.partial=true",
                                        "rollout.max_staleness=1", "rollout.tools.enabled=true",
                                        "rollout.tools.names=[calculator]"])
     assert cfg.rollout.partial and cfg.rollout.tools.enabled

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from _fake_server import DictWorker, FakeServer
-from stapo.rollout.server_client import ServerClient
-from stapo.rollout.server_engine import ServerEngine, ServerLimits
+from stapo.servers.client import ServerClient
+from stapo.servers.engine import ServerEngine, ServerLimits
 from stapo.sync.buckets import sync_weights
 
 LIMITS = ServerLimits(request_retries=0, health_interval_s=0.2, health_timeout_s=2.0, sync_timeout_s=20.0)
@@ -135,7 +135,7 @@ def test_rollout_sync_reaches_the_server_engine(mode, tiny_model_dir):
     from transformers import AutoConfig, AutoTokenizer
 
     from stapo.config import STAPOConfig
-    from stapo.rollout.fingerprint import model_fingerprint, tokenizer_fingerprint
+    from stapo.serve.fingerprint import model_fingerprint, tokenizer_fingerprint
     from stapo.trainer.server_setup import build_server_engine
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -143,12 +143,12 @@ def test_rollout_sync_reaches_the_server_engine(mode, tiny_model_dir):
                                                                 torch.float32),
                                      "tokenizer": tokenizer_fingerprint(tokenizer)}, worker=DictWorker())
     try:
-        cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", f"rollout.servers=[{server.address}]",
-                                           "model.dtype=fp32", f"rollout.sync={mode}"])
+        cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", f"rollout.server.addresses=[{server.address}]",
+                                           "model.dtype=fp32", f"rollout.server.sync={mode}"])
         engine = build_server_engine(cfg, str(tiny_model_dir), tokenizer, torch.float32)
         assert (engine.sent is not None) == (mode == "delta")
         assert build_server_engine(cfg, str(tiny_model_dir), tokenizer, torch.float32, dist_rank=1).sent is None
     finally:
         server.close()
-    with pytest.raises(ValueError, match="rollout.sync must be one of"):
+    with pytest.raises(ValueError, match="rollout.server.sync must be one of"):
         ServerEngine(["127.0.0.1:1"], pad_token_id=0, sync="sparse")

@@ -15,13 +15,13 @@ import torch.multiprocessing as mp
 from stapo.config import ConfigError, STAPOConfig
 from stapo.rollout import Generation, SamplingParams
 from stapo.rollout.sampling import vllm_request_kwargs
-from stapo.rollout.server_client import MALFORMED, ServerClient, ServerError, parse_address
-from stapo.rollout.server_completions import completion_body, segment_from_reply
-from stapo.rollout.server_engine import NoRolloutServers, ServerPool
-from stapo.rollout.serve import serve_command, take_token_file
 from stapo.rollout.trajectory import prompt_seeds
-from stapo.rollout.bucket_format import pack_bucket_tensor, unpack_tensors
-from stapo.rollout.weight_group import GroupSpec, namespaced, new_nonce
+from stapo.serve.launcher import serve_command, take_token_file
+from stapo.servers.client import MALFORMED, ServerClient, ServerError, parse_address
+from stapo.servers.completions import completion_body, segment_from_reply
+from stapo.servers.engine import NoRolloutServers, ServerPool
+from stapo.sync.bucket_format import pack_bucket_tensor, unpack_tensors
+from stapo.sync.weight_group import GroupSpec, namespaced, new_nonce
 
 
 def test_a_request_carries_the_token_ids_and_the_colocated_seed():
@@ -81,13 +81,13 @@ def test_a_bad_server_address_is_named(bad):
 
 @pytest.mark.parametrize("override, message", [
     ("rollout.mode=remote", "rollout.mode must be one of"),
-    ("rollout.mode=server", "rollout.mode=server needs rollout.servers"),
-    ("rollout.servers=[node3]", "rollout.servers: rollout server address 'node3' is not host:port"),
+    ("rollout.mode=server", "rollout.mode=server needs rollout.server.addresses"),
+    ("rollout.server.addresses=[node3]", "rollout.server.addresses: rollout server address 'node3' is not host:port"),
     ("rollout.max_staleness=1", "needs rollout.mode=server"),
     ("rollout.max_staleness=-1", "rollout.max_staleness must be >= 0"),
-    ("rollout.request_timeout_s=0", "rollout.request_timeout_s must be > 0"),
-    ("rollout.sync=sparse", "rollout.sync must be one of \\['full', 'delta'\\], got 'sparse'"),
-    ("rollout.sync=delta", "rollout.sync=delta needs rollout.mode=server"),
+    ("rollout.server.request_timeout_s=0", "rollout.server.request_timeout_s must be > 0"),
+    ("rollout.server.sync=sparse", "rollout.server.sync must be one of \\['full', 'delta'\\], got 'sparse'"),
+    ("rollout.server.sync=delta", "rollout.server.sync=delta needs rollout.mode=server"),
 ])
 def test_server_settings_are_checked(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -96,18 +96,18 @@ def test_server_settings_are_checked(override, message):
 
 def test_asynchronous_training_refuses_dynamic_sampling():
     with pytest.raises(ConfigError, match="rollout.dynamic_sampling needs rollout.max_staleness=0"):
-        STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.servers=[127.0.0.1:8000]",
+        STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.server.addresses=[127.0.0.1:8000]",
                                      "rollout.max_staleness=1", "rollout.dynamic_sampling=true"])
 
 
 def test_stapo_serve_adds_what_training_needs_and_keeps_the_users_options():
     argv, env = serve_command("/models/qwen", ["--port", "8001", "--logprobs-mode=raw_logprobs"], "py", {}, on_cpu=False)
     assert argv[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen"]
-    assert "--worker-extension-cls" in argv and "stapo.rollout.vllm_worker.StapoWorkerExtension" in argv
+    assert "--worker-extension-cls" in argv and "stapo.serve.worker_extension.StapoWorkerExtension" in argv
     assert "--logprobs-mode=raw_logprobs" in argv and "processed_logprobs" not in argv  # the user's choice stays
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "--no-enable-chunked-prefill" not in argv
-    # a sync waiting for the trainer (rollout.sync_timeout_s) must time out before vLLM's engine-step watchdog
-    assert int(env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"]) > STAPOConfig().rollout.sync_timeout_s
+    # a sync waiting for the trainer (rollout.server.sync_timeout_s) must time out before vLLM's engine-step watchdog
+    assert int(env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"]) > STAPOConfig().rollout.server.sync_timeout_s
     _, env = serve_command("/m", [], "py", {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "60"}, on_cpu=False)
     assert env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "60"  # the user's setting stays
     argv, env = serve_command("/m", ["--max-model-len", "8192"], "py", {"VLLM_CPU_KVCACHE_SPACE": "4"}, on_cpu=True)
@@ -120,7 +120,7 @@ def test_stapo_serve_adds_what_training_needs_and_keeps_the_users_options():
 def test_stapo_serve_listens_on_loopback_and_guards_its_routes():
     argv, _ = serve_command("/m", ["--port", "8001"], "py", {}, on_cpu=False)
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
-    assert argv[argv.index("--middleware") + 1] == "stapo.rollout.server_guard.ServerGuard"
+    assert argv[argv.index("--middleware") + 1] == "stapo.serve.guard.ServerGuard"
     argv, _ = serve_command("/m", ["--host", "127.0.0.1"], "py", {}, on_cpu=False)
     assert argv.count("--host") == 1
     argv, env = serve_command("/m", ["--host=10.0.0.5"], "py", {}, on_cpu=False, secret="s3cret")
@@ -187,7 +187,7 @@ def test_the_dry_run_notes_servers_that_do_not_answer(capsys, tmp_path):
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    code = main(["train", "rollout.mode=server", f"rollout.servers=[127.0.0.1:{port}]",
+    code = main(["train", "rollout.mode=server", f"rollout.server.addresses=[127.0.0.1:{port}]",
                  f"trainer.output_dir={tmp_path / 'run'}", "--dry-run"])
     assert code == 0  # a note, not an error: servers may be started after the dry run
     assert f"rollout server 127.0.0.1:{port} does not answer now (start it with `stapo serve MODEL --port {port}`)" \

@@ -12,9 +12,9 @@ import torch
 
 from _fake_server import DictWorker, FakeServer
 from stapo.rollout import SamplingParams, generate
-from stapo.rollout.server_engine import NoRolloutServers, ServerEngine, ServerLimits
+from stapo.servers.engine import NoRolloutServers, ServerEngine, ServerLimits
 
-FAST = ServerLimits(request_retries=1, server_down_after_s=1.0, health_interval_s=0.2, health_timeout_s=0.5,
+FAST = ServerLimits(request_retries=1, down_after_s=1.0, health_interval_s=0.2, health_timeout_s=0.5,
                     sync_timeout_s=3.0)
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=4, seed=1)
 
@@ -88,7 +88,7 @@ def test_a_hung_server_is_declared_down_within_the_bound_and_its_requests_move(f
     assert [c.address for c in engine.pool.down] == [a.address]
     assert "no answer on /health for" in caplog.text and "go elsewhere" in caplog.text
     # down after 1 s without a health answer, probes every 0.2 s lasting <= 0.5 s: well under the 600 s timeout
-    assert took < FAST.server_down_after_s + 3.0, took
+    assert took < FAST.down_after_s + 3.0, took
     engine.close()
 
 
@@ -125,7 +125,7 @@ def test_the_secret_is_sent_and_its_absence_named(fakes):
 def test_a_server_with_another_model_is_one_error_at_start(fakes, tiny_model_dir):
     from transformers import AutoConfig, AutoTokenizer
 
-    from stapo.rollout.fingerprint import model_fingerprint, tokenizer_fingerprint
+    from stapo.serve.fingerprint import model_fingerprint, tokenizer_fingerprint
 
     config, tokenizer = AutoConfig.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
     ours = {"model": model_fingerprint(config, torch.float32), "tokenizer": tokenizer_fingerprint(tokenizer)}

@@ -1,4 +1,4 @@
-"""The closed control plane of `stapo serve` (stapo.rollout.server_guard), as a plain ASGI app: which
+"""The closed control plane of `stapo serve` (stapo.serve.guard), as a plain ASGI app: which
 routes need the secret, which are refused whatever the credentials, which worker methods pass, where a join may
 point a server. The real server runs it in tests/vllm_cpu/test_server_faults.py and test_server_security.py."""
 
@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from stapo.rollout.server_guard import (AUTHENTICATED, FORBIDDEN, OPEN, ServerGuard, route_decision, route_path,
+from stapo.serve.guard import (AUTHENTICATED, FORBIDDEN, OPEN, ServerGuard, route_decision, route_path,
                                         rpc_refusal)
-from stapo.rollout.server_worker import SERVER_RPC_METHODS
-from stapo.rollout.weight_group import GroupSpec, new_nonce
+from stapo.serve.staging import SERVER_RPC_METHODS
+from stapo.sync.weight_group import GroupSpec, new_nonce
 
 
 @pytest.mark.parametrize("path, decision", [

@@ -1,4 +1,4 @@
-"""The shared secret of `stapo serve` and the trainer (stapo.rollout.server_secret): a server always has one, the
+"""The shared secret of `stapo serve` and the trainer (stapo.serve.secret): a server always has one, the
 two sides meet in the default file without the user doing anything, and no secret comes from a command line, a
 file others can read, or a blank value. The real server: tests/vllm_cpu/test_server_security.py."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from stapo.cli import main
 from stapo.config import ConfigError, STAPOConfig
-from stapo.rollout.server_secret import (TOKEN_ENV, check_secret, default_token_file, read_token_file, serve_secret,
+from stapo.serve.secret import (TOKEN_ENV, check_secret, default_token_file, read_token_file, serve_secret,
                                          trainer_secret)
 
 
@@ -63,7 +63,7 @@ def test_the_environment_or_token_file_win_and_a_dry_run_writes_nothing(env, tmp
     assert serve_secret(given, None) == ("s3cret-from-env", f"the shared secret is {TOKEN_ENV} from the environment")
     own = tmp_path / "shared" / "secret"
     secret, line = serve_secret(env, str(own))
-    assert f"give the trainer rollout.server_token_file={own}" in line and read_token_file(own) == secret
+    assert f"give the trainer rollout.server.token_file={own}" in line and read_token_file(own) == secret
     assert trainer_secret(env, str(own)) == secret
     assert trainer_secret({**env, TOKEN_ENV: secret}, str(own)) == secret
     with pytest.raises(ValueError, match="hold different secrets: unset one"):
@@ -107,7 +107,7 @@ def test_stapo_serve_names_the_secrets_file_first_and_never_prints_the_secret(en
     assert main(["serve", "/models/m", "--port", "8001", "--dry-run"]) == 0
     first, second = capsys.readouterr().err.splitlines()[:2]
     assert first == f"stapo serve: the shared secret would be created in {default_token_file(env)} (mode 0600)"
-    assert "--middleware stapo.rollout.server_guard.ServerGuard" in second
+    assert "--middleware stapo.serve.guard.ServerGuard" in second
     secret, _ = serve_secret(env, None)
     assert main(["serve", "/models/m", "--dry-run"]) == 0
     err = capsys.readouterr().err
@@ -132,10 +132,10 @@ def test_stapo_serve_refuses_options_vllm_would_read_otherwise(env, capsys, args
 
 
 def test_the_trainer_never_takes_the_secret_from_a_command_line(tmp_path):
-    with pytest.raises(ConfigError, match="rollout.server_token is no longer read .* rollout.server_token_file"):
+    with pytest.raises(ConfigError, match="rollout.server_token is no longer read .* rollout.server.token_file"):
         STAPOConfig.from_yaml(None, ["rollout.server_token=s3cret"])
     old_run = STAPOConfig.from_dict({"rollout": {"server_token": None}})  # config.yaml of an earlier run
-    assert old_run.rollout.server_token_file is None and "s3cret" not in repr(old_run)
+    assert old_run.rollout.server.token_file is None and "s3cret" not in repr(old_run)
     path = secret_file(tmp_path / "secret", "s3cret")
-    cfg = STAPOConfig.from_yaml(None, [f"rollout.server_token_file={path}"])
+    cfg = STAPOConfig.from_yaml(None, [f"rollout.server.token_file={path}"])
     assert "s3cret" not in repr(cfg) and "s3cret" not in cfg.to_yaml()

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from stapo.rollout import Generation, SamplingParams, VLLMEngine
-from stapo.rollout.vllm_engine import (CPU_KV_CACHE_BYTES, EXTERNAL_LAUNCHER, ExecutorPlan, GroupFacts,
-                                       cpu_engine_kwargs, plan_executor, segment_from_vllm)
 from stapo.rollout.trajectory import prompt_seeds
-from stapo.rollout.bucket_format import pack_bucket, unpack_bucket
+from stapo.rollout.vllm_engine import EXTERNAL_LAUNCHER, ExecutorPlan, GroupFacts, plan_executor, segment_from_vllm
+from stapo.serve.launcher import CPU_KV_CACHE_BYTES, cpu_engine_kwargs
+from stapo.sync.bucket_format import pack_bucket, unpack_bucket
 
 
 def completion(index, token_ids, logprobs, reason="stop", text=""):

@@ -1,4 +1,4 @@
-"""Delta weight syncs, the pure pieces (stapo/rollout/weight_delta.py): which words changed, the size decision,
+"""Delta weight syncs, the pure pieces (stapo/sync/weight_delta.py): which words changed, the size decision,
 the payload's encoding, the checksum, and rank 0's copy of what the servers hold. Hand-checked values; the
 servers' side runs in tests/rollout/test_server_delta.py (gloo) and tests/vllm_cpu/test_server_delta.py."""
 
@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from stapo.rollout import weight_delta
-from stapo.rollout.bucket_format import pack_bucket_tensor
-from stapo.rollout.weight_delta import (SentWeights, TransferStats, apply_delta, changed_words, checksum, decode_delta,
+from stapo.sync import weight_delta
+from stapo.sync.bucket_format import pack_bucket_tensor
+from stapo.sync.weight_delta import (SentWeights, TransferStats, apply_delta, changed_words, checksum, decode_delta,
                                         delta_nbytes, encode_delta, use_delta, word_bytes)
 
 K = 0x9E3779B97F4A7C15  # weight_delta's mixing constant, unsigned

@@ -1,4 +1,4 @@
-"""The weight group of a server sync (stapo.rollout.weight_group) against a process that knows only the port of the
+"""The weight group of a server sync (stapo.sync.weight_group) against a process that knows only the port of the
 trainer's TCPStore (readable in /proc/net/tcp), a rank 0 or a receiver that does not hold the session nonce, a
 join that asks a server to wait forever, and a transfer that changes bytes: the real gloo group and the real
 worker side (`DictWorker`, tests/rollout/_fake_server.py), on loopback, without vLLM. Real servers:
@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from _fake_server import DictWorker, FakeServer
-from stapo.rollout import server_weights
-from stapo.rollout.server_client import ServerClient
-from stapo.rollout.server_engine import ServerEngine, ServerLimits
-from stapo.rollout.server_weights import BroadcastSession, SyncFailed
-from stapo.rollout.weight_group import (GroupSpec, checked_in, exchange_proofs, let_form, listening_store, namespaced,
-                                       new_nonce)
+from stapo.servers.client import ServerClient
+from stapo.servers.engine import ServerEngine, ServerLimits
+from stapo.sync import broadcast
+from stapo.sync.broadcast import BroadcastSession, SyncFailed
 from stapo.sync.buckets import sync_weights
+from stapo.sync.weight_group import (GroupSpec, checked_in, exchange_proofs, let_form, listening_store, namespaced,
+                                       new_nonce)
 
 CPU = torch.device("cpu")
 LIMITS = ServerLimits(request_retries=0, health_interval_s=0.2, health_timeout_s=2.0, sync_timeout_s=20.0)
@@ -54,7 +54,7 @@ def test_a_key_set_by_a_process_that_knows_only_the_port_changes_nothing(monkeyp
             stranger.set(key, "off")
         seen["keys"] = stranger.list_keys()
         return store
-    monkeypatch.setattr(server_weights, "listening_store", attacked)
+    monkeypatch.setattr(broadcast, "listening_store", attacked)
     model, server = policy(), FakeServer(worker=DictWorker())
     try:
         engine = ServerEngine([server.address], pad_token_id=0, limits=LIMITS)
@@ -72,7 +72,7 @@ def test_a_process_that_knows_only_the_port_cannot_join_in_a_servers_place(monke
     """The server's join is slow (hung); a stranger checks in for its rank with the keys it can guess and waits
     for the go to form the group as rank 1. It is never let in: the trainer calls the sync off, naming the server."""
     real, ports = listening_store, []
-    monkeypatch.setattr(server_weights, "listening_store", lambda *a: ports.append(real(*a)) or ports[-1])
+    monkeypatch.setattr(broadcast, "listening_store", lambda *a: ports.append(real(*a)) or ports[-1])
     server = FakeServer()
     server.hang.set()  # the join RPC does not come back: the server never checks in
     session = BroadcastSession([(ServerClient(server.address), 1)], "127.0.0.1", timeout_s=5.0, backend="gloo",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from stapo.run_dir import read_metrics
+from stapo.telemetry import metrics as metrics_mod
 from stapo.telemetry.console import StepClock, format_duration
 from stapo.telemetry.metrics import OPTIONAL_METRIC_KEYS, STEP_METRIC_KEYS, MetricsLogger
 
@@ -236,10 +237,10 @@ def test_log_samples_tty_highlights_with_rich(tmp_path):
 
 
 def test_the_sync_metrics_are_rank_0s_broadcast():
-    # rollout servers, rollout.sync=delta, 2 ranks: rank 0 sent 1 MiB of a 4 MiB sync, 10 of 1,000 words changed;
+    # rollout servers, rollout.server.sync=delta, 2 ranks: rank 0 sent 1 MiB of a 4 MiB sync, 10 of 1,000 words changed;
     # rank 1 only took part in the gathers (its engine sends nothing). sync_mb is per rank: 4 MiB each.
-    from stapo.rollout.weight_delta import TransferStats
     from stapo.sync.buckets import SyncStats
+    from stapo.sync.weight_delta import TransferStats
     from stapo.telemetry.step_metrics import StepSums, sync_metrics
 
     ranks = [StepSums(), StepSums()]
@@ -253,7 +254,7 @@ def test_the_sync_metrics_are_rank_0s_broadcast():
     assert sync_metrics(failed)["sync_sent_mb"] == 0.0 and math.isnan(sync_metrics(failed)["sync_changed_frac"])
     full = StepSums()
     full.add_sync(SyncStats(2, 5, 4 * 2**20, 0.5, TransferStats(4 * 2**20, 4 * 2**20)), server=True)
-    assert sync_metrics(full) == {"sync_sent_mb": 4.0}  # rollout.sync=full: no changed fraction
+    assert sync_metrics(full) == {"sync_sent_mb": 4.0}  # rollout.server.sync=full: no changed fraction
     colocated = StepSums()
     colocated.add_sync(SyncStats(2, 5, 4 * 2**20, 0.5))
     assert colocated == {"sync_mb": 4.0} and sync_metrics(colocated) == {}

@@ -22,7 +22,7 @@ WORLD, TIMEOUT_S = 2, 120
 def scripted_engine(rank: int, lose_on_rank: int | None, sync_ok: bool):
     """A rollout engine that loses its servers on ``lose_on_rank`` and whose syncs report ``sync_ok``."""
     from stapo.rollout import RolloutEngine, Segment
-    from stapo.rollout.server_engine import NoRolloutServers, SyncOutcome
+    from stapo.servers.engine import NoRolloutServers, SyncOutcome
 
     class ScriptedEngine(RolloutEngine):
         def __init__(self) -> None:
@@ -47,12 +47,12 @@ def scripted_engine(rank: int, lose_on_rank: int | None, sync_ok: bool):
 def _rank(rank: int, port: int, case: str, out) -> None:
     from stapo.config import STAPOConfig
     from stapo.distributed.process_group import DistInfo
-    from stapo.rollout.server_engine import NoRolloutServers
+    from stapo.servers.engine import NoRolloutServers
     from stapo.trainer.rollouts import Rollouts
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.servers=[127.0.0.1:1]", "rollout.sync_retries=1"])
+    cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", "rollout.server.addresses=[127.0.0.1:1]", "rollout.server.sync_retries=1"])
     engine = scripted_engine(rank, lose_on_rank=1 if case == "generate" else None, sync_ok=case != "sync")
     rollouts = Rollouts(cfg, DistInfo(rank, WORLD, rank, torch.device("cpu")), engine, torch.nn.Linear(2, 2),
                         sampler=None, train_data=None, score=None, reward_terms=None)

@@ -15,9 +15,9 @@ PROMPTS = {0: [[1, 2, 3], [4, 5]], 1: [[6, 7, 8, 9], [10, 11], [12]]}  # ranks d
 
 def _worker(out_dir, model_dir, **_):
     from stapo.distributed.process_group import init_distributed
-    from stapo.distributed.tensor_parallel import TensorParallelRollout, tensor_parallel_group
     from stapo.rollout import SamplingParams, generate
     from stapo.rollout.hf_engine import HFEngine
+    from stapo.rollout.tensor_parallel import TensorParallelRollout, tensor_parallel_group
 
     info = init_distributed()
     seen = []

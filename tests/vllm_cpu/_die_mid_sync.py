@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 
-from stapo.rollout.server_engine import ServerEngine
+from stapo.servers.engine import ServerEngine
 
 KILL_AT_VERSION = 2  # the sync after step 2: step 1's checkpoint is on disk by then
 _close_session = ServerEngine._close_session

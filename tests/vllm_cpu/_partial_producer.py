@@ -16,7 +16,7 @@ import torch
 
 def _long_responses() -> None:
     """Every segment request runs to its ``max_tokens`` (vLLM's ``ignore_eos``)."""
-    import stapo.rollout.server_engine as server_engine
+    import stapo.servers.engine as server_engine
 
     body = server_engine.completion_body
     server_engine.completion_body = lambda request, base: {**body(request, base), "ignore_eos": True}
@@ -35,7 +35,7 @@ def main(server: str, model_dir: str) -> None:
     _long_responses()
     dist = init_distributed()
     cfg = STAPOConfig.from_yaml(None, [
-        "rollout.mode=server", f"rollout.servers=[{server}]", "rollout.max_staleness=1", "rollout.partial=true",
+        "rollout.mode=server", f"rollout.server.addresses=[{server}]", "rollout.max_staleness=1", "rollout.partial=true",
         "trainer.train_batch_size=2", "trainer.mini_batch_size=2", "rollout.group_size=8",
         "rollout.max_response_length=300", "model.dtype=fp32", "data.eval_size=4", "trainer.total_steps=4"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -90,7 +90,7 @@ class VLLMServer:
 
 
 def lane_token_file(directory: Path) -> Path:
-    """A file holding the lane's secret (mode 0600), for ``rollout.server_token_file``."""
+    """A file holding the lane's secret (mode 0600), for ``rollout.server.token_file``."""
     path = directory / "server_token"
     path.write_text(LANE_TOKEN + "\n")
     path.chmod(0o600)
@@ -98,5 +98,5 @@ def lane_token_file(directory: Path) -> Path:
 
 
 def servers_override(*servers: VLLMServer) -> str:
-    """The ``rollout.servers`` override naming ``servers``."""
-    return f"rollout.servers=[{','.join(s.address for s in servers)}]"
+    """The ``rollout.server.addresses`` override naming ``servers``."""
+    return f"rollout.server.addresses=[{','.join(s.address for s in servers)}]"

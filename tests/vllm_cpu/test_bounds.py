@@ -13,7 +13,7 @@ from _bounds import FP32_LOGPROB_BOUND, STALE_SYNC_MIN, assert_fp32_noise, asser
 from conftest import HERE, LANE_TOKEN
 
 from stapo.rollout import SamplingParams, generate
-from stapo.rollout.server_engine import ServerEngine
+from stapo.servers.engine import ServerEngine
 from stapo.sync.buckets import sync_weights
 
 sys.path.insert(0, str(HERE.parent / "rollout"))

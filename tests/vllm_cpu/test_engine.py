@@ -111,7 +111,7 @@ def test_sync_in_split_buckets_puts_vllm_exactly_on_the_new_weights(engine, hf_m
             p.copy_(t)
     try:
         r = generate(engine, prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=16, seed=1))
-        # the output layer too: Qwen3's tied lm_head is reprocessed (vllm_worker.reprocess_tied_layers)
+        # the output layer too: Qwen3's tied lm_head is reprocessed (stapo.serve.worker_extension.reprocess_tied_layers)
         assert_matches_teacher_forced(hf_model, r, atol=FP32_LOGPROB_BOUND, temperature=1.0)
     finally:
         sync_in_buckets(engine, original, size=5)

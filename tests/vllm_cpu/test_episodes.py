@@ -124,7 +124,7 @@ def test_the_same_seed_gives_the_same_episodes_on_the_colocated_engine(colocated
 def test_server_mode_runs_the_same_episodes(servers, colocated, chains, warm_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from stapo.rollout.server_engine import ServerEngine
+    from stapo.servers.engine import ServerEngine
     from stapo.sync.buckets import sync_weights
 
     remote = ServerEngine([s.address for s in servers], pad_token_id=colocated.pad_token_id, token=LANE_TOKEN)

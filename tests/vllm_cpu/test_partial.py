@@ -18,9 +18,9 @@ from conftest import HERE, LANE_TOKEN, run
 
 from stapo.rollout import Generation, SamplingParams, SegmentRequest
 from stapo.rollout.sampling import vllm_request_kwargs
-from stapo.rollout.server_completions import completion_body, segment_from_reply
-from stapo.rollout.server_engine import ServerEngine
 from stapo.rollout.trajectory import segment_seed
+from stapo.servers.completions import completion_body, segment_from_reply
+from stapo.servers.engine import ServerEngine
 from stapo.sync.buckets import sync_weights
 
 pytestmark = pytest.mark.timeout(1800)

@@ -21,8 +21,8 @@ from test_server_delta import trainer_logprobs
 from test_train import COMMON, samples_of, train
 
 from stapo.rollout import SamplingParams, VLLMEngine, generate
-from stapo.rollout.server_engine import ServerEngine
 from stapo.run_dir import METRICS_FILE, latest_checkpoint, read_metrics, step_of
+from stapo.servers.engine import ServerEngine
 from stapo.telemetry.metrics import training_metrics
 
 sys.path.insert(0, str(HERE.parent / "rollout"))

@@ -1,4 +1,4 @@
-"""rollout.sync=delta against REAL vLLM servers (`stapo serve`, vLLM's CPU build, loopback): delta syncs leave a
+"""rollout.server.sync=delta against REAL vLLM servers (`stapo serve`, vLLM's CPU build, loopback): delta syncs leave a
 server's weights bit-identical to a full sync's — the checksums of the tensors it serves and teacher-forced
 log-probs — over several syncs, after an aborted session and after a restart (docs/rollout.md, "Delta syncs").
 
@@ -14,10 +14,10 @@ import torch
 from _bounds import assert_fp32_noise, report
 from conftest import LANE_TOKEN
 
-from stapo.rollout.server_client import ServerClient
-from stapo.rollout.server_engine import ServerEngine
-from stapo.rollout.weight_delta import checksum
+from stapo.servers.client import ServerClient
+from stapo.servers.engine import ServerEngine
 from stapo.sync.buckets import iter_weight_buckets, sync_weights
+from stapo.sync.weight_delta import checksum
 
 pytestmark = pytest.mark.timeout(1800)
 BUCKET = 2**20  # the tiny model in several buckets

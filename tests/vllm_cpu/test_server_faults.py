@@ -24,17 +24,17 @@ from conftest import FAULT_FIGURES, LANE_TOKEN, ROOT, plain_env
 from test_train import COMMON
 
 from stapo.rollout import SamplingParams, generate
-from stapo.rollout.server_client import ServerClient, ServerError
-from stapo.rollout.server_engine import ServerEngine
-from stapo.rollout.weight_group import (GroupSpec, checked_in, exchange_proofs, let_form, listening_store, namespaced,
-                                       new_nonce, route_address)
 from stapo.run_dir import METRICS_FILE, read_metrics
+from stapo.servers.client import ServerClient, ServerError
+from stapo.servers.engine import ServerEngine
+from stapo.sync.weight_group import (GroupSpec, checked_in, exchange_proofs, let_form, listening_store, namespaced,
+                                       new_nonce, route_address)
 
 pytestmark = pytest.mark.timeout(1800)
 SERVER = ["rollout.mode=server", "trainer.save_every=1", "trainer.keep_last=4"]
 # The mid-sync kills run with delta syncs, at a learning rate where some of the fp32 weights change in a step
 # (at the lane's 2e-4 every one does and each bucket would go whole): a delta is in flight when they strike.
-DELTA = ["rollout.sync=delta", "optim.lr=3e-10"]
+DELTA = ["rollout.server.sync=delta", "optim.lr=3e-10"]
 
 
 def figure(what: str, seconds: float) -> None:
@@ -233,7 +233,7 @@ def test_a_sigstopped_server_is_declared_down_within_the_bound(both, warm_model_
     bound = 8.0
     out = tmp_path / "stopped"
     trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3",
-                     f"rollout.server_down_after_s={bound}", "rollout.health_interval_s=1", "rollout.health_timeout_s=2")
+                     f"rollout.server.down_after_s={bound}", "rollout.server.health_interval_s=1", "rollout.server.health_timeout_s=2")
     lines = Lines(trainer)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline and not _trained_steps(out) and trainer.poll() is None:
@@ -251,7 +251,7 @@ def test_a_sigstopped_server_is_declared_down_within_the_bound(both, warm_model_
     assert declared is not None, stderr[-3000:]
     # found by a state read (2 s) before its next requests, or by the health watch (bound + a probe period)
     assert declared - stopped <= bound + 1 + 2 + 5, declared - stopped
-    figure(f"SIGSTOPped server declared down (rollout.server_down_after_s={bound:g})", declared - stopped)
+    figure(f"SIGSTOPped server declared down (rollout.server.down_after_s={bound:g})", declared - stopped)
 
 
 class FaultProxy:
@@ -347,9 +347,9 @@ def test_a_server_with_another_dtype_or_tokenizer_is_one_clear_error_at_start(bo
             from stapo.config import STAPOConfig
             from stapo.trainer.server_setup import build_server_engine
 
-            cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", f"rollout.servers=[{server.address}]",
+            cfg = STAPOConfig.from_yaml(None, ["rollout.mode=server", f"rollout.server.addresses=[{server.address}]",
                                                "model.dtype=fp32",
-                                               f"rollout.server_token_file={lane_token_file(tmp_path)}"])
+                                               f"rollout.server.token_file={lane_token_file(tmp_path)}"])
             build_server_engine(cfg, str(warm_model_dir), AutoTokenizer.from_pretrained(warm_model_dir), torch.float32)
     finally:
         server.kill()
@@ -358,14 +358,14 @@ def test_a_server_with_another_dtype_or_tokenizer_is_one_clear_error_at_start(bo
 
 
 def test_one_5xx_mid_stream_is_retried_on_its_server_not_marked_down(both, prompts, caplog):
-    """rollout.request_retries applies to streamed segments (rollout.partial) as to whole requests: the first
+    """rollout.server.request_retries applies to streamed segments (rollout.partial) as to whole requests: the first
     stream breaks off after a few real tokens with the 500 event vLLM streams when a step fails; the segment
     runs again on the same server with the same seed (what the broken stream gave is dropped) and the server
     stays in service."""
     from stapo.rollout import SegmentRequest
     from stapo.rollout.sampling import vllm_request_kwargs
-    from stapo.rollout.server_completions import completion_body, segment_from_reply
-    from stapo.rollout.server_engine import ServerLimits
+    from stapo.servers.completions import completion_body, segment_from_reply
+    from stapo.servers.engine import ServerLimits
 
     error = {"error": {"object": "error", "message": "EngineCore step failed", "type": "InternalServerError",
                        "param": None, "code": 500}}

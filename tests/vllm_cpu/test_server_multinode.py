@@ -31,7 +31,7 @@ def _run(config, logs, overrides) -> None:
 
 def test_two_nodes_train_through_a_server_checkpoint_and_resume(servers, tmp_path, tiny_model_dir, arithmetic_jsonl):
     overrides = [f"trainer.total_steps={STEPS}", f"reward.function={REWARD}", "rollout.mode=server",
-                 f"rollout.server_token_file={lane_token_file(tmp_path)}",  # the launchers' environment has no secret
+                 f"rollout.server.token_file={lane_token_file(tmp_path)}",  # the launchers' environment has no secret
                  servers_override(servers[0]), "model.dtype=fp32"]
     straight = _write_config(tmp_path / "straight.yaml", tmp_path / "straight", tiny_model_dir, arithmetic_jsonl)
     _run(straight, tmp_path / "logs_straight", overrides)

@@ -20,10 +20,11 @@ from _servers import VLLMServer
 from conftest import LANE_TOKEN
 from test_server_faults import figure, state, status
 
-from stapo.rollout import SamplingParams, generate, server_weights
-from stapo.rollout.server_engine import ServerEngine
-from stapo.rollout.server_secret import trainer_secret
-from stapo.rollout.weight_group import GroupSpec, listening_store, new_nonce
+from stapo.rollout import SamplingParams, generate
+from stapo.serve.secret import trainer_secret
+from stapo.servers.engine import ServerEngine
+from stapo.sync import broadcast
+from stapo.sync.weight_group import GroupSpec, listening_store, new_nonce
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -127,7 +128,7 @@ def test_a_process_with_the_stores_port_neither_stops_nor_joins_a_real_sync(both
         stranger.set("stapo/go", "off")  # the old protocol's go
         listed.append(stranger.list_keys())
         return store
-    monkeypatch.setattr(server_weights, "listening_store", attacked)
+    monkeypatch.setattr(broadcast, "listening_store", attacked)
     engine = ServerEngine([s.address for s in both], pad_token_id=0, token=LANE_TOKEN)
     model = AutoModelForCausalLM.from_pretrained(str(warm_model_dir), dtype=torch.float32)
     start = time.monotonic()

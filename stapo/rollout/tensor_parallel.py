@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from stapo.rollout import RolloutEngine, SamplingParams, Segment, SegmentRequest
+from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
+from stapo.rollout.sampling import SamplingParams
 
 
 def tensor_parallel_group(tensor_parallel_size: int):

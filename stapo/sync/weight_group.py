@@ -1,14 +1,14 @@
 """The process group of one weight sync into vLLM servers, and the proofs that keep strangers out of it.
 
-A sync session (``rollout.mode: server``; `stapo.rollout.server_weights`) joins the trainer (rank 0,
+A sync session (``rollout.mode: server``; `stapo.sync.broadcast`) joins the trainer (rank 0,
 the broadcast's source) and every server worker in a group of its own: gloo on CPU, NCCL between GPUs.
 The session's random nonce travels only in the authenticated HTTP call that asks a server to join
 (`GroupSpec.nonce`); everything else is tied to it:
 
-* **where it listens**: the trainer's TCPStore binds ``rollout.sync_host`` only (a socket bound to that
+* **where it listens**: the trainer's TCPStore binds ``rollout.server.sync_host`` only (a socket bound to that
   address, handed to the store); gloo's sockets bind the same address on the trainer's side and, on a
   server's, its address on the route to the trainer. A server joins only a store at the address its join
-  call came from (`stapo.rollout.server_guard`), within its own time bounds (`GroupSpec.bounded`);
+  call came from (`stapo.serve.guard`), within its own time bounds (`GroupSpec.bounded`);
 * **the store**: a TCPStore authenticates nobody and lists its keys to any client (``list_keys``). So every
   key the join waits for is named by an HMAC of the nonce (`proof`) — a worker's check-in, the trainer's go
   — and cannot be created by anyone without the nonce before its owner creates it; the go's value is a proof
@@ -83,7 +83,7 @@ def is_loopback(host: str) -> bool:
 
 
 def sync_address(addresses: Sequence[str], configured: str | None) -> str:
-    """The trainer's address for the weight group: ``rollout.sync_host`` (a name resolved: a server checks the
+    """The trainer's address for the weight group: ``rollout.server.sync_host`` (a name resolved: a server checks the
     store's address against the one the trainer calls from), else loopback when every server is local, else this
     machine's address on the route to the servers (one route for all, or ValueError)."""
     if configured:
@@ -93,14 +93,14 @@ def sync_address(addresses: Sequence[str], configured: str | None) -> str:
             try:
                 return socket.getaddrinfo(configured, None, type=socket.SOCK_STREAM)[0][4][0]
             except OSError as err:
-                raise ValueError(f"rollout.sync_host {configured!r} does not resolve ({err})") from None
+                raise ValueError(f"rollout.server.sync_host {configured!r} does not resolve ({err})") from None
     hosts = [a.rpartition(":")[0].strip("[]") for a in addresses]
     if all(is_loopback(h) for h in hosts):
         return "127.0.0.1"
     routes = {route_address(h) for h in hosts}
     if len(routes) > 1:
         raise ValueError(f"the rollout servers are reached through different addresses of this machine "
-                         f"({sorted(routes)}): set rollout.sync_host to the one they all reach the trainer at")
+                         f"({sorted(routes)}): set rollout.server.sync_host to the one they all reach the trainer at")
     return routes.pop()
 
 

@@ -9,9 +9,9 @@ what ``rollout.mode: server`` needs added, unless the options already say otherw
   drawn from (temperature, top-k, top-p), as the colocated engine reports it;
 - ``--host 127.0.0.1``: loopback only unless ``--host`` says otherwise;
 - ``STAPO_SERVER_TOKEN``: the shared secret, always — the user's, else the one in ``--token-file`` or in the
-  default file, created there when missing (`stapo.rollout.server_secret`; ``stapo serve`` names the file on
+  default file, created there when missing (`stapo.serve.secret`; ``stapo serve`` names the file on
   its first line);
-- ``--middleware`` `stapo.rollout.server_guard.ServerGuard`: every route but ``/health`` needs the
+- ``--middleware`` `stapo.serve.guard.ServerGuard`: every route but ``/health`` needs the
   secret, ``/collective_rpc`` takes stapo's worker methods only, vLLM's other control routes
   are refused (docs/rollout.md, "Security"); vLLM's own ``--api-key`` is refused (it guards ``/v1``
   only, and the secret covers it);
@@ -19,7 +19,7 @@ what ``rollout.mode: server`` needs added, unless the options already say otherw
   ``X-Forwarded-For`` header names;
 - ``VLLM_SERVER_DEV_MODE=1``: vLLM serves ``/collective_rpc`` and ``/reset_prefix_cache`` only then;
 - ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=900`` unless set: a worker inside a weight sync's receive waits up to
-  ``rollout.sync_timeout_s`` (300 s) for the trainer, and the engine's next step waits behind it; at vLLM's
+  ``rollout.server.sync_timeout_s`` (300 s) for the trainer, and the engine's next step waits behind it; at vLLM's
   300 s default its watchdog, not the sync, would end a wait for a hung trainer — by killing the engine;
 - on vLLM's CPU build, the colocated engine's CPU settings (`cpu_engine_kwargs`): whole-prompt prefill
   and a fixed KV cache (``VLLM_CPU_KVCACHE_SPACE``, GiB).
@@ -34,20 +34,37 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from stapo.rollout.server_guard import GUARD_MIDDLEWARE
-from stapo.rollout.server_secret import TOKEN_ENV
-from stapo.rollout.vllm_engine import CPU_KV_CACHE_BYTES
-from stapo.rollout.vllm_worker import WORKER_EXTENSION
-from stapo.rollout.weight_group import STEP_TIMEOUT_ENV
+from stapo.serve.guard import GUARD_MIDDLEWARE
+from stapo.serve.secret import TOKEN_ENV
+from stapo.serve.worker_extension import WORKER_EXTENSION
+from stapo.sync.weight_group import STEP_TIMEOUT_ENV
 
-__all__ = ["SERVER_MODULE", "serve_command", "take_token_file"]
+__all__ = ["CPU_KV_CACHE_BYTES", "SERVER_MODULE", "cpu_engine_kwargs", "serve_command", "take_token_file"]
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LOOPBACK = "127.0.0.1"
-# vLLM's limit on one engine step; above rollout.sync_timeout_s (keep it so) so a stalled sync fails first
+CPU_KV_CACHE_BYTES = 2 * 2**30  # vLLM's CPU build: KV cache size when neither the caller nor the env sets one
+# vLLM's limit on one engine step; above rollout.server.sync_timeout_s (keep it so) so a stalled sync fails first
 STEP_TIMEOUT_S = 900
 # options stapo reads, or that change what stapo guards: each given at most once, never abbreviated
 _READ = ("--host", "--api-key", "--max-model-len", "--token-file")
+
+
+def cpu_engine_kwargs(max_model_len: int, env: Mapping[str, str]) -> dict:
+    """`vllm.LLM` settings for vLLM's CPU build, the colocated engine's and (as options) `stapo serve`'s
+    (pure; the CPU build's source, 0.32):
+
+    - ``kv_cache_memory_bytes``: there ``gpu_memory_utilization`` is a fraction of the machine's RAM
+      reserved per engine (so two ranks at 0.5 ask for all of it); a fixed KV cache fits instead,
+      unless ``VLLM_CPU_KVCACHE_SPACE`` (GiB, vLLM's own knob) is set.
+    - ``enable_chunked_prefill=False``: a partially prefilled seeded request makes the CPU model
+      runner rewind its torch.Generator's offset, which CPU generators refuse ("CPU Generator does
+      not use offset"); whole prompts in one step never take that path.
+    """
+    out = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
+    if "VLLM_CPU_KVCACHE_SPACE" not in env:
+        out["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    return out
 
 
 def _name(arg: str) -> str | None:
@@ -98,7 +115,7 @@ def take_token_file(args: Sequence[str]) -> tuple[str | None, list[str]]:
 def serve_command(model: str, vllm_args: Sequence[str], python: str, env: Mapping[str, str],
                   on_cpu: bool, secret: str | None = None) -> tuple[list[str], dict[str, str]]:
     """``(argv, environment)`` of the server process (pure: the caller executes it); ``secret``: the shared
-    secret it guards its routes with (`stapo.rollout.server_secret.serve_secret`)."""
+    secret it guards its routes with (`stapo.serve.secret.serve_secret`)."""
     if not model or model.startswith("-"):
         raise ValueError("stapo serve needs the model first: stapo serve MODEL [vLLM server options]")
     args = list(vllm_args)

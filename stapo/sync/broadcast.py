@@ -5,20 +5,20 @@ session — begin, one load per bucket, finish — over the network:
 
 1. ``open``: the trainer (global rank 0) hosts a TCPStore on ``sync_host`` only and asks every server,
    over its authenticated ``/collective_rpc`` route, to join this session's process group
-   (`stapo.rollout.weight_group.GroupSpec`, with a fresh nonce): rank 0 is the trainer, each server's
+   (`stapo.sync.weight_group.GroupSpec`, with a fresh nonce): rank 0 is the trainer, each server's
    workers follow (a tensor-parallel server's workers each receive the full tensors; vLLM's
    ``load_weights`` shards them). The group's first collective is the exchange of proofs of the nonce
-   (`stapo.rollout.weight_group.exchange_proofs`): no weight byte moves to or from a stranger;
+   (`stapo.sync.weight_group.exchange_proofs`): no weight byte moves to or from a stranger;
 2. ``send`` per bucket: the layout goes as JSON in an RPC and the bytes by ONE ``broadcast`` from rank 0
    (NCCL between GPUs, gloo on CPU — the same session, so vLLM's CPU build runs it in CI); the servers
-   stage them (`stapo.rollout.server_worker`) and return the checksum of what they received;
+   stage them (`stapo.serve.staging`) and return the checksum of what they received;
 3. ``close``: every server loads what it staged and records the policy version; then its prefix cache is
    dropped (its KV entries came from the old weights).
 
-Every bucket carries rank 0's checksum (`stapo.rollout.weight_delta.checksum`): a server whose checksum differs
+Every bucket carries rank 0's checksum (`stapo.sync.weight_delta.checksum`): a server whose checksum differs
 is not committed (it is aborted and reported as failed; its commit would be refused anyway). With
-``rollout.sync: delta`` the session takes rank 0's copy of what the servers hold
-(`stapo.rollout.weight_delta.SentWeights`): a bucket may go as its changed words only, and a server that failed a
+``rollout.server.sync: delta`` the session takes rank 0's copy of what the servers hold
+(`stapo.sync.weight_delta.SentWeights`): a bucket may go as its changed words only, and a server that failed a
 checksum gets a full sync next time.
 
 Any failure raises `SyncFailed`; ``abort`` then drops the group (which releases a worker blocked in a
@@ -34,21 +34,36 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from stapo.rollout.bucket_format import pack_bucket_tensor
-from stapo.rollout.server_client import ServerClient, ServerError
-from stapo.rollout.weight_delta import SentWeights, TransferStats, checksum
-from stapo.rollout.weight_group import (GroupSpec, call_off, checked_in, exchange_proofs, let_form, listening_store,
+from stapo.sync.bucket_format import pack_bucket_tensor
+from stapo.sync.weight_delta import SentWeights, TransferStats, checksum
+from stapo.sync.weight_group import (GroupSpec, call_off, checked_in, exchange_proofs, let_form, listening_store,
                                        namespaced, new_nonce)
 
-__all__ = ["BroadcastSession", "SyncFailed", "transfer_backend"]
+__all__ = ["BroadcastSession", "CallFailed", "ServerCalls", "SyncFailed", "transfer_backend"]
 
 log = logging.getLogger("stapo.rollout")
+
+
+class CallFailed(RuntimeError):
+    """A call to one server failed (`stapo.servers.client.ServerError` is one)."""
+
+
+class ServerCalls(Protocol):
+    """What a session needs of one server, and all it knows of it (`stapo.servers.client.ServerClient` is one):
+    its address, an RPC into its workers and a POST, each raising `CallFailed` when the server fails."""
+
+    address: str
+
+    def rpc(self, method: str, *args: str, timeout_s: float | None = None) -> list: ...
+
+    def post(self, path: str, body: dict, timeout_s: float | None = None) -> dict: ...
 
 
 class SyncFailed(RuntimeError):
@@ -85,10 +100,10 @@ class BroadcastSession:
 
     ``sync_host``: the address the servers reach the trainer at (the store and gloo bind it);
     ``timeout_s``: the limit of each step (the group's formation, one bucket, the commit); ``sent``: rank 0's
-    copy of the servers' weights (``rollout.sync: delta``; None: full syncs as before); ``delta``: buckets may go
+    copy of the servers' weights (``rollout.server.sync: delta``; None: full syncs as before); ``delta``: buckets may go
     as their changes (every server holds ``sent``)."""
 
-    def __init__(self, servers: Sequence[tuple[ServerClient, int]], sync_host: str, timeout_s: float = 300.0,
+    def __init__(self, servers: Sequence[tuple[ServerCalls, int]], sync_host: str, timeout_s: float = 300.0,
                  backend: str | None = None, join_timeout_s: float = 30.0, sent: SentWeights | None = None,
                  delta: bool = False) -> None:
         if not servers:
@@ -100,7 +115,7 @@ class BroadcastSession:
         self.timeout_s = timeout_s
         self.join_timeout_s = min(join_timeout_s, timeout_s)
         self.nonce = new_nonce()
-        self.reached: list[ServerClient] = []  # servers asked to join (abort goes to them)
+        self.reached: list[ServerCalls] = []  # servers asked to join (abort goes to them)
         self.sent, self.delta = sent, delta and sent is not None
         self.stats = TransferStats()
         self.mismatched: dict[str, str] = {}  # server address -> the first bucket whose checksum differed
@@ -192,7 +207,7 @@ class BroadcastSession:
                             "its weights this time and gets a full sync next", client.address,
                             self.mismatched[client.address])
 
-    def close(self, version: int | None) -> list[tuple[ServerClient, str]]:
+    def close(self, version: int | None) -> list[tuple[ServerCalls, str]]:
         """Commit on every server (it then holds policy ``version``) and drop their prefix caches; a server
         whose checksum differed is aborted instead. Returns the servers that failed the commit or the cache
         reset, or were aborted, with why (the others hold the new weights)."""
@@ -205,7 +220,7 @@ class BroadcastSession:
             try:
                 future.result(timeout=self.timeout_s + 5)
                 client.post("/reset_prefix_cache", {}, self.timeout_s)
-            except (ServerError, FutureTimeout) as err:
+            except (CallFailed, FutureTimeout) as err:
                 failed.append((client, f"weight commit or prefix-cache reset failed: {err}"))
         for client, _ in self.servers:
             if client.address in self.mismatched:
@@ -222,11 +237,11 @@ class BroadcastSession:
         self.reached = []
         return silent
 
-    def _abort_one(self, client: ServerClient) -> bool:
+    def _abort_one(self, client: ServerCalls) -> bool:
         try:
             client.rpc("stapo_abort_weight_update", self.nonce, timeout_s=self.join_timeout_s)
             return True
-        except ServerError as err:
+        except CallFailed as err:
             log.warning("weight sync: rollout server %s did not take the abort (%s)", client.address, err)
             return False
 
@@ -243,7 +258,7 @@ class BroadcastSession:
         for (client, _), future in zip(self.servers, futures):
             try:
                 results.append(future.result(timeout=self.timeout_s + 5))
-            except (ServerError, FutureTimeout) as err:
+            except (CallFailed, FutureTimeout) as err:
                 failed.append((client.address, str(err) or "no answer"))
         if failed:
             raise SyncFailed(f"weight sync {step}: " + "; ".join(why for _, why in failed), [a for a, _ in failed])

@@ -3,8 +3,8 @@
 Standard library only (``http.client``): the trainer talks to vLLM's OpenAI-compatible server
 (``/v1/completions`` with token-id prompts, ``/v1/models``), its health route and — the server started
 by ``stapo serve`` — its ``/collective_rpc`` and ``/reset_prefix_cache`` routes, which reach stapo's
-worker extension (`stapo.rollout.server_worker`). Every call carries the shared secret as
-``Authorization: Bearer <secret>`` (`stapo.rollout.server_guard`, `stapo.rollout.server_secret`).
+worker extension (`stapo.serve.staging`). Every call carries the shared secret as
+``Authorization: Bearer <secret>`` (`stapo.serve.guard`, `stapo.serve.secret`).
 
 Every failure is a `ServerError` that says what kind it was, because the engine treats them differently:
 a request error (4xx) fails that request only; an unreachable server, a timeout, a 5xx after retries or
@@ -21,13 +21,15 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from stapo.sync.broadcast import CallFailed
+
 __all__ = ["ABORTED", "DOWN", "HTTP", "MALFORMED", "TIMEOUT", "ConnectionTracker", "ServerClient", "ServerError",
            "parse_address"]
 
 DOWN, TIMEOUT, HTTP, MALFORMED, ABORTED = "down", "timeout", "http", "malformed", "aborted"
 
 
-class ServerError(RuntimeError):
+class ServerError(CallFailed):
     """A rollout server did not answer, timed out, answered with an HTTP error or with a reply that is not
     what it should be. ``kind``: `DOWN` (nothing listens, connection reset), `TIMEOUT`, `HTTP` (``status``),
     `MALFORMED`, `ABORTED` (the engine cut the request: the server stopped answering its health route)."""
@@ -219,7 +221,7 @@ class ServerClient:
             reply = conn.getresponse()
             if reply.status >= 400:
                 detail = reply.read().decode(errors="replace")[-500:]
-                hint = " (the server needs the shared secret: STAPO_SERVER_TOKEN or rollout.server_token_file)" \
+                hint = " (the server needs the shared secret: STAPO_SERVER_TOKEN or rollout.server.token_file)" \
                     if reply.status == 401 else ""
                 raise ServerError(self.address, f"HTTP {reply.status} on {method} {path}: {detail}{hint}",
                                   status=reply.status)

@@ -1,10 +1,10 @@
 """A vLLM SERVER's side of a weight sync (``rollout.mode: server``), inside vLLM's worker.
 
-`StapoWorkerExtension` (stapo.rollout.vllm_worker) mixes this in; the trainer reaches these methods
-through the server's ``/collective_rpc`` route, which `stapo.rollout.server_guard` opens to exactly
+`StapoWorkerExtension` (stapo.serve.worker_extension) mixes this in; the trainer reaches these methods
+through the server's ``/collective_rpc`` route, which `stapo.serve.guard` opens to exactly
 `SERVER_RPC_METHODS` (string arguments only, behind the shared secret). A sync is one session:
 
-1. ``stapo_join_weight_group(spec)``: join the session's process group (`stapo.rollout.weight_group`),
+1. ``stapo_join_weight_group(spec)``: join the session's process group (`stapo.sync.weight_group`),
    within this server's own time bounds (`GroupSpec.bounded`), and check that rank 0 proves the session
    nonce — before a single weight byte;
 2. ``stapo_receive_bucket(layout)`` per bucket: receive its bytes by broadcast and STAGE them on the
@@ -18,7 +18,7 @@ staged bytes go, the served weights and the policy version stay what they were. 
 memory of one copy of the weights per worker (what a sync sends) and keeps an aborted sync — a server
 or the trainer dying mid-way — from ever leaving a mix of two policies in a server.
 
-Delta syncs (``rollout.sync: delta``, `stapo.rollout.weight_delta`): each worker keeps a host copy of the
+Delta syncs (``rollout.server.sync: delta``, `stapo.sync.weight_delta`): each worker keeps a host copy of the
 buckets it last committed (``_stapo_kept``: one more copy of the weights per worker). A bucket may then come
 as its changed words only; the worker applies them to a copy of its kept bucket, checks the checksum of the
 result against the trainer's, and stages only the change. The kept copy changes at the commit and never
@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stapo.rollout.bucket_format import unpack_tensors
-from stapo.rollout.weight_delta import apply_delta, checksum, decode_delta, layout_key
-from stapo.rollout.weight_group import STEP_TIMEOUT_ENV, VLLM_STEP_TIMEOUT_S, GroupSpec
+from stapo.sync.bucket_format import unpack_tensors
+from stapo.sync.weight_delta import apply_delta, checksum, decode_delta, layout_key
+from stapo.sync.weight_group import STEP_TIMEOUT_ENV, VLLM_STEP_TIMEOUT_S, GroupSpec
 
 __all__ = ["SERVER_RPC_METHODS", "ServerWorkerMixin"]
 
-# The only worker methods a server's /collective_rpc route accepts (stapo.rollout.server_guard).
+# The only worker methods a server's /collective_rpc route accepts (stapo.serve.guard).
 SERVER_RPC_METHODS = frozenset({
     "stapo_policy_version", "stapo_server_state", "stapo_fingerprint", "stapo_join_weight_group",
     "stapo_receive_bucket", "stapo_commit_weight_update", "stapo_abort_weight_update", "stapo_weight_checksums",
@@ -61,7 +61,7 @@ class _Session:
     device: torch.device  # where the broadcast lands (the GPU for NCCL)
     opened: float = field(default_factory=time.time)
     staged: list = field(default_factory=list)  # [(layout, host uint8 bytes | None, delta | None)] in order
-    keep: bool = False  # rollout.sync: delta — the committed buckets become the worker's kept copy
+    keep: bool = False  # rollout.server.sync: delta — the committed buckets become the worker's kept copy
     mismatched: list = field(default_factory=list)  # buckets whose checksum differs from the trainer's
 
 
@@ -90,11 +90,11 @@ class ServerWorkerMixin:
                            "session_age_s": None if session is None else round(time.time() - session.opened, 3)})
 
     def stapo_fingerprint(self) -> str:
-        """JSON `stapo.rollout.fingerprint` of the served model and tokenizer (computed once)."""
+        """JSON `stapo.serve.fingerprint` of the served model and tokenizer (computed once)."""
         if not hasattr(self, "_stapo_fingerprint"):
             from transformers import AutoTokenizer
 
-            from stapo.rollout.fingerprint import model_fingerprint, tokenizer_fingerprint
+            from stapo.serve.fingerprint import model_fingerprint, tokenizer_fingerprint
 
             mc = self.vllm_config.model_config
             tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
@@ -130,10 +130,10 @@ class ServerWorkerMixin:
         raw = torch.empty(int(spec.get("payload_nbytes", spec["nbytes"])), dtype=torch.uint8, device=session.device)
         if raw.numel():  # an unchanged bucket of a delta sync sends nothing
             session.group.broadcast(raw, 0).wait()
-        if "encoding" in spec:  # rollout.sync: delta
+        if "encoding" in spec:  # rollout.server.sync: delta
             session.keep = True
             result, staged = self._stapo_decode(spec, raw, session.device)
-        else:  # rollout.sync: full
+        else:  # rollout.server.sync: full
             result, staged = raw, (spec, raw if raw.device.type == "cpu" else raw.cpu(), None)
         count = len(unpack_tensors(spec, result))  # validates the layout against the bytes
         mine = checksum(result)

@@ -6,7 +6,7 @@ command line (``/proc/PID/cmdline`` is readable by every local process):
 
 * `stapo serve`: ``STAPO_SERVER_TOKEN`` from its environment, else the file ``--token-file`` names, else
   `default_token_file` — read when it exists, created (mode 0600, a fresh random secret) when it does not;
-* the trainer: ``STAPO_SERVER_TOKEN``, else ``rollout.server_token_file``, else the default file when it
+* the trainer: ``STAPO_SERVER_TOKEN``, else ``rollout.server.token_file``, else the default file when it
   exists. On one machine the two meet in the default file: the user does nothing.
 
 A file is read only when it is a regular file of this user that nobody else can read: a file someone else
@@ -93,7 +93,7 @@ def serve_secret(env: Mapping[str, str], token_file: str | None, create: bool = 
         return check_secret(given, TOKEN_ENV), f"the shared secret is {TOKEN_ENV} from the environment"
     path = Path(token_file).expanduser().absolute() if token_file else default_token_file(env)
     trainer = ("the trainer on this machine reads it by default" if not token_file
-               else f"give the trainer rollout.server_token_file={path}")
+               else f"give the trainer rollout.server.token_file={path}")
     if path.exists():
         return read_token_file(path), f"the shared secret is in {path} (read; {trainer})"
     if not create:
@@ -108,7 +108,7 @@ def trainer_secret(env: Mapping[str, str], token_file: str | None) -> str | None
     if token_file:
         from_file = read_token_file(Path(token_file).expanduser())
         if given is not None and not hmac.compare_digest(given, from_file):
-            raise ValueError(f"{TOKEN_ENV} and rollout.server_token_file ({token_file}) hold different secrets: "
+            raise ValueError(f"{TOKEN_ENV} and rollout.server.token_file ({token_file}) hold different secrets: "
                              "unset one")
         return from_file
     if given is not None:

@@ -1,7 +1,7 @@
 """`ServerEngine`: rollouts from vLLM server processes of their own (``rollout.mode: server``).
 
 The colocated `VLLMEngine` shares each trainer rank's GPU; here generation runs on separate vLLM
-servers (``stapo serve MODEL``, any node) listed in ``rollout.servers``, so rollout and training
+servers (``stapo serve MODEL``, any node) listed in ``rollout.server.addresses``, so rollout and training
 GPUs can be sized apart and overlap (``rollout.max_staleness``; docs/rollout.md, "Rollout servers").
 It is the same `RolloutEngine`:
 
@@ -10,15 +10,12 @@ It is the same `RolloutEngine`:
   ``logprobs=0`` (the sampled token's log-prob; the server runs with ``--logprobs-mode processed_logprobs``,
   as the colocated engine does); with ``stream`` (``rollout.partial``) it is streamed, so `interrupt` (a
   weight sync about to start) can cut it and keep what it produced;
-- at start every server must answer, serve the trainer's model and tokenizer (`stapo.rollout.fingerprint`)
+- at start every server must answer, serve the trainer's model and tokenizer (`stapo.serve.fingerprint`)
   and report its ``max_model_len``; a session a stopped trainer left open is aborted (rank 0);
-- every request, whole or streamed, goes through `ServerPool.run`: to the live server with the fewest
-  requests in flight; a 5xx or a malformed reply is retried (``retries``, each logged), then the server is
-  declared down and the request goes to another; so is a server that does not answer, or stops answering
-  its health route while requests are in flight; with no server left, `NoRolloutServers`. A request error
-  (4xx) fails that request only: its segment comes back empty (``finish`` ``"error"``, a warning names the
-  server and why). A failed attempt's tokens are dropped, and its retry has the same seed: a fault never
-  changes what is sampled;
+- every request, whole or streamed, goes through `ServerPool.run` (the one retry, backoff and failover
+  policy: `stapo.servers.pool`). A request error (4xx) fails that request only: its segment comes back
+  empty (``finish`` ``"error"``, a warning names the server and why). A failed attempt's tokens are
+  dropped, and its retry has the same seed: a fault never changes what is sampled;
 - before each generation the servers' state is read: one that holds another policy version than the last
   sync (restarted, or down during a sync) serves again only after the next sync has reached it;
 - weights: only the engine built with ``sends_weights`` (the trainer's global rank 0) runs the session
@@ -26,7 +23,7 @@ It is the same `RolloutEngine`:
   collective, so every bucket still comes by and is dropped — it is aborted on every server it reached
   (each keeps its weights), the servers that failed are marked down, and ``last_sync`` says what
   happened: the trainer retries with the rest (`stapo.trainer.rollouts`);
-- ``sync="delta"`` (``rollout.sync``): rank 0 keeps a copy of what the servers hold (`SentWeights`) and sends
+- ``sync="delta"`` (``rollout.server.sync``): rank 0 keeps a copy of what the servers hold (`SentWeights`) and sends
   each bucket's changed words when that is smaller; a sync is full when any server does not hold the copy
   (restarted, or it missed a sync or failed a checksum). ``last_sync.transfer`` says what was sent.
 """
@@ -43,31 +40,31 @@ from dataclasses import dataclass
 import torch
 
 from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
-from stapo.rollout.fingerprint import first_difference
 from stapo.rollout.sampling import SamplingParams, vllm_request_kwargs
-from stapo.rollout.server_client import ABORTED, MALFORMED, ServerClient, ServerError, parse_address
-from stapo.rollout.server_completions import completion_body, read_chunk, segment_from_reply
-from stapo.rollout.server_pool import NoRolloutServers, ServerPool
-from stapo.rollout.server_weights import BroadcastSession, SyncFailed
-from stapo.rollout.weight_delta import SentWeights, TransferStats
-from stapo.rollout.weight_group import sync_address
+from stapo.serve.fingerprint import first_difference
+from stapo.servers.client import ABORTED, MALFORMED, ServerClient, ServerError, parse_address
+from stapo.servers.completions import completion_body, read_chunk, segment_from_reply
+from stapo.servers.pool import NoRolloutServers, ServerPool
+from stapo.sync.broadcast import BroadcastSession, SyncFailed
+from stapo.sync.weight_delta import SentWeights, TransferStats
+from stapo.sync.weight_group import sync_address
 
 __all__ = ["NoRolloutServers", "SYNC_MODES", "ServerEngine", "ServerLimits", "ServerPool", "SyncOutcome",
            "sync_address"]
 
-SYNC_MODES = ("full", "delta")  # rollout.sync
+SYNC_MODES = ("full", "delta")  # rollout.server.sync
 
 log = logging.getLogger("stapo.rollout")
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Every time limit and retry count of server mode (``rollout.*``; docs/rollout.md, "Faults")."""
+    """Every time limit and retry count of server mode (the ``rollout.server.*`` of the same names)."""
 
     request_timeout_s: float = 600.0  # one request's limit before its tokens are counted ...
     request_timeout_per_token_s: float = 0.1  # ... plus this per token of max_new_tokens
     request_retries: int = 2  # retries of a 5xx / malformed reply on the same server (whole or streamed)
-    server_down_after_s: float = 60.0  # no /health answer for this long while requests are in flight: down
+    down_after_s: float = 60.0  # no /health answer for this long while requests are in flight: down
     health_interval_s: float = 5.0  # probe period of the servers with requests in flight
     health_timeout_s: float = 5.0  # one probe's (and one state read's) limit
     sync_timeout_s: float = 300.0  # each step of a weight session (group formation, one bucket, the commit)
@@ -99,7 +96,7 @@ class ServerEngine(RolloutEngine):
         limits: time limits and retries (`ServerLimits`).
         token: the shared secret the servers were started with (``STAPO_SERVER_TOKEN``), or None.
         sync_host: the trainer's address the servers reach for the weight group (`sync_address`).
-        fingerprint: the trainer's `stapo.rollout.fingerprint` (``{"model", "tokenizer"}``); None: not checked.
+        fingerprint: the trainer's `stapo.serve.fingerprint` (``{"model", "tokenizer"}``); None: not checked.
         sync: ``full`` (every bucket whole) or ``delta`` (changed words where smaller; module docstring).
         stream: stream every segment, so `interrupt` can cut it (``rollout.partial``); else plain calls.
         tokenizer: the policy's tokenizer, for callers that decode (the servers decode their own text).
@@ -109,14 +106,14 @@ class ServerEngine(RolloutEngine):
                  limits: ServerLimits = ServerLimits(), token: str | None = None, sync_host: str | None = None,
                  fingerprint: dict | None = None, sync: str = "full", stream: bool = False, tokenizer=None) -> None:
         if not servers:
-            raise ValueError("rollout.mode=server needs rollout.servers (host:port of each `stapo serve`)")
+            raise ValueError("rollout.mode=server needs rollout.server.addresses (host:port of each `stapo serve`)")
         if sync not in SYNC_MODES:
-            raise ValueError(f"rollout.sync must be one of {list(SYNC_MODES)}, got {sync!r}")
+            raise ValueError(f"rollout.server.sync must be one of {list(SYNC_MODES)}, got {sync!r}")
         self.sent = SentWeights() if sync == "delta" and sends_weights else None  # rank 0's copy of the servers'
         self.limits = limits
         addresses = [parse_address(a) for a in servers]
         self.pool = ServerPool([ServerClient(a, limits.request_timeout_s, token) for a in addresses],
-                               down_after_s=limits.server_down_after_s, probe_interval_s=limits.health_interval_s,
+                               down_after_s=limits.down_after_s, probe_interval_s=limits.health_interval_s,
                                probe_timeout_s=limits.health_timeout_s, retries=limits.request_retries)
         self.pad_token_id, self.tokenizer, self.interruptible = pad_token_id, tokenizer, stream
         self.sends_weights = sends_weights
@@ -143,7 +140,7 @@ class ServerEngine(RolloutEngine):
             client.get("/health", timeout_s=30)
         except ServerError as err:
             raise ValueError(f"rollout server {client.address} does not answer ({err}); start it with "
-                             f"`stapo serve MODEL --port {port}` or fix rollout.servers") from None
+                             f"`stapo serve MODEL --port {port}` or fix rollout.server.addresses") from None
         try:
             states = self._states(client, timeout_s=30)
             self._check_model(client)
@@ -151,7 +148,7 @@ class ServerEngine(RolloutEngine):
         except ServerError as err:
             if err.status == 401:
                 raise ValueError(f"rollout server {client.address} needs the shared secret it was started with: give "
-                                 "the trainer STAPO_SERVER_TOKEN or rollout.server_token_file (`stapo serve` names its "
+                                 "the trainer STAPO_SERVER_TOKEN or rollout.server.token_file (`stapo serve` names its "
                                  "file on its first line)") from None
             if err.status in (403, 404, 500) or err.kind == MALFORMED:
                 raise ValueError(f"rollout server {client.address} does not run stapo's worker extension ({err}): "

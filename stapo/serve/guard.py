@@ -9,7 +9,7 @@ by name with any string arguments, sleep / wake, weight-transfer engines, LoRA l
 * answers ``/health`` to anyone (liveness carries no information worth a secret);
 * answers every other route only to a request carrying ``Authorization: Bearer <secret>`` (401 otherwise;
   compared in constant time). The secret is ``STAPO_SERVER_TOKEN`` in the server's environment, which
-  `stapo serve` always sets (`stapo.rollout.server_secret`); a server without a usable one answers 401 to
+  `stapo serve` always sets (`stapo.serve.secret`); a server without a usable one answers 401 to
   everything but ``/health`` — it fails closed, on loopback too;
 * serves the inference routes (``/v1/...``, ``/tokenize``, ``/detokenize``, ``/version``, ``/load``,
   ``/metrics``, ``/ping``), ``/reset_prefix_cache`` and ``/collective_rpc`` — the latter only for
@@ -31,12 +31,12 @@ import ipaddress
 import json
 import os
 
-from stapo.rollout.server_secret import TOKEN_ENV, check_secret
-from stapo.rollout.server_worker import SERVER_RPC_METHODS
+from stapo.serve.secret import TOKEN_ENV, check_secret
+from stapo.serve.staging import SERVER_RPC_METHODS
 
 __all__ = ["GUARD_MIDDLEWARE", "ServerGuard", "authorized", "route_decision", "route_path", "rpc_refusal"]
 
-GUARD_MIDDLEWARE = "stapo.rollout.server_guard.ServerGuard"
+GUARD_MIDDLEWARE = "stapo.serve.guard.ServerGuard"
 OPEN, AUTHENTICATED, FORBIDDEN = "open", "authenticated", "forbidden"
 _SERVED = frozenset({"/tokenize", "/detokenize", "/version", "/load", "/metrics", "/ping", "/reset_prefix_cache",
                      "/collective_rpc"})
@@ -102,7 +102,7 @@ def rpc_refusal(body: bytes, peer: str | None = None) -> str | None:
             return "the join carries no weight-group spec"
         if not _same_host(host, peer):
             return (f"the weight group's store {str(host)[:80]!r} is not at the address this call came from ({peer}): "
-                    "set rollout.sync_host to the trainer's address on the route to this server")
+                    "set rollout.server.sync_host to the trainer's address on the route to this server")
     return None
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from stapo.rollout.server_client import ConnectionTracker, ServerClient, ServerError
+from stapo.servers.client import ConnectionTracker, ServerClient, ServerError
 
 __all__ = ["NoRolloutServers", "ServerPool"]
 
@@ -36,7 +36,7 @@ class NoRolloutServers(RuntimeError):
 
 class ServerPool:
     """The servers and their state (thread-safe); see the module docstring. ``retries``: of a server fault on
-    the same server before it is declared down (``rollout.request_retries``)."""
+    the same server before it is declared down (``rollout.server.request_retries``)."""
 
     def __init__(self, clients: Sequence[ServerClient], *, down_after_s: float = 60.0, probe_interval_s: float = 5.0,
                  probe_timeout_s: float = 5.0, retries: int = 2) -> None:
@@ -160,4 +160,4 @@ class ServerPool:
                         silent = now - self._answered[client.address]
                     if not answered and silent >= self.down_after_s:
                         self.mark_down(client, f"no answer on /health for {silent:.0f} s "
-                                               f"(rollout.server_down_after_s={self.down_after_s:g})")
+                                               f"(rollout.server.down_after_s={self.down_after_s:g})")

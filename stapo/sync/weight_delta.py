@@ -1,4 +1,4 @@
-"""Delta weight syncs into rollout servers (``rollout.sync: delta``; docs/rollout.md, "Delta syncs").
+"""Delta weight syncs into rollout servers (``rollout.server.sync: delta``; docs/rollout.md, "Delta syncs").
 
 At RL learning rates most bf16 weights do not change in a step: an AdamW step of lr 1e-6 moves a weight of
 magnitude 0.02 by 5e-5 of its value, while neighbouring bf16 values lie 0.4-0.8% of a value apart
@@ -7,7 +7,7 @@ servers hold (`SentWeights`) and, per bucket, sends only the elements that chang
 values, in ONE broadcast — when that is smaller than the bucket, else the bucket. A checksum of the resulting
 bytes, computed on both sides, proves every sync bit-exact.
 
-The pieces are functions of flat uint8 buckets (`stapo.rollout.bucket_format`) and run on whatever device
+The pieces are functions of flat uint8 buckets (`stapo.sync.bucket_format`) and run on whatever device
 holds the bytes (the same code on a GPU and a CPU); torch only, vLLM's worker imports this module:
 
 * an *element* is a word as wide as the bucket's narrowest dtype (2 bytes for bf16) and is compared as an

@@ -11,7 +11,7 @@ same description and the trainer compares them at start and whenever a server co
 * ``tokenizer``: vocabulary size, a SHA-256 of the whole vocabulary (token → id) and the BOS / EOS ids.
 
 `first_difference` names the first thing that differs, or None. Needs torch and transformers only (the
-server side runs in vLLM's worker, `stapo.rollout.server_worker`).
+server side runs in vLLM's worker, `stapo.serve.staging`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ short response: the pool retries it and then fails the server over (`ServerPool.
 from __future__ import annotations
 
 from stapo.rollout.engine import Segment, SegmentRequest
-from stapo.rollout.server_client import MALFORMED, ServerError
+from stapo.servers.client import MALFORMED, ServerError
 
 __all__ = ["completion_body", "read_chunk", "segment_from_reply"]
 

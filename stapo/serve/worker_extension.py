@@ -13,11 +13,11 @@
   ``[dtype, shape, buffer-index]`` list. `pack_bucket` therefore turns a bucket into msgpack-native
   values only (str, int, list, bytes): one flat byte string per bucket, one RPC per bucket, no
   pickle, no function objects (so no ``VLLM_ALLOW_INSECURE_SERIALIZATION``);
-* worker behind a vLLM SERVER (``rollout.mode: server``, `stapo.rollout.server_engine`): vLLM's
+* worker behind a vLLM SERVER (``rollout.mode: server``, `stapo.servers.engine`): vLLM's
   ``/collective_rpc`` route passes JSON strings only, so the trainer sends each bucket's layout as
   JSON and its bytes by ``broadcast`` over a process group the worker joins for the session
   (gloo on CPU, NCCL on GPUs), as vLLM's RLHF examples do; the server stages them and loads them at
-  the commit (`stapo.rollout.server_worker`, mixed in here).
+  the commit (`stapo.serve.staging`, mixed in here).
 
 vLLM imports this module by its qualified name inside its worker; at import it needs torch only.
 """
@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from stapo.rollout.bucket_format import unpack_bucket
-from stapo.rollout.server_worker import ServerWorkerMixin
+from stapo.serve.staging import ServerWorkerMixin
+from stapo.sync.bucket_format import unpack_bucket
 
 __all__ = ["WORKER_EXTENSION", "StapoWorkerExtension", "reprocess_tied_layers"]
 
-WORKER_EXTENSION = "stapo.rollout.vllm_worker.StapoWorkerExtension"
+WORKER_EXTENSION = "stapo.serve.worker_extension.StapoWorkerExtension"
 
 
 def reprocess_tied_layers(model: torch.nn.Module) -> int:
