@@ -9,7 +9,7 @@ import copy
 import json
 import sys
 import threading
-import time
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ from stapo.rollout import Generation, SamplingParams, SegmentRequest
 from stapo.rollout.sampling import vllm_request_kwargs
 from stapo.rollout.trajectory import segment_seed
 from stapo.servers.completions import completion_body, segment_from_reply
+import stapo.servers.engine as server_engine
 from stapo.servers.engine import ServerEngine
 from stapo.sync.buckets import sync_weights
 
@@ -29,27 +30,34 @@ pytestmark = pytest.mark.timeout(1800)
 def _cut_by_a_sync(engine: ServerEngine, new_batch, model, version: int) -> tuple[Generation, list]:
     """A batch (``new_batch()``) advanced until a weight sync cuts segments that produced tokens, then
     ``model``'s weights moved by 2% and synced as ``version``. Returns the batch and its trajectories as the cut
-    left them. The cut is timing: it comes at a fraction of the time an uncut batch takes on this machine now
-    (measured first, so that a loaded machine's slow first tokens are waited for), tried again, with a fresh
-    batch when one finished first."""
-    start = time.monotonic()
-    assert new_batch().advance(engine) is True
-    whole = time.monotonic() - start
+    left them. The sync starts once a streamed segment holds tokens and has not finished (seen in the engine's
+    chunk reader): a fixed delay missed it on a loaded machine, where tool turns' segments are short and their
+    tokens come in bursts. Tried again, with a fresh batch when one finished first."""
+    streaming, read_chunk = threading.Event(), server_engine.read_chunk
+
+    def watched(choice, address):
+        ids, logprobs, text, finish = read_chunk(choice, address)
+        if ids and finish is None:
+            streaming.set()
+        return ids, logprobs, text, finish
+
     batch, tries = new_batch(), []
-    for attempt in range(30):
-        result = []
-        worker = threading.Thread(target=lambda: result.append(batch.advance(engine)))
-        worker.start()
-        time.sleep(whole * (0.2 + 0.6 * ((attempt * 0.618) % 1)))  # spread over the batch's run
-        engine.interrupt()  # the sync starts: every segment in flight is cut
-        worker.join(timeout=300)
-        tries.append((result[:], batch.interrupted, sum(t.done for t in batch.trajectories)))
-        if batch.interrupted and result == [False]:
-            break
-        engine.resume()
-        if result == [True]:  # finished first (a cut can also land on a segment's last token): a fresh batch
-            batch = new_batch()
-    assert result == [False] and batch.interrupted >= 1, (whole, tries)  # (result, segments cut, samples done)
+    with mock.patch.object(server_engine, "read_chunk", watched):
+        for _ in range(30):
+            result = []
+            streaming.clear()
+            worker = threading.Thread(target=lambda: result.append(batch.advance(engine)))
+            worker.start()
+            streaming.wait(timeout=10)
+            engine.interrupt()  # the sync starts: every segment in flight is cut
+            worker.join(timeout=300)
+            tries.append((result[:], batch.interrupted, sum(t.done for t in batch.trajectories)))
+            if batch.interrupted and result == [False]:
+                break
+            engine.resume()
+            if result == [True]:  # finished first (a cut can also land on a segment's last token): a fresh batch
+                batch = new_batch()
+    assert result == [False] and batch.interrupted >= 1, tries  # (result, segments cut, samples done)
     cut = copy.deepcopy(batch.trajectories)
     with torch.no_grad():  # the update: new weights
         for p in model.parameters():

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -149,29 +150,23 @@ def _trained_steps(out) -> list[int]:
     return [r["step"] for r in read_metrics(path) if "loss" in r] if path.exists() else []
 
 
-def _freeze_mid_sync(trainer: subprocess.Popen, server, after_step: int, out) -> None:
-    """Stop ``trainer`` (SIGSTOP) at a moment it is inside a weight sync after ``after_step``: freeze it
-    every ~20 ms and look at ``server``: a session open there (between two of the sync's calls), or a server
-    too busy in a sync call to answer, is mid-sync."""
-    client = ServerClient(server.address, token=LANE_TOKEN)
+MID_SYNC = ROOT / "tests" / "vllm_cpu" / "_signal_mid_sync.py"  # the trainer signals itself in the sync to version 2
+
+
+def _stopped_mid_sync(trainer: subprocess.Popen) -> None:
+    """Wait until ``trainer`` (run with MID_SYNC and ``STAPO_LANE_MID_SYNC=stop``) froze itself inside its
+    weight sync: its process state is T (stopped)."""
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline and trainer.poll() is None:
-        if max(_trained_steps(out), default=0) >= after_step:
-            trainer.send_signal(signal.SIGSTOP)
-            try:
-                if client.rpc_json("stapo_server_state", timeout_s=0.5)[0]["session_open"]:
-                    return
-            except ServerError:  # the worker is blocked in the sync's receive: mid-sync
-                return
-            trainer.send_signal(signal.SIGCONT)
-        time.sleep(0.02)
-    raise AssertionError("the trainer was never caught inside a weight sync")
+        if Path(f"/proc/{trainer.pid}/stat").read_text().rpartition(")")[2].split()[0] == "T":
+            return
+        time.sleep(0.1)
+    raise AssertionError("the trainer never stopped inside its weight sync")
 
 
 def test_a_trainer_killed_mid_sync_resumes_with_the_same_servers(both, warm_model_dir, tmp_path):
     out = tmp_path / "killed_trainer"
-    die = ROOT / "tests" / "vllm_cpu" / "_die_mid_sync.py"  # the trainer SIGKILLs itself in the sync to version 2
-    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", *DELTA, imports=[die])
+    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", *DELTA, imports=[MID_SYNC])
     trainer.communicate(timeout=1800)
     assert trainer.returncode == -signal.SIGKILL and _trained_steps(out)[-1] < 3
     stale = state(both[0])  # what the dead trainer left: an open session
@@ -193,9 +188,10 @@ def test_a_trainer_killed_mid_sync_resumes_with_the_same_servers(both, warm_mode
 
 def test_a_server_killed_mid_sync_leaves_the_run_to_the_other(both, warm_model_dir, tmp_path):
     out = tmp_path / "killed_server"
-    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", *DELTA)
+    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", *DELTA, imports=[MID_SYNC],
+                     env=plain_env(STAPO_LANE_MID_SYNC="stop"))
     lines = Lines(trainer)
-    _freeze_mid_sync(trainer, both[1], 1, out)
+    _stopped_mid_sync(trainer)
     at_step = max(_trained_steps(out))
     both[1].kill()
     killed = time.monotonic()
