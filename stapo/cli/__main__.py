@@ -1,7 +1,17 @@
-"""``python -m stapo.cli``: the ``stapo`` command (what launchers run: ``deepspeed -m stapo.cli train ...``)."""
+"""``python -m stapo.cli``: the ``stapo`` command (what launchers run: ``deepspeed -m stapo.cli train ...``).
+
+A finished command leaves its process group before the interpreter exits: a gloo group left to the
+interpreter's teardown can abort a run whose work is done (``terminate called without an active
+exception``, exit status -6). Only here, in a process of its own: `main` run in-process (tests, notebooks)
+keeps the group for the next trainer."""
 
 import sys
 
 from stapo.cli import main
 
-sys.exit(main())
+status = main()
+if status == 0 and "torch.distributed" in sys.modules:  # a command that never loaded torch has no group
+    from stapo.distributed.process_group import close_distributed
+
+    close_distributed()
+sys.exit(status)

@@ -19,7 +19,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserError("--summary applies to --dry-run only")
     if args.dry_run:
         return dry_run(cfg, args.world_size, with_config=not args.summary)
-    from stapo.distributed.process_group import close_distributed
     from stapo.trainer import STAPOTrainer
     from stapo.trainer.interrupt import RunInterrupted
 
@@ -32,7 +31,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         return stop.exit_status
     if trainer.dist.is_main:
         print_summary(cfg, summary)
-    close_distributed()  # not left to the interpreter's exit, which can abort a finished run (rc -6)
     return 0
 
 
