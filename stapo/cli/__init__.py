@@ -1,12 +1,7 @@
 """stapo command line: train, list masks, tools and recipes, evaluate, inspect runs and their health.
 
-``stapo --help`` lists the commands; README.md and docs/index.md show them at work.
-
-User mistakes (missing file, unknown key or option, bad value, unreadable data or checkpoint, a user module
-that fails to import) print one line, not a traceback. Ctrl-C / SIGTERM during training save a checkpoint
-and exit with 130 / 143; a health alarm with ``health.on_alarm=stop`` saves one and exits with 3
-(docs/health.md). One module per job: ``train`` (train, dry run), ``catalog`` (masks, tools,
-recipes), ``runs`` (status, inspect, health), ``common`` (what they share); this one parses and dispatches.
+User mistakes print one line, not a traceback (STAPO_TRACEBACK=1 shows it). One module per job: ``train``,
+``catalog`` (masks, tools, recipes), ``runs`` (status, inspect, health), ``common``; this one dispatches.
 
 May import: every other folder of ``stapo`` (the top row of docs/index.md, "Layout").
 """
@@ -30,8 +25,7 @@ __all__ = ["UserError", "build_parser", "builtin_recipe", "main"]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Replace this process with vLLM's server, set up for ``rollout.mode: server`` (docs/rollout.md). Its first
-    line says where the shared secret is (`stapo.serve.secret`), the second the server's command line."""
+    """Replace this process with vLLM's server, set up for ``rollout.mode: server`` (docs/rollout.md)."""
     import torch
 
     from stapo.serve.launcher import serve_command, take_token_file
@@ -95,8 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_third_party() -> None:
-    """Keep the console for stapo's own progress: no per-load progress bars, deprecation spam or
-    accelerator notices from the libraries underneath (their errors still show)."""
+    """Keep the console for stapo's progress: the libraries underneath show their errors only."""
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")

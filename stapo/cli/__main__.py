@@ -1,9 +1,7 @@
 """``python -m stapo.cli``: the ``stapo`` command (what launchers run: ``deepspeed -m stapo.cli train ...``).
 
-A finished command leaves its process group before the interpreter exits: a gloo group left to the
-interpreter's teardown can abort a run whose work is done (``terminate called without an active
-exception``, exit status -6). Only here, in a process of its own: `main` run in-process (tests, notebooks)
-keeps the group for the next trainer."""
+A finished command leaves its process group here (a gloo group left to the interpreter's teardown aborts a
+finished run with status -6); `main` run in-process keeps the group for the next trainer."""
 
 import sys
 

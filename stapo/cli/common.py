@@ -26,8 +26,7 @@ def builtin_recipe(name: str = TINY_RECIPE) -> Path:
 
 
 def recipe_dirs() -> list[Path]:
-    """Where recipes are found by name: the built-in ones (installed with stapo), then a source checkout's
-    ``examples/recipes/`` (the paper-scale Qwen3 recipes) when stapo runs from one."""
+    """Where recipes are found by name: the built-in ones, then a source checkout's ``examples/recipes/``."""
     checkout = Path(__file__).resolve().parents[2] / "examples" / "recipes"
     return [Path(str(importlib.resources.files("stapo") / "recipes"))] + ([checkout] if checkout.is_dir() else [])
 
@@ -42,8 +41,7 @@ def recipes() -> dict[str, Path]:
 
 
 def load_user_modules(paths: list[str]) -> None:
-    """``--import my_masks.py`` registers user masks and tools before the config is resolved; a file that
-    fails to import is one line naming its line and the error."""
+    """``--import my_masks.py``: user masks and tools, before the config is resolved (errors: one line)."""
     for path in paths:
         file = Path(path)
         if not file.is_file():
@@ -64,8 +62,7 @@ def load_user_modules(paths: list[str]) -> None:
 
 
 def load_config(config: str | None, overrides: list[str]) -> STAPOConfig:
-    """``CONFIG [key=value ...]``: CONFIG is a YAML file or a recipe's name (``tiny_tir``); none (or a first
-    argument that is an override) is the built-in tiny recipe."""
+    """``CONFIG [key=value ...]``: a YAML file or a recipe's name; none is the built-in tiny recipe."""
     overrides = list(overrides)
     if config and "=" in config and not Path(config).exists():  # `stapo train key=value ...`
         config, overrides = None, [config, *overrides]

@@ -30,8 +30,7 @@ def _ago(path: Path) -> str:
 
 
 def status_lines(run_dir: Path) -> list[str]:
-    """What ``stapo status RUN_DIR`` prints: the run's config, its last step and metrics, its newest
-    complete checkpoint, and the command that continues it."""
+    """``stapo status RUN_DIR``: config, last step and metrics, newest checkpoint, the command that continues it."""
     config_file = run_dir / CONFIG_FILE
     if not config_file.is_file():
         raise UserError(f"{run_dir} holds no {CONFIG_FILE}: not the output_dir of a stapo run")

@@ -35,9 +35,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def dry_run(cfg: STAPOConfig, world_size: int | None, *, with_config: bool = True) -> int:
-    """Every check ``train`` makes before loading weights (``stapo.trainer.preflight``), then the run's
-    shape and what defines it, and the resolved config after it; a missing engine package or uncached model
-    is reported, not an error: the recipe is usually meant for another machine."""
+    """Every check ``train`` makes before loading weights (``stapo.trainer.preflight``), the run's shape and
+    settings, then the resolved config."""
     from stapo.distributed.process_group import launcher_world_size
     from stapo.trainer.components import build_scorer
     from stapo.trainer.preflight import plan_run, summary_lines

@@ -1,11 +1,6 @@
-"""stapo.health: see a collapse coming from the step metrics (docs/health.md).
-
-Monitors (``monitors.py``, the built-ins in ``builtin_monitors.py``) are pure functions of a window of
-logged step metrics, registered by name; :class:`HealthWatch` (``watch.py``) turns them into alarms
-and knows which checkpoints a rollback may return to; ``token_stats.py`` holds the token statistics
-the step metrics add for them (repetition, a tool format's control tokens); ``timeline.py`` reads a run
-directory back for ``stapo health RUN_DIR``. What an alarm does (warn, stop, rollback) is the
-trainer's (``stapo.trainer.recovery``).
+"""stapo.health: see a collapse coming from the step metrics (docs/health.md). Monitors judge a window of
+step metrics, :class:`HealthWatch` turns them into alarms; what an alarm does is the trainer's
+(``stapo.trainer.recovery``).
 
 May import: torch, ``stapo.registry`` and ``stapo.run_dir`` only (docs/index.md, "Layout"): it reads
 step values and run files, never the trainer, the config or a model.

@@ -1,16 +1,7 @@
-"""Health monitors: one small pure function per warning sign, registered by name (docs/health.md).
-
-A monitor reads the last steps' metrics (a :class:`Window`: the values of the keys it ``reads``, the
-current step last) and returns ONE statistic, or None while it cannot judge (a key the run does not
-log, too little history). Its registration names the parameter that is its threshold and whether it
-fires ``above`` or ``below`` it; :class:`stapo.health.watch.HealthWatch` turns a statistic past its
-threshold on ``patience`` consecutive steps into an alarm. Monitors are deterministic functions of
-logged step metrics, which are sums over every token of every rank (stapo.telemetry.step_metrics),
-so they do not depend on how the batch was split.
-
-Most monitors are a robust z-score against the window: ``(x - median) / scale`` with ``scale`` the
-MAD times 1.4826 (the standard deviation of normal noise), floored so that a quiet, nearly constant
-history does not turn rounding into a spike. docs/health.md shows how to add your own.
+"""Health monitors: one small pure function per warning sign, registered by name (docs/health.md,
+"Monitors"). A monitor reads a :class:`Window` of logged step metrics (sums over every token of every rank,
+so split-invariant) and returns ONE statistic, or None while it cannot judge; most are a robust z-score
+against the window, ``(x - median) / (1.4826 MAD)`` with a floor on the scale.
 """
 
 from __future__ import annotations
@@ -62,10 +53,8 @@ def robust_z(window: Window, key: str, *, rel_floor: float = 0.0, abs_floor: flo
 
 
 def register_monitor(name: str, *, reads: tuple[str, ...], threshold: str, fires: str) -> Callable:
-    """Decorator: make ``fn(window, **params) -> float | None`` available as monitor ``name``.
-
-    ``reads``: the metric keys it needs in its window; ``threshold``: the name of its parameter that
-    is the threshold; ``fires``: ``above`` or ``below`` that threshold."""
+    """Decorator: ``fn(window, **params) -> float | None`` as monitor ``name``, reading the metric keys ``reads``;
+    its parameter ``threshold`` is the threshold, and it ``fires`` ``above`` or ``below`` it."""
     if fires not in _FIRES:
         raise ValueError(f"register_monitor({name!r}): fires must be one of {list(_FIRES)}, got {fires!r}")
 

@@ -1,8 +1,5 @@
-"""A run's health timeline from its metrics.jsonl (``stapo health RUN_DIR``, docs/health.md): held-out and
-training accuracy, entropy, each monitor's statistic against its threshold, and the alarms and rollbacks.
-
-Reads only the run directory (``stapo.run_dir``), so it works on a run that is still going (a line being
-written is skipped) and on a finished one alike; the figure is ``stapo.plots.plot_health``.
+"""A run's health timeline from its metrics.jsonl (``stapo health RUN_DIR``, docs/health.md); reads only the
+run directory, so it works on a running run too (a line being written is skipped).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Token statistics some monitors need that the step metrics did not already hold: repetition inside a
-response, and the control tokens of a tool-call format. Pure tensor functions returning per-row counts
-or sums, so the step metrics add them over rows and ranks (split-invariant, docs/health.md)."""
+"""Token statistics for the monitors (repetition, a tool format's control tokens): pure tensor functions of
+per-row counts or sums, so the step metrics add them over rows and ranks (split-invariant)."""
 
 from __future__ import annotations
 
@@ -12,10 +11,8 @@ REPEAT_NGRAM = 4  # a token repeats when it closes a 4-gram already seen earlier
 
 
 def repeated_ngram_tokens(ids: torch.Tensor, mask: torch.Tensor, n: int = REPEAT_NGRAM) -> torch.Tensor:
-    """Per row of ``ids`` (B, T): how many tokens close an ``n``-gram that occurred earlier in the same row.
-    Only n-grams whose ``n`` tokens all lie in ``mask`` (the policy's response tokens) count; exact (each
-    (row, n-gram) gets a dense id, one token at a time, no hashing). A response looping on one phrase
-    scores near its length, arithmetic chains like ``7+5=12. 12-3=9.`` score low."""
+    """Per row of ``ids`` (B, T): tokens closing an ``n``-gram (all in ``mask``) seen earlier in the row; exact
+    (dense ids, no hashing)."""
     batch, length = ids.shape
     counts = torch.zeros(batch, dtype=torch.long, device=ids.device)
     if length < n:
@@ -37,8 +34,6 @@ def repeated_ngram_tokens(ids: torch.Tensor, mask: torch.Tensor, n: int = REPEAT
 
 def control_token_sums(response_ids: torch.Tensor, mask: torch.Tensor, logprobs: torch.Tensor,
                        control_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """How many of the ``mask``-ed (policy) tokens are control tokens of the tool-call format
-    (``control_ids``, e.g. ``<tool_call>`` and ``</tool_call>``) and the sum of their probabilities
-    under ``logprobs`` (theta_old's, per token)."""
+    """How many ``mask``-ed tokens are ``control_ids`` (``<tool_call>``), and the sum of their probabilities."""
     hit = torch.isin(response_ids, control_ids.to(response_ids.device)) & mask
     return {"control_tokens": hit.sum(), "control_prob_sum": logprobs.detach().exp()[hit].sum()}

@@ -1,15 +1,7 @@
-"""From monitor statistics to alarms: a window of step metrics, ``patience`` consecutive steps, onsets,
-and the checkpoints a rollback may return to (docs/health.md, "Alarms and actions").
-
-Every step the watch appends the step's monitored metrics to its window and runs each monitor. A
-statistic past its threshold starts (or extends) that monitor's streak; the streak's first step is the
-anomaly's **onset**; the streak reaching ``patience`` steps raises ONE alarm, and the monitor stays in
-alarm (silent) until a step within its threshold ends the streak.
-
-A checkpoint saved while no monitor has a streak becomes **healthy** when the next step ends quiet too
-(docs/health.md, "Healthy checkpoints"); a rollback returns to the newest healthy one, and the newest
-``keep_healthy`` (and the candidate) are kept from pruning. The watch is plain data (its state is JSON and
-goes into every checkpoint), so a resumed run continues with the same window, streaks and checkpoints.
+"""From monitor statistics to alarms: a statistic past its threshold on ``patience`` consecutive steps is
+ONE alarm, its streak's first step the **onset**; checkpoints saved and followed by quiet steps are
+**healthy** rollback targets. The watch is plain JSON data, saved in every checkpoint, so a resumed run
+continues it (docs/health.md, "Alarms and actions", "Healthy checkpoints").
 """
 
 from __future__ import annotations
@@ -46,15 +38,8 @@ class Alarm:
 
 
 class HealthWatch:
-    """The run's monitors, their window of the last ``window`` steps and their streaks.
-
-    Args:
-        monitors: the active monitors (`stapo.health.build_monitor`).
-        window: earlier steps a statistic is compared with.
-        warmup: steps before any monitor judges (its baseline needs them).
-        patience: consecutive steps past a threshold that make an alarm.
-        keep_healthy: healthy checkpoints kept for rollbacks (the newest).
-    """
+    """The run's monitors over the last ``window`` steps, judging after ``warmup`` steps; ``patience``
+    steps past a threshold make an alarm; the newest ``keep_healthy`` healthy checkpoints are kept."""
 
     def __init__(self, monitors: Sequence[Monitor], *, window: int = 50, warmup: int = 10, patience: int = 3,
                  keep_healthy: int = 1) -> None:
@@ -124,8 +109,7 @@ class HealthWatch:
         return (*self.healthy, *(() if self.candidate is None else (self.candidate,)))
 
     def rollback_target(self, alarms: Sequence[Alarm]) -> int | None:
-        """The newest healthy checkpoint whose step (the one its weights produced) precedes the earliest
-        onset of ``alarms``; None when there is none."""
+        """The newest healthy checkpoint whose step precedes the earliest onset of ``alarms``, or None."""
         onset = min(a.onset for a in alarms)
         before = [s for s in self.healthy if s + 1 < onset]
         return max(before) if before else None

@@ -1,10 +1,5 @@
-"""Console view of a training run: a rich progress bar on a TTY, plain lines anywhere else.
-
-Split from the metric sinks (:mod:`stapo.telemetry.metrics`) so what is written to disk and what is
-shown on screen change independently. Plain mode prints at most one line every
-``plain_interval_s`` seconds (plus the first and last step, and every evaluation) and no control
-characters, so redirected logs and CI output stay readable. Lines carry an ETA from the measured
-wall time of this session's steps (evaluations and checkpoints included).
+"""Console view of a training run: a rich progress bar on a TTY, plain lines (at most one every
+``plain_interval_s``, no control characters) anywhere else, with an ETA from this session's steps.
 """
 
 from __future__ import annotations

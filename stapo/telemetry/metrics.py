@@ -1,18 +1,6 @@
-"""Metric sinks for training runs: JSONL (always), TensorBoard and W&B (optional), console.
-
-Every step the trainer logs one flat ``dict[str, float]`` (docs/algorithm.md, "Metrics that follow
-the paper"). ``metrics.jsonl`` is the source of truth (plots, the inspector and resumption read it
-with :func:`stapo.run_dir.read_metrics`); each line is flushed and fsync'd so a killed run loses at
-most the line being written, and :meth:`MetricsLogger.truncate_after` drops the steps a resumed
-checkpoint does not contain. Only the main process writes anything; the console view is
-:mod:`stapo.telemetry.console`.
-
-The keys and what each means: docs/metrics.md (a trainer test checks it names every key of
-:data:`STEP_METRIC_KEYS` and :data:`OPTIONAL_METRIC_KEYS`).
-
-Non-finite values (a skipped step's loss) are stored as the strings ``"NaN"``, ``"Infinity"``,
-``"-Infinity"`` so every line stays valid JSON; :func:`stapo.run_dir.read_metrics` turns them back
-into floats.
+"""Metric sinks: ``metrics.jsonl`` (always; the source of truth, each line fsync'd, non-finite values as the
+strings ``"NaN"``/``"Infinity"`` so every line stays JSON), TensorBoard and W&B (optional). The keys and
+what each means: docs/metrics.md (a test checks it names every key listed here).
 """
 
 from __future__ import annotations
@@ -100,13 +88,8 @@ def _truncate_jsonl(path: Path, step: int) -> int:
 
 
 class MetricsLogger:
-    """Per-step metric sinks for the main process (JSONL, TensorBoard, W&B, console).
-
-    ``stream`` (default ``sys.stdout``) decides the console mode: a TTY gets a rich progress bar,
-    anything else gets a plain line at most every ``plain_interval_s`` seconds (and on the first and
-    last step) without control characters. Non-main processes construct the object and log into
-    it like the main one, but nothing is written, opened or printed.
-    """
+    """Per-step metric sinks (JSONL, TensorBoard, W&B, console on ``stream``); other ranks log into it too,
+    and nothing is written."""
 
     def __init__(self, output_dir: str | Path, *, is_main: bool, tensorboard: bool = True,
                  wandb: dict | None = None, total_steps: int | None = None,
@@ -193,8 +176,7 @@ class MetricsLogger:
         self._console.show_step(step, restored)
 
     def log_event(self, step: int, event: str, fields: dict[str, Any]) -> None:
-        """Append an event row ``{"step": step, "event": event, **fields}`` (health alarms and actions) to
-        metrics.jsonl only: it is not a step's metrics (no TensorBoard scalar, no progress line)."""
+        """Append an event row (health alarms and actions) to metrics.jsonl only: not a step's metrics."""
         if self._closed:
             raise RuntimeError("MetricsLogger.log_event() called after close()")
         row = {k: v if isinstance(v, (list, dict)) else _json_value(k, v) for k, v in fields.items()}
@@ -202,11 +184,8 @@ class MetricsLogger:
             self._write_line(self._file, {"step": int(step), "event": event, **row})
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
-        """Append samples to ``samples.jsonl``; print the first with silenced tokens marked.
-
-        Each sample has ``prompt``, ``response``, ``reward``, ``ground_truth`` and optionally
-        ``tokens: list[str]`` with ``silenced: list[bool]`` of the same length.
-        """
+        """Append samples (``prompt``, ``response``, ``reward``, ``ground_truth``; optional ``tokens`` and
+        ``silenced``) to ``samples.jsonl``; print the first with silenced tokens marked."""
         for i, s in enumerate(samples):
             missing = {"prompt", "response", "reward", "ground_truth"} - s.keys()
             if missing:
@@ -222,11 +201,8 @@ class MetricsLogger:
         self._console.show_sample(step, samples[0])
 
     def truncate_after(self, step: int) -> int:
-        """Drop lines with step > ``step`` (resume); returns how many metric lines were dropped.
-
-        ``samples.jsonl`` is cut the same way; TensorBoard events after ``step`` are purged by the
-        next writer (``purge_step``).
-        """
+        """Drop lines with step > ``step`` (resume) here and in ``samples.jsonl`` (TensorBoard: ``purge_step``);
+        returns how many metric lines were dropped."""
         self._purge_step = step + 1
         if not self.is_main:
             return 0

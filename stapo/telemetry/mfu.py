@@ -1,27 +1,9 @@
-"""Model FLOPs utilization (MFU) and tokens/s per training phase (docs/benchmarks.md).
-
-MFU = model FLOPs actually needed by the real (non-padding) tokens / (seconds x peak dense bf16 FLOP/s).
-Model FLOPs come from the transformers config, never from a profiler, so padding, recomputation
-(gradient checkpointing) and ZeRO communication all show up as lower MFU, which is the point.
-
-Conventions (stated once, used by the trainer's step metrics and ``bench/gpu_step.py``), for one
-teacher-forced pass (:func:`forward_flops`):
-
-* the decoder: ``2 x`` its matmul parameters (q/k/v/o with GQA, MLP gate/up/down; the embedding lookup
-  is not a matmul) per real token (prompt and response) ``+ 2 x 2 x layers x heads x head_dim`` per
-  attended (query, key) pair (scores ``QK^T`` and the weighted sum ``AV``);
-* the lm_head: ``2 x hidden x vocab`` only per position it is applied to. The trainer's passes apply
-  it at the hidden states that predict a response token (:func:`stapo.distributed.policy.head_on_targets`),
-  never at prompt positions: counting it on every token would overstate MFU (for Qwen3-1.7B the head
-  is ~18% of the matmul parameters; prompts are often a third of the tokens);
-* causal attention over a sequence of ``S`` tokens has ``S (S + 1) / 2`` pairs (a mean context of
-  ``(S + 1) / 2``, :func:`causal_context_length`); PaLM's appendix B counts the full ``S`` and so
-  reports a higher attention share;
-* forward + backward = ``3 x`` forward (the backward computes gradients w.r.t. both inputs and weights);
-  a gradient-checkpointing recompute is NOT counted (that would be hardware FLOPs utilization).
-
-Launch-independent: pass tokens and seconds of the same set of devices (this rank's, or the global
-tokens with ``devices=world_size``).
+"""Model FLOPs utilization (MFU) and tokens/s per training phase (docs/distributed.md, "Throughput";
+docs/benchmarks.md). Model FLOPs come from the transformers config, never a profiler, so padding,
+recomputation and ZeRO communication show up as lower MFU. Per pass (:func:`forward_flops`): 2 x the decoder's
+matmul parameters per real token, 4 x layers x heads x head_dim per attended causal pair (``S (S + 1) / 2``
+per sequence, where PaLM's appendix B counts ``S``), and the lm_head only where it is applied (never at
+prompt positions); forward + backward = 3 x forward, a gradient-checkpointing recompute not counted.
 """
 
 from __future__ import annotations
@@ -55,8 +37,7 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 
 
 def device_peak_flops(device_name: str | None) -> float | None:
-    """Dense bf16 peak FLOP/s of one device named like ``torch.cuda.get_device_name()``; None on CPU
-    (``None``/``"cpu"``) or an unknown device, so MFU is left out of the metrics rather than faked."""
+    """Dense bf16 peak FLOP/s of a ``torch.cuda.get_device_name()``; None on CPU or an unknown device (no MFU)."""
     if not device_name:
         return None
     name = device_name.lower()
@@ -74,10 +55,7 @@ def _field(hf_config, name: str):
 
 
 def matmul_params(hf_config) -> int:
-    """Parameters that enter a matmul once per token: attention q/k/v/o (GQA), MLP gate/up/down, lm_head.
-
-    Dense decoders only (Llama/Qwen/Mistral-style); MoE configs are refused rather than miscounted.
-    """
+    """Parameters that enter a matmul once per token (q/k/v/o with GQA, MLP, lm_head); MoE is refused."""
     if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
         raise ValueError(f"MFU: mixture-of-experts configs ({type(hf_config).__name__}) are not "
                          "supported (active parameters per token differ from the dense count)")
@@ -96,11 +74,8 @@ def head_params(hf_config) -> int:
 
 
 def forward_flops(hf_config, tokens: float, attn_pairs: float, head_tokens: float) -> float:
-    """Forward FLOPs of a pass over ``tokens`` real tokens with ``attn_pairs`` attended (query, key)
-    pairs and the lm_head applied at ``head_tokens`` positions (module doc):
-    ``2 (matmul_params - head_params) tokens + 4 layers heads head_dim attn_pairs + 2 head_params head_tokens``.
-    Training (forward + backward) is 3x this.
-    """
+    """Forward FLOPs over ``tokens`` real tokens, ``attn_pairs`` attended pairs and ``head_tokens`` lm_head
+    positions (module doc)."""
     if min(tokens, attn_pairs, head_tokens) < 0:
         raise ValueError(f"forward_flops: counts must be >= 0, got tokens={tokens}, attn_pairs={attn_pairs}, "
                          f"head_tokens={head_tokens}")
@@ -112,24 +87,15 @@ def forward_flops(hf_config, tokens: float, attn_pairs: float, head_tokens: floa
 
 
 def causal_context_length(sequence_lengths: Sequence[int]) -> float:
-    """Mean keys attended per token over causal sequences: ``Σ S(S+1)/2 / Σ S`` (0 for no tokens).
-
-    E.g. lengths [1, 3]: (1 + 6) / 4 = 1.75. Packed sequences never attend across each other, so the
-    lengths are the real (prompt + response) lengths, whatever the padding or packing.
-    """
+    """Mean keys attended per token over causal sequences of real lengths: ``Σ S(S+1)/2 / Σ S`` (0: none)."""
     total = sum(sequence_lengths)
     return sum(s * (s + 1) / 2 for s in sequence_lengths) / total if total else 0.0
 
 
 def phase_throughput(phase: str, tokens: float, seconds: float, flops: float,
                      peak: float | None, backward: bool, devices: int = 1) -> dict[str, float]:
-    """``{tokens_per_s_<phase>, mfu_<phase>}`` for ``tokens`` real tokens processed in ``seconds``.
-
-    ``flops``: the forward FLOPs of those tokens (:func:`forward_flops`). ``mfu_<phase>`` is present
-    only when ``peak`` (one device's FLOP/s) is known; ``backward=True`` counts forward + backward (3x
-    the forward FLOPs). ``devices``: how many devices the tokens and seconds cover (1 for one rank's
-    own tokens; the world size for global tokens).
-    """
+    """``{tokens_per_s_<phase>, mfu_<phase>}`` (MFU only with a known ``peak``) for ``tokens`` real tokens of
+    forward FLOPs ``flops`` in ``seconds`` on ``devices`` devices; ``backward``: x3."""
     if seconds <= 0 or tokens < 0 or devices < 1:
         raise ValueError(f"phase_throughput({phase!r}): need seconds > 0, tokens >= 0 and devices >= 1, "
                          f"got seconds={seconds}, tokens={tokens}, devices={devices}")

@@ -1,9 +1,5 @@
-"""Per-step metrics (docs/algorithm.md, "Metrics that follow the paper"): tensors until the end of
-the step, one reduction across ranks.
-
-Every quantity is first a per-rank SUM (or count); :func:`reduce_metrics` adds them over ranks in
-one all-reduce and the ratios are formed afterwards, so the figures do not depend on how the
-batch was spread over ranks. The keys are ``stapo.telemetry.metrics.STEP_METRIC_KEYS``.
+"""Per-step metrics (docs/algorithm.md, "Metrics that follow the paper"): per-rank SUMS, one reduction
+across ranks, ratios formed afterwards, so the figures do not depend on how the batch was spread.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ MAX_KEYS = ("mismatch_abs_max", "rollout_is_max")
 
 
 class PhaseTimer:
-    """Wall time per phase of a step (rollout, reward, stats, update, sync)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -46,8 +41,7 @@ class PhaseTimer:
 
 
 class StepSums(dict):
-    """Mini-batch metric sums of one step, added key by key; tensors stay on their device until
-    :func:`step_metrics` reduces them all at once."""
+    """Mini-batch metric sums of one step; tensors stay on their device until :func:`step_metrics`."""
 
     def add(self, sums: dict[str, torch.Tensor]) -> None:
         """One mini-batch's sums."""
@@ -62,8 +56,7 @@ class StepSums(dict):
             self[key] = self.get(key, 0.0) + value
 
     def add_sync(self, synced=None, *, server: bool = False, delta: bool = False) -> None:
-        """The step's weight sync (a `stapo.sync.buckets.SyncStats`; None: it failed). Every rank adds the same
-        keys; with rollout servers only rank 0 sends, so their sums over ranks are rank 0's figures."""
+        """The step's weight sync (a SyncStats; None: it failed); the same keys on every rank."""
         self.add_value("sync_mb", 0.0 if synced is None else synced.num_bytes / 2**20)
         transfer = None if synced is None else synced.transfer
         if server:
@@ -105,14 +98,8 @@ def _episode_sums(episodes) -> dict[str, float]:
 
 
 def mask_sums(stats: TokenStats, masked: MaskResult, probe: MaskResult) -> dict[str, torch.Tensor]:
-    """What the active mask and the S2T probe did on one mini-batch, as sums (device tensors).
-
-    ``mask_tau_h`` is the ACTIVE mask's entropy threshold (NaN for a mask without one) and
-    ``probe_tau_h`` the probe's (the S2T criterion at the configured tau_p / entropy_quantile,
-    whatever mask is active), so neither can be mistaken for the other. A weighting mask adds what it
-    up- and down-weighted and the sum of its weights; a gated one (a ``gate`` threshold, as STARE's)
-    its gate, ``mask_gate`` (1 on, 0 off; absent for a mask without one).
-    """
+    """What the active mask and the S2T probe did on one mini-batch, as sums (device tensors); ``mask_tau_h``
+    is the ACTIVE mask's threshold (NaN without one), ``probe_tau_h`` the S2T probe's (docs/metrics.md)."""
     valid = stats.response_mask
     nan = torch.tensor(float("nan"), device=valid.device)
     gate = {"mask_gate": masked.thresholds["gate"].detach().float()} if "gate" in masked.thresholds else {}
@@ -132,8 +119,7 @@ def mask_sums(stats: TokenStats, masked: MaskResult, probe: MaskResult) -> dict[
 
 
 def stats_counts(seqs, passes: int = 1) -> dict[str, float]:
-    """What ``passes`` no-grad passes over ``seqs`` compute: real tokens (prompt + response), their
-    causal attention pairs and the positions the lm_head runs at (one per valid response token)."""
+    """Real tokens, causal attention pairs and lm_head positions of ``passes`` no-grad passes over ``seqs``."""
     lengths = row_lengths(seqs)
     real = float(sum(lengths))
     return {"stats_tokens": real * passes, "stats_attn_pairs": causal_context_length(lengths) * real * passes,
@@ -141,16 +127,14 @@ def stats_counts(seqs, passes: int = 1) -> dict[str, float]:
 
 
 def token_counts(seqs, no_grad_passes: int = 0) -> dict[str, float]:
-    """The update's counts over ``seqs`` (one forward + backward: ``real_tokens``, ``attn_pairs``,
-    ``head_tokens``, as :func:`stats_counts`) and those of ``no_grad_passes`` no-grad passes."""
+    """The update's counts over ``seqs`` (as :func:`stats_counts`) and those of ``no_grad_passes`` no-grad passes."""
     once = stats_counts(seqs)
     return {"real_tokens": once["stats_tokens"], "attn_pairs": once["stats_attn_pairs"],
             "head_tokens": once["stats_head_tokens"], **stats_counts(seqs, no_grad_passes)}
 
 
 def _throughput(s: dict, timer: PhaseTimer, model_config, peak_flops: float | None, world_size: int) -> dict:
-    """tokens/s per phase and, on a device of known peak, MFU of the stats pass and the update (the
-    head counted only where it ran: :func:`stapo.telemetry.mfu.forward_flops`)."""
+    """tokens/s per phase and, on a device of known peak, MFU of the stats pass and the update."""
     if model_config is None:
         return {}
     stats = forward_flops(model_config, s["stats_tokens"], s["stats_attn_pairs"], s["stats_head_tokens"])
@@ -165,9 +149,7 @@ def _throughput(s: dict, timer: PhaseTimer, model_config, peak_flops: float | No
 
 
 def sync_metrics(s: dict) -> dict[str, float]:
-    """The weight sync's optional keys from the step's sums over ranks (`StepSums.add_sync`): ``sync_sent_mb``
-    with rollout servers, ``sync_changed_frac`` with ``rollout.server.sync: delta`` (NaN: the sync had no copy to
-    compare with)."""
+    """The weight sync's optional keys (`StepSums.add_sync`): ``sync_sent_mb``, ``sync_changed_frac`` (delta)."""
     out = {}
     if "sync_sent_mb" in s:
         out["sync_sent_mb"] = s["sync_sent_mb"]
@@ -185,9 +167,7 @@ def skipped_updates(sums: StepSums) -> int:
 def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_size: int, world_size: int,
                  scored, sums: StepSums, timer: PhaseTimer, entropy_coef: float = 0.0, model_config=None,
                  peak_flops: float | None = None, control_ids: torch.Tensor | None = None) -> dict[str, float]:
-    """The documented per-step metrics from plain values, reduced once across ranks. ``scored``: the
-    iteration's :class:`~stapo.trainer.scored_rollout.ScoredRollout`; ``control_ids``: a tool format's
-    control tokens (tool episodes), counted in the responses."""
+    """The documented per-step metrics, reduced once across ranks; ``scored``: the iteration's ScoredRollout."""
     rollout = scored.rollout
     local = {**_rollout_sums(rollout, scored.rewards, scored.scores, group_size, control_ids), **sums}
     maxima = {key: all_reduce_max(float(local.pop(key))) for key in MAX_KEYS if key in local}  # not sums
@@ -267,9 +247,7 @@ def step_metrics(*, step: int, epoch: int, lr: float, skipped_steps: int, group_
 
 
 def _is_diagnostics(s: dict, is_max: float) -> dict[str, float]:
-    """verl's IS diagnostics from the step's sums (stapo.losses.corrections): the untruncated ratios'
-    mean and max, the effective sample size of the applied weights ``(sum w)^2 / (n sum w^2)`` (1: all
-    equal) and the fraction of tokens whose weight the threshold changed."""
+    """verl's IS diagnostics: the raw ratios' mean and max, ESS ``(sum w)^2 / (n sum w^2)``, the clipped fraction."""
     n, total, squares = max(s["correction_tokens"], 1.0), s["rollout_is_weight_sum"], s["rollout_is_weight_sq_sum"]
     return {"rollout_is_mean": s["rollout_is_raw_sum"] / n, "rollout_is_max": is_max,
             "rollout_is_eff_sample_size": total * total / (n * squares) if squares > 0 else 0.0,
@@ -288,8 +266,7 @@ def _episode_metrics(s: dict, n: float, world_size: int) -> dict[str, float]:
 
 def evaluation_metrics(rewards: list[float], response_lengths: list[int] | None = None,
                        tool_calls: list[int] | None = None, prefix: str = "eval_") -> dict[str, float]:
-    """Held-out accuracy, mean reward and (with ``response_lengths``) mean response length, all ranks;
-    with ``tool_calls`` (tool-integrated episodes) the mean calls per episode. Keys start with ``prefix``."""
+    """Held-out accuracy, mean reward, response length and tool calls (when given) over all ranks."""
     lengths = [] if response_lengths is None else response_lengths
     s = reduce_metrics({"n": float(len(rewards)), "correct": float(sum(r > 0 for r in rewards)),
                         "reward_sum": float(sum(rewards)), "length_sum": float(sum(lengths)),
@@ -304,8 +281,7 @@ def evaluation_metrics(rewards: list[float], response_lengths: list[int] | None 
 
 
 def sample_completions(rollout, rewards: torch.Tensor, silenced: torch.Tensor, tokenizer, count: int = 2) -> list[dict]:
-    """A few completions with their tokens and which were silenced, for ``MetricsLogger.log_samples`` (an
-    episode's tool turns included: context tokens, never silenced)."""
+    """A few completions with their tokens and which were silenced, for ``MetricsLogger.log_samples``."""
     samples = []
     for row in range(min(count, len(rollout))):
         valid = rollout.real_mask[row]

@@ -1,9 +1,4 @@
-"""The training loop: ``STAPOTrainer`` (Algorithm 1) and what only it uses.
-
-The iteration (trainer.py), the update and its micro-batches, scored rollouts and dynamic
-sampling, checkpoints, token recording, the preflight shared with ``--dry-run``, and components
-(the one place that turns the config into arguments). ``STAPOTrainer`` is imported on first use,
-so submodules import cheaply.
+"""The training loop: ``STAPOTrainer`` (Algorithm 1, imported on first use) and what only it uses.
 
 May import: every folder below it (``stapo.sync``, ``stapo.telemetry``, ``stapo.inspect``,
 ``stapo.distributed``, ``stapo.config``, ...; docs/index.md, "Layout"); only ``stapo.cli`` imports it.

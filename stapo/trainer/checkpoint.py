@@ -1,18 +1,8 @@
 """Atomic, resumable checkpoints and plain Hugging Face export (docs/distributed.md, "Resuming").
 
-Layout under ``output_dir/checkpoints/``::
-
-    step_40/zero/...            DeepSpeed: module + ZeRO optimizer shards (one per rank) + lr schedule
-    step_40/client_state.pt     caller's state (config, sampler, metrics pointer) + RNG of every rank
-    step_40/meta.json           step, world size, the client state when it is JSON-serializable
-    latest                      text file naming the newest COMPLETE checkpoint ("step_40")
-
-A save writes into ``.tmp-step_N``; only after every rank finished (barrier) does rank 0 rename
-it to ``step_N`` and then replace ``latest`` (temp file + ``os.replace``), so a run killed at any
-point leaves ``latest`` on a complete checkpoint; leftover ``.tmp-*`` dirs are ignored and deleted
-by the next save. Ranks must share the filesystem (one node, or a shared mount on several): the
-trainer checks that at start (``stapo.distributed.shared_dir``) and passes every rank the checkpoint
-rank 0 picked. Resuming needs the same world size (ZeRO shards and per-rank RNG streams are per rank).
+``step_N/`` holds DeepSpeed's ``zero/`` shards, ``client_state.pt`` (the trainer's state and every rank's RNG)
+and ``meta.json``; ``latest`` names the newest complete one. A save writes ``.tmp-step_N`` and rank 0 renames
+it after a barrier, so a killed run leaves ``latest`` on a complete checkpoint (leftovers go at the next save).
 """
 
 from __future__ import annotations
@@ -33,13 +23,12 @@ from stapo.run_dir import (CHECKPOINT_DIR, CLIENT_FILE, LATEST, MERGED_DIR, PREV
 from stapo.distributed.process_group import all_gather_object, barrier, get_rank, get_world_size
 from stapo.distributed.lora import adapter_state, is_peft_model, plain_model
 from stapo.sync.buckets import DEFAULT_BUCKET_BYTES, iter_weight_buckets
-from stapo.trainer.resume import DS_TAG, CheckpointUnreadable
+from stapo.trainer.resume import DS_TAG, CheckpointUnreadable, first_line
 
 TMP_PREFIX = ".tmp-"
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Python, NumPy, torch CPU (and CUDA) RNG states of this process."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -51,7 +40,6 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -93,13 +81,8 @@ def _json_or_none(obj: Any) -> Any:
 
 
 def archive_previous_run(output_dir: str | os.PathLike) -> Path | None:
-    """Move an earlier run's files to ``output_dir/previous_runs/<UTC time>/`` and return that folder.
-
-    Called when a run starts from scratch (``trainer.resume=never``, or ``auto`` with no complete
-    checkpoint) in a directory that already holds a run: appending to its ``metrics.jsonl`` would mix
-    two runs in every plot and summary, and overwriting would lose what the user trained. Returns
-    None when there is nothing to move. Main process only.
-    """
+    """Move an earlier run's files to ``output_dir/previous_runs/<UTC time>/`` (returned; None: nothing to
+    move), so a fresh start never mixes two runs' metrics nor overwrites what the user trained. Rank 0 only."""
     output_dir = Path(output_dir)
     present = [output_dir / name for name in RUN_ARTIFACTS if (output_dir / name).exists()]
     if not present:
@@ -115,14 +98,8 @@ def archive_previous_run(output_dir: str | os.PathLike) -> Path | None:
 
 
 class CheckpointManager:
-    """Saves/loads DeepSpeed training state atomically under ``output_dir/checkpoints``.
-
-    Every method is collective (call it on all ranks); rank 0 does the renames and pruning.
-
-    ``exclude_frozen`` (LoRA): frozen parameters are not written, only the trainable ones (the
-    adapters) with their optimizer state; a resume rebuilds the frozen base from ``model.path``, so the
-    loaded module state is partial by design (loaded non-strictly).
-    """
+    """Saves/loads DeepSpeed training state atomically under ``output_dir/checkpoints``; collective.
+    ``exclude_frozen`` (LoRA): only the trainable parameters are written (a resume rebuilds the base)."""
 
     def __init__(self, output_dir: str | os.PathLike, keep_last: int = 2, *, exclude_frozen: bool = False) -> None:
         if keep_last < 1:
@@ -176,10 +153,8 @@ class CheckpointManager:
                 shutil.rmtree(path)
 
     def load(self, engine, path: str | os.PathLike | None = None, *, restore_rng: bool = True) -> dict[str, Any]:
-        """Restore module, optimizer and lr schedule (and this rank's RNG); return the client state.
-
-        ``path=None`` loads :func:`latest_checkpoint`.
-        """
+        """Restore module, optimizer and lr schedule (and this rank's RNG) from ``path`` (default: the latest);
+        returns the client state."""
         path = Path(path) if path is not None else latest_checkpoint(self.output_dir)
         if path is None or not (path / CLIENT_FILE).is_file():
             raise FileNotFoundError(f"no complete checkpoint at {path or self.root}")
@@ -192,8 +167,7 @@ class CheckpointManager:
             loaded, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
                                                load_lr_scheduler_states=True, **partial)
         except Exception as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CheckpointUnreadable(f"checkpoint {path} could not be loaded ({reason}); nothing was "
+            raise CheckpointUnreadable(f"checkpoint {path} could not be loaded ({first_line(exc)}); nothing was "
                                        "deleted: trainer.resume=PATH picks an older checkpoint") from exc
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path / DS_TAG}")
@@ -204,13 +178,8 @@ class CheckpointManager:
 
 def export_hf(model, tokenizer, out_dir: str | os.PathLike,
               bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Path:
-    """Write a plain HF model directory (``from_pretrained``-loadable) from ZeRO-3 weights (a LoRA
-    policy: the merged model, under the base model's names).
-
-    ``model`` is the DeepSpeed engine or its module (a transformers ``PreTrainedModel``).
-    Collective: all ranks gather bucket by bucket, rank 0 keeps a CPU copy, writes it to a temp
-    dir with ``save_pretrained`` (plus ``tokenizer`` when given) and renames it into place.
-    """
+    """A plain HF model directory from the ZeRO-3 weights of ``model`` (engine or module; LoRA: merged).
+    Collective: the ranks gather bucket by bucket, rank 0 writes a temp dir and renames it into place."""
     out_dir = Path(out_dir)
     module = plain_model(getattr(model, "module", model))  # LoRA: the transformers model inside
     is_main = get_rank() == 0

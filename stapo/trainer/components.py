@@ -1,9 +1,5 @@
-"""The one place where a :class:`~stapo.config.STAPOConfig` becomes components (CONTRIBUTING.md).
-
-Components take flat arguments; this module reads the config and builds them: the policy model
-path (building the tiny demo model when asked), tokenizer, DeepSpeed engine, rollout engine,
-datasets, reward scorer and the per-update options.
-"""
+"""The one place where a :class:`~stapo.config.STAPOConfig` becomes components, which take flat
+arguments (CONTRIBUTING.md)."""
 
 from __future__ import annotations
 
@@ -38,10 +34,8 @@ TRAIN_DATA_SEED, EVAL_DATA_SEED = 1_000_003, 2_000_003
 
 
 def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
-    """The policy's HF directory or hub name; the tiny model is built by rank 0 and its files copied into
-    every other rank's cache, which may be node-local (a hit when it is shared). A path that is neither
-    local nor cached nor reachable is a clear ValueError here, before any weights load
-    (``model_source.require_model``)."""
+    """The policy's HF directory or hub name (checked before any weights load); the tiny model is built by
+    rank 0 and its files copied into every rank's cache, which may be node-local."""
     if cfg.model.path != BUILTIN_MODEL:
         require_model(cfg.model.path)
         return cfg.model.path
@@ -71,8 +65,7 @@ def resolve_model_path(cfg: STAPOConfig, dist: DistInfo) -> str:
 
 
 def main_rank_first(dist: DistInfo, build: Callable[[], T]) -> T:
-    """``build()`` on rank 0, then, after a barrier, on the other ranks: they find what rank 0 built or
-    downloaded in the cache instead of all writing into it at once. Collective."""
+    """``build()`` on rank 0, then on the others (they find rank 0's cache instead of all writing it). Collective."""
     if dist.is_main:
         result = build()
     barrier()
@@ -82,7 +75,6 @@ def main_rank_first(dist: DistInfo, build: Callable[[], T]) -> T:
 
 
 def collective_timeout(cfg: STAPOConfig) -> timedelta:
-    """How long a collective waits for the slowest rank (``trainer.collective_timeout_minutes``)."""
     return timedelta(minutes=cfg.trainer.collective_timeout_minutes)
 
 
@@ -102,7 +94,6 @@ def load_tokenizer(path: str, cfg: STAPOConfig):
 
 
 def attention(cfg: STAPOConfig) -> str:
-    """``model.attn_implementation`` with ``auto`` resolved on this machine (stapo.distributed.attention)."""
     return choose_attention(cfg.model.attn_implementation, dtype=policy_dtype(cfg))
 
 
@@ -118,8 +109,7 @@ def load_policy(path: str, cfg: STAPOConfig):
 
 
 def build_policy(path: str, cfg: STAPOConfig):
-    """The policy to train: the loaded model, wrapped with LoRA adapters when ``model.lora.enabled``
-    (stapo.distributed.lora; adapters seeded by ``trainer.seed``, identical on every rank)."""
+    """The loaded model, with LoRA adapters (seeded by ``trainer.seed``) when ``model.lora.enabled``."""
     model = load_policy(path, cfg)
     lora = cfg.model.lora
     if not lora.enabled:
@@ -140,7 +130,6 @@ def rows_per_rank(cfg: STAPOConfig, world_size: int) -> int:
 
 
 def zero_tuning(cfg: STAPOConfig) -> ZeroTuning:
-    """The ``zero:`` section as the engine's flat :class:`~stapo.distributed.deepspeed_engine.ZeroTuning`."""
     return ZeroTuning(**dataclasses.asdict(cfg.zero))
 
 
@@ -168,8 +157,7 @@ def build_deepspeed(model, cfg: STAPOConfig, world_size: int):
 
 
 def build_training_offload(cfg: STAPOConfig, engine):
-    """What moves the engine's ZeRO state to the host around generation, or None (the default):
-    ``rollout.offload_training_state``, for a colocated vLLM's KV cache (docs/gpu.md)."""
+    """``rollout.offload_training_state`` (docs/gpu.md): ZeRO state to the host around generation, or None."""
     if not cfg.rollout.offload_training_state:
         return None
     from stapo.distributed.training_offload import TrainingOffload
@@ -178,10 +166,8 @@ def build_training_offload(cfg: STAPOConfig, engine):
 
 
 def build_reference(cfg: STAPOConfig, model_path: str, policy=None):
-    """The frozen reference policy of the KL term, or None when ``loss.kl_coef`` is 0 (the paper).
-
-    With LoRA it is ``policy`` (the trained module) with its adapters disabled: no second copy of the
-    weights (run its forwards inside ``stapo.distributed.lora.reference_scope``)."""
+    """The KL term's frozen reference, or None when ``loss.kl_coef`` is 0 (the paper); with LoRA, ``policy``
+    with its adapters disabled (no second copy of the weights; use it inside ``lora.reference_scope``)."""
     if cfg.loss.kl_coef == 0:
         return None
     if cfg.model.lora.enabled:
@@ -195,10 +181,7 @@ def build_reference(cfg: STAPOConfig, model_path: str, policy=None):
 
 
 def build_rollout_engine(cfg: STAPOConfig, model_path: str, tokenizer, dist_rank: int = 0):
-    """The configured engine from the registry (``rollout.engine``; ``auto``: vLLM on a GPU with vllm).
-
-    The engine seed is ``trainer.seed + rank``: requests without their own seed must not draw the
-    same stream on every rank."""
+    """``rollout.engine`` from the registry, seeded ``trainer.seed + rank`` (ranks must not share a stream)."""
     from stapo.rollout.registry import EngineOptions, build_engine
 
     r = cfg.rollout
@@ -238,8 +221,7 @@ def update_options(cfg: STAPOConfig) -> UpdateOptions:
 
 
 def build_correction(cfg: STAPOConfig) -> RolloutCorrection:
-    """The off-policy correction (``loss.rollout_*``; ``auto`` resolved by
-    ``STAPOConfig.rollout_correction``); a no-op when everything is off."""
+    """The off-policy correction (``loss.rollout_*``); a no-op when everything is off."""
     return RolloutCorrection(**cfg.rollout_correction)
 
 
@@ -269,12 +251,8 @@ BatchScorer = Callable[[Sequence[str], Sequence[str]], list[float]]
 
 
 def build_scorer(cfg: STAPOConfig, reward_fn: RewardFn | None) -> tuple[BatchScorer, Callable[[], None]]:
-    """``(scorer, close)``: ``reward_fn`` in-process when given, else the ``reward.mode`` registry's
-    scorer (the verifier, or ``reward.function`` in killable workers; stapo/rewards/modes.py).
-
-    The scorer is callable as ``score(responses, answers, row_fields=None) -> rewards`` and has
-    ``.failures`` (items of the last call scored ``reward.failure_value``: metric ``reward_failures``).
-    """
+    """``(scorer, close)``: ``reward_fn`` in-process when given, else the ``reward.mode`` registry's scorer
+    (stapo/rewards/modes.py); ``scorer.failures`` feeds the metric ``reward_failures``."""
     from stapo.rewards import CallableScorer
     from stapo.rewards import build_scorer as build_reward_scorer
 
@@ -288,8 +266,7 @@ def build_scorer(cfg: STAPOConfig, reward_fn: RewardFn | None) -> tuple[BatchSco
 
 
 def build_health(cfg: STAPOConfig):
-    """The run's :class:`~stapo.health.HealthWatch`: ``health.monitors`` with ``health.params``, its window,
-    warm-up, patience and the healthy checkpoints it keeps (docs/health.md)."""
+    """The run's :class:`~stapo.health.HealthWatch` from the ``health`` section (docs/health.md)."""
     from stapo.health import HealthWatch, build_monitor
 
     h = cfg.health
@@ -304,24 +281,30 @@ def builtin_rows(n: int, seed: int, terms: int) -> list[dict]:
 
 
 def _dataset_loader(cfg: STAPOConfig, tokenizer, tools: list[dict] | None, max_prompt_length: int | None = None):
-    """``load(source, override, n_builtin, seed, split) -> PromptDataset | None``, prompts listing ``tools``;
-    prompts longer than ``max_prompt_length`` (default ``data.max_prompt_length``) are filtered."""
-    from stapo.data import PromptDataset
+    """``load(source, override, n_builtin, seed, split) -> PromptDataset | None``, prompts listing ``tools``."""
+    from stapo.data import PromptDataset, prompt_dataset_from_records
 
     d = cfg.data
     longest = d.max_prompt_length if max_prompt_length is None else max_prompt_length
+    builtin = d.source == BUILTIN_DATA
+
+    def from_rows(rows):  # a list of dicts (or an HF dataset) with the configured fields
+        return prompt_dataset_from_records(
+            rows, prompt_field="prompt" if builtin else d.prompt_field,
+            answer_field="answer" if builtin else d.answer_field, preset=None if builtin else d.preset,
+            tokenizer=tokenizer, instruction=d.instruction, tools=tools, max_prompt_length=longest)
 
     def load(source, override, n_builtin, seed, split):
         if isinstance(override, PromptDataset):
             return override
         if override is not None:
-            return prompt_dataset_from_rows(override, cfg, tokenizer, tools, longest)
+            return from_rows(override)
         if source is None:
             return None
         if source == BUILTIN_DATA:
             rows = (tool_setup.tiny_tir_rows(n_builtin, seed) if cfg.tiny.task == "tir"
                     else builtin_rows(n_builtin, seed, cfg.tiny.terms))
-            return prompt_dataset_from_rows(rows, cfg, tokenizer, tools, longest)
+            return from_rows(rows)
         from stapo.data import load_prompt_dataset
 
         try:
@@ -344,9 +327,7 @@ def _eval_source(cfg: STAPOConfig) -> str | None:
 
 def build_datasets(cfg: STAPOConfig, tokenizer, train_dataset=None, eval_dataset=None,
                    max_prompt_length: int | None = None):
-    """``(train, eval or None)`` as :class:`stapo.data.PromptDataset`s (prompts list ``rollout.tools``);
-    prompts longer than ``max_prompt_length`` (default ``data.max_prompt_length``; `prompt_length_limit`)
-    are filtered."""
+    """``(train, eval or None)`` PromptDatasets; prompts over ``max_prompt_length`` (`prompt_length_limit`) leave."""
     d = cfg.data
     load = _dataset_loader(cfg, tokenizer, tool_setup.tool_schemas(cfg), max_prompt_length)
     train = load(d.source, train_dataset, d.num_builtin_problems, TRAIN_DATA_SEED, d.split)
@@ -366,18 +347,3 @@ def build_eval_without_tools(cfg: STAPOConfig, tokenizer, eval_dataset=None, max
                          "dataset), not prompts already rendered with the tools")
     return _dataset_loader(cfg, tokenizer, None, max_prompt_length)(_eval_source(cfg), eval_dataset,
                                                                     cfg.data.eval_size, EVAL_DATA_SEED, "test")
-
-
-def prompt_dataset_from_rows(rows, cfg: STAPOConfig, tokenizer, tools: list[dict] | None = None,
-                             max_prompt_length: int | None = None):
-    """A list of dicts (or an HF ``datasets.Dataset``) with the configured fields → PromptDataset."""
-    from stapo.data import prompt_dataset_from_records
-
-    d = cfg.data
-    builtin = d.source == BUILTIN_DATA
-    return prompt_dataset_from_records(
-        rows, prompt_field="prompt" if builtin else d.prompt_field,
-        answer_field="answer" if builtin else d.answer_field, preset=None if builtin else d.preset,
-        tokenizer=tokenizer, instruction=d.instruction, tools=tools,
-        max_prompt_length=d.max_prompt_length if max_prompt_length is None else max_prompt_length,
-    )

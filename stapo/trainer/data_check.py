@@ -1,10 +1,6 @@
-"""``data.source`` / ``data.eval_source`` checked before anything heavy starts (``plan_run``).
-
-A local file is read through (:func:`stapo.data.scan_data_file`: missing, empty, truncated with its
-line, unsupported format) and its first rows must have the configured columns (``data.prompt_field``
-/ ``data.answer_field``, or the preset's); a hub dataset name is looked up in the local caches only,
-like ``model.path`` (stapo.trainer.model_source): not cached is a note for a dry run and, offline, an
-error for the run. Reads no model and no tokenizer, so ``stapo train --dry-run`` runs it too.
+"""``data.source`` / ``data.eval_source`` checked before anything heavy starts (``plan_run``): a local file
+is read through and its first rows must have the configured columns; a hub name is looked up in the local
+caches only, like ``model.path`` (stapo.trainer.model_source).
 """
 
 from __future__ import annotations
@@ -14,7 +10,7 @@ from pathlib import Path
 
 from stapo.config import STAPOConfig
 from stapo.data import DataError, looks_like_file, resolve_fields, row_field, scan_data_file
-from stapo.trainer.model_source import offline
+from stapo.trainer.model_source import not_cached
 
 __all__ = ["DataSource", "check_data"]
 
@@ -24,8 +20,7 @@ _HEAD = 8  # rows whose columns are checked
 
 @dataclass(frozen=True)
 class DataSource:
-    """One configured dataset: ``setting`` (``data.source``), its value, what it is, its row count
-    (files only) and why it cannot load here (a hub name not cached), or None."""
+    """One configured dataset: its setting, value, kind, rows (files) and why it cannot load here, or None."""
 
     setting: str
     source: str
@@ -94,13 +89,7 @@ def _hub_dataset(setting: str, name: str, cfg: STAPOConfig) -> DataSource:
         return DataSource(setting, name, CACHED)
     fix = (f"set {setting} to a local .jsonl / .json / .parquet file, or download it once where the hub is "
            f"reachable (hf download {name} --repo-type dataset) and run with HF_HUB_OFFLINE=1 to use the cache")
-    if offline():
-        problem = f"{setting} {name!r} is not a local file and not in the Hugging Face cache, and " \
-                  f"HF_HUB_OFFLINE is set: {fix}"
-    else:
-        problem = f"{setting} {name!r} is not in the local Hugging Face cache: the run downloads it at start, " \
-                  f"so the hub must be reachable; offline: {fix}"
-    return DataSource(setting, name, HUB, problem=problem)
+    return DataSource(setting, name, HUB, problem=not_cached(f"{setting} {name!r}", "file", fix))
 
 
 def _cached(name: str, datasets_cache: Path) -> bool:

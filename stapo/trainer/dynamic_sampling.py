@@ -1,22 +1,8 @@
 """Dynamic sampling: DAPO's "filter groups" (DAPO paper §3.2; off by default, as in the STAPO paper).
 
-A group whose G rewards are all equal has advantage 0 on every token (Eq. 2): it adds no gradient
-and only dilutes the token-mean normalizer. With ``rollout.dynamic_sampling`` such groups are
-dropped and more prompts are generated until every rank holds ``target_groups`` informative
-groups, for at most ``max_rounds`` rounds (docs/grpo_options.md)::
-
-    batch = collect_informative(draw, generate, score, group_size=8, target_groups=64, max_rounds=3,
-                                gather=all_gather_object)
-
-After every round each rank publishes ``(kept, dropped)`` through the injected ``gather`` (one small
-all-gather), so all ranks decide alike and run the same rounds. Exactly ``target_groups`` groups per
-rank are kept (the first in draw order). When the round cap comes first (a warning, ``capped``), every
-rank keeps ``min(kept over ranks)`` rounded down to ``multiple_of``, and if that is 0, round 0's batch
-whole (its advantages are all 0: the step trains as without dynamic sampling). docs/grpo_options.md
-has the why of each rule.
-
-Resume stays exact: ``draw`` takes prompts from the trainer's ``PromptSampler``, whose
-``state_dict`` (saved in every checkpoint) already counts the extra draws.
+Groups whose G rewards are all equal (advantage 0, Eq. 2) are dropped and more prompts generated until every
+rank holds ``target_groups`` informative groups, for at most ``max_rounds`` rounds; the ranks agree on each
+round through one small all-gather. docs/grpo_options.md has the rules (the cap, ``multiple_of``) and why.
 """
 
 from __future__ import annotations
@@ -70,28 +56,15 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (groups != groups[:, :1]).any(dim=1)
 
 
-def _alone(value: Any) -> list[Any]:
-    """``gather`` of a single process: its own value."""
-    return [value]
-
-
 def collect_informative(draw: Callable[[int], Sequence[Any]],
                         generate: Callable[[Sequence[Any], int], Rollout],
                         score: Callable[[Rollout, Sequence[Any]], torch.Tensor],
                         group_size: int, target_groups: int, max_rounds: int,
-                        gather: Callable[[Any], list[Any]] = _alone, multiple_of: int = 1) -> InformativeBatch:
-    """Generate until this rank holds ``target_groups`` informative groups (see the module doc).
-
-    Args:
-        draw: ``draw(round) -> prompts`` of this rank (its contiguous share of the next global batch).
-        generate: ``generate(prompts, round) -> Rollout`` with ``group_size`` consecutive rows per
-            prompt (use ``round`` in the sampling seed so rounds do not repeat each other's draws).
-        score: ``score(rollout, prompts) -> (B,)`` final rewards (the ones advantages are built from).
-        target_groups: informative groups wanted per rank.
-        max_rounds: generation rounds at most (>= 1).
-        gather: all-gather of a small picklable value over ranks (``distributed.all_gather_object``).
-        multiple_of: when capped, keep a multiple of this many groups per rank.
-    """
+                        gather: Callable[[Any], list[Any]] = lambda value: [value],
+                        multiple_of: int = 1) -> InformativeBatch:
+    """Generate until this rank holds ``target_groups`` informative groups: ``draw(round) -> prompts``,
+    ``generate(prompts, round) -> Rollout`` (``round`` in its seed), ``score(rollout, prompts) -> rewards``;
+    ``gather``: an all-gather over ranks; when capped, a multiple of ``multiple_of`` groups is kept."""
     if group_size < 1 or target_groups < 1 or max_rounds < 1 or multiple_of < 1:
         raise ValueError(f"need group_size, target_groups, max_rounds, multiple_of >= 1, got {group_size}, "
                          f"{target_groups}, {max_rounds}, {multiple_of}")

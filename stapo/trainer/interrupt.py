@@ -1,14 +1,5 @@
-"""Ctrl-C and SIGTERM (a scheduler's preemption) stop a run at the next step boundary, checkpointed.
-
-A signal only sets a flag; the loop checks it between steps (:meth:`StopRequest.agreed`), saves a
-checkpoint and raises :class:`RunInterrupted`, which ``stapo train`` prints as one line and turns into
-the exit status schedulers expect (130 for SIGINT, 143 for SIGTERM; :class:`HealthStop`, a health alarm
-with ``health.on_alarm: stop``, exits with 3 the same way). Why the step boundary and not at
-once: an interrupted step has updated the weights for some mini-batches and not others, and a
-checkpoint of that state would not resume to the run an uninterrupted one makes. A second Ctrl-C
-stops at once, without a checkpoint (the last periodic one stays). With several ranks every rank
-gets the signal from its launcher, maybe at different moments; the flag is agreed across ranks
-(any rank stopping stops all) so every rank takes the same collective save.
+"""Ctrl-C and SIGTERM stop a run at the next step boundary, checkpointed (a step cut midway would not resume
+exactly); the flag is agreed across ranks, and a second Ctrl-C stops at once (docs/faq.md).
 """
 
 from __future__ import annotations

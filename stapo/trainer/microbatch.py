@@ -1,21 +1,6 @@
-"""Micro-batch plans: which rows go through one forward (and backward) together.
-
-Two ways to cut a batch of sequences, both used by the no-grad stats pass, the update and the
-token recorder (one loop, :class:`MicroBatches`):
-
-* **rows** (``max_tokens=None``): consecutive runs of ``max_rows`` rows, in order — the classic
-  ``micro_batch_size``;
-* **token budget** (``max_tokens``): rows are placed by length so that every micro-batch holds at
-  most ``max_tokens`` real tokens (prompt + response, an episode's context tokens included; a longer
-  row gets a micro-batch of its own)
-  and the micro-batches are balanced: longest-first into the least-loaded micro-batch
-  (the LPT rule). With packed rows (``stapo.distributed.policy.PackedInputs``) the cost of a micro-batch
-  is its real tokens, so the budget is what the GPU actually computes.
-
-Under ZeRO-3 every forward all-gathers each layer's parameters, so all ranks must run the SAME
-number of micro-batches: :func:`plan_micro_batches` takes the count every rank agrees on (the
-maximum over ranks, one all-reduce) and spreads this rank's rows over exactly that many.
-The update is exact whatever the plan (the loss normalizer is global; see ``update.py``).
+"""Micro-batch plans: runs of ``micro_batch_size`` rows, or a token budget filled longest-first (LPT) into
+balanced micro-batches (docs/distributed.md, "Throughput"). Under ZeRO-3 every rank must run the SAME number
+of micro-batches (each forward all-gathers the layers): the count is the maximum over ranks.
 """
 
 from __future__ import annotations
@@ -34,11 +19,8 @@ __all__ = ["MicroBatches", "plan_micro_batches", "balanced_bins", "bins_needed"]
 
 
 def balanced_bins(lengths: Sequence[int], num_bins: int) -> list[list[int]]:
-    """LPT: rows longest-first, each into the bin with the fewest tokens so far.
-
-    Returns ``num_bins`` lists of row indices, each sorted ascending (so rows keep their order within
-    a micro-batch). E.g. lengths [5, 1, 4, 2], 2 bins -> [[0, 1], [2, 3]] (6 and 6 tokens).
-    """
+    """LPT: rows longest-first, each into the bin with the fewest tokens so far; each bin's rows ascending
+    (e.g. lengths [5, 1, 4, 2], 2 bins -> [[0, 1], [2, 3]])."""
     if num_bins < 1:
         raise ValueError(f"num_bins must be >= 1, got {num_bins}")
     heap = [(0, b) for b in range(num_bins)]  # (tokens, bin)
@@ -69,14 +51,8 @@ def bins_needed(lengths: Sequence[int], max_tokens: int) -> int:
 
 def plan_micro_batches(lengths: Sequence[int], *, max_rows: int | None = None,
                        max_tokens: int | None = None, sync_ranks: bool = True) -> list[list[int]]:
-    """Row indices of each micro-batch, the same number of micro-batches on every rank.
-
-    ``lengths``: real tokens (prompt + response) of this rank's rows. With ``max_tokens`` the rows
-    are balanced by tokens (module doc); otherwise consecutive runs of ``max_rows``. Every rank must
-    call it (one all-reduce) unless ``sync_ranks=False``. All ranks hold the same number of rows in
-    the trainer, so the agreed count never exceeds a rank's rows; a rank with fewer rows than the
-    agreed count raises rather than running an empty forward.
-    """
+    """Row indices of each micro-batch, as many on every rank (one all-reduce unless ``sync_ranks=False``);
+    ``lengths``: real tokens of this rank's rows."""
     n = len(lengths)
     if max_tokens is not None:
         local = bins_needed(lengths, max_tokens)
@@ -96,12 +72,8 @@ def plan_micro_batches(lengths: Sequence[int], *, max_rows: int | None = None,
 
 
 class MicroBatches:
-    """THE micro-batch loop of the stats pass, the update and the token recorder.
-
-    Iterating yields ``(rows, inputs)``: a ``(b,)`` index tensor into ``seqs`` and the teacher-forced
-    inputs of those rows on ``device`` (packed or padded per ``opts.packing``). ``len()`` is known
-    before the loop (gradient accumulation needs it). Collective: every rank builds it.
-    """
+    """THE micro-batch loop of the stats pass, the update and the token recorder: ``(rows, inputs)`` on
+    ``device``, packed or padded; ``len()`` known before the loop. Collective."""
 
     def __init__(self, seqs, opts, device, *, no_grad: bool) -> None:
         self.seqs, self.opts, self.device = seqs, opts, device

@@ -1,10 +1,6 @@
-"""Where ``model.path`` comes from — the built-in tiny model, a local directory, the Hugging Face cache
-or the hub — and one clear error when it is none of them, before any rank loads weights.
-
-Without this check a hub name on an offline machine ends in transformers' raw
-``OSError: We couldn't connect to ...`` after the process group has started. The checks only read
-the local cache; :func:`require_model` contacts the hub only for a name that is not cached and only
-when ``HF_HUB_OFFLINE`` is unset (it fetches the model's small ``config.json``).
+"""Where ``model.path`` comes from (the tiny model, a local directory, the HF cache or the hub) and one clear
+error when it is none of them, before any rank loads weights (not transformers' raw ``OSError`` after the
+process group started). Only :func:`require_model` contacts the hub, for an uncached name when online.
 """
 
 from __future__ import annotations
@@ -20,8 +16,7 @@ BUILTIN, LOCAL, CACHED, HUB = "builtin", "local", "cached", "hub"
 
 @dataclass(frozen=True)
 class ModelSource:
-    """``kind``: ``builtin`` (built offline), ``local`` (a directory), ``cached`` (a hub name in the
-    local HF cache) or ``hub`` (a hub name to download)."""
+    """``kind``: ``builtin``, ``local`` (a directory), ``cached`` (a hub name in the HF cache) or ``hub``."""
 
     path: str
     kind: str
@@ -36,6 +31,14 @@ class ModelSource:
 
 def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def not_cached(what: str, local: str, fix: str) -> str:
+    """Why hub name ``what`` (not a local ``local``, not in the HF cache) may not load here."""
+    if offline():
+        return f"{what} is not a local {local} and not in the Hugging Face cache, and HF_HUB_OFFLINE is set: {fix}"
+    return (f"{what} is not in the local Hugging Face cache: the run downloads it at start, so the hub must be "
+            f"reachable; offline: {fix}")
 
 
 def _how_to_fix(path: str) -> str:
@@ -68,16 +71,11 @@ def unavailable_reason(source: ModelSource) -> str | None:
     """Why the weights of ``source`` may not load here (a hub name not in the cache), or None."""
     if source.kind != HUB:
         return None
-    if offline():
-        return (f"model.path {source.path!r} is not a local directory and not in the Hugging Face cache, "
-                f"and HF_HUB_OFFLINE is set: {_how_to_fix(source.path)}")
-    return (f"model.path {source.path!r} is not in the local Hugging Face cache: the run downloads it at "
-            f"start, so the hub must be reachable; offline: {_how_to_fix(source.path)}")
+    return not_cached(f"model.path {source.path!r}", "directory", _how_to_fix(source.path))
 
 
 def require_model(path: str) -> ModelSource:
-    """:func:`model_source`, and for an uncached hub name a reachable hub: one clear ValueError naming
-    ``model.path`` and the offline options otherwise (``stapo train`` prints it as one line)."""
+    """:func:`model_source`, and for an uncached hub name a reachable hub (else one ValueError naming the fix)."""
     source = model_source(path)
     if source.kind != HUB:
         return source

@@ -1,16 +1,7 @@
-"""What a run will do, and whether it can start, decided before anything heavy is built.
-
-:func:`plan_run` is the trainer's first step and all of ``stapo train --dry-run``: batch shares per
-rank, the rollout engine (``auto`` resolved) and what it needs here, the model's source, and
-whether ``trainer.output_dir`` resumes or starts anew. The config's own checks ran when it was
-loaded and the reward scorer is checked by building it (``components.build_scorer``), so every
-message is the one ``stapo train`` gives. Nothing here loads weights or starts a process group.
-
-Two kinds of findings: errors in the run itself (an indivisible batch, a missing checkpoint) raise;
-what this machine lacks (the engine's package, a model not in the cache) is reported on
-:class:`RunPlan`, because a dry run usually checks a recipe for another machine (docs/distributed.md).
-With ``rollout.mode=server`` the trainer runs no engine of its own, so ``rollout.engine`` and its package
-are not checked (the servers run vLLM: docs/rollout.md).
+"""What a run will do, and whether it can start, decided before anything heavy is built: the trainer's first
+step and all of ``stapo train --dry-run``, so both give the same messages. Errors in the run itself raise;
+what this machine lacks is reported on :class:`RunPlan`, since a dry run often checks a recipe for another
+machine (docs/distributed.md, "Check a launch first").
 """
 
 from __future__ import annotations
@@ -73,8 +64,7 @@ class RunPlan:
 
 def plan_run(cfg: STAPOConfig, world_size: int, *, data: bool = True) -> RunPlan:
     """The run of ``cfg`` on ``world_size`` ranks; ValueError / FileNotFoundError on the first error.
-
-    ``data=False``: the caller brings its own datasets, ``data.source`` is not read."""
+    ``data=False``: the caller brings its own datasets."""
     if world_size < 1:
         raise ValueError(f"the number of ranks must be >= 1, got {world_size}")
     rows = rows_per_rank(cfg, world_size)
@@ -101,8 +91,7 @@ def plan_run(cfg: STAPOConfig, world_size: int, *, data: bool = True) -> RunPlan
 
 
 def _check_lora_targets(cfg: STAPOConfig, source: ModelSource) -> None:
-    """``model.lora.target_modules`` against the model's modules, built on the meta device (no weights) when
-    its config is on this machine; the trainer checks again on the loaded model."""
+    """``model.lora.target_modules`` against the model built on the meta device, when its config is here."""
     if not cfg.model.lora.enabled or source.kind not in (LOCAL, CACHED):
         return
     import torch
@@ -131,8 +120,7 @@ _OPTIONAL = (
 
 
 def servers_down(cfg: STAPOConfig) -> tuple[str, ...]:
-    """``rollout.mode=server``: the listed servers that do not answer their health route now (a note: they
-    may be started after the dry run; the run itself stops naming the first one that does not answer)."""
+    """``rollout.mode=server``: the listed servers that do not answer their health route now (a note only)."""
     if cfg.rollout.mode != "server":
         return ()
     from stapo.servers.client import ServerClient, parse_address
@@ -154,8 +142,7 @@ def _installed(name: str) -> bool:
 
 
 def check_writable(output_dir: str | os.PathLike) -> None:
-    """ValueError naming ``trainer.output_dir`` when the run could not create or write it; writes
-    (and removes) an empty probe directory in it, or in its nearest existing parent."""
+    """ValueError when ``trainer.output_dir`` cannot be created or written (probed in its nearest existing dir)."""
     path = Path(output_dir).expanduser()
     existing = next(p for p in (path, *path.absolute().parents) if p.exists())
     if not existing.is_dir():
@@ -203,7 +190,6 @@ def _rollout_line(cfg: STAPOConfig, plan: RunPlan) -> str:
 
 
 def _method_lines(cfg: STAPOConfig, plan: RunPlan) -> list[str]:
-    """The policy's adapters, its tools, the optimizer and KL: what a run from a recipe changes most."""
     lo, op, lora, tools = cfg.loss, cfg.optim, cfg.model.lora, cfg.rollout.tools
     adapters = (f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}" if lora.enabled
                 else "full fine-tuning (no LoRA)")

@@ -1,23 +1,7 @@
-"""Asynchronous rollouts with bounded staleness (``rollout.max_staleness: k >= 1``; docs/algorithm.md).
-
-A background thread generates the batches of the next iterations on the rollout servers while the
-trainer updates. Policy version ``v`` = optimizer iterations whose weights the servers hold; batch
-``j`` (the batch iteration ``j`` trains, 0-based) may be sampled once ``j - v <= k``, so every row the
-trainer uses is at most ``k`` versions old — with ``k = 1``, batch ``j + 1`` is generated during
-iteration ``j``'s update, the one-step off-policy schedule of verl and prime-rl. The weight sync
-pauses the producer (`paused`): a server never generates inside a weight-update session.
-
-Only generation runs here (prompt draws, the engine's ``generate``): scoring, the no-grad pass and
-every collective stay on the trainer's thread, so the mask statistics and ``old_logprobs`` still come
-from the current policy. The checkpoint's resume point is the prompt sampler's state before the first
-batch not yet trained (`resume_state`); batches generated ahead are regenerated after a restart.
-
-Partial rollouts (``rollout.partial``): the weight sync does not wait for the batch under way. `paused`
-first calls ``interrupt`` (the engine cuts its requests in flight; they keep their tokens), ``produce``
-then returns None instead of a batch, and once the sync is done (``resume``) the producer calls it again
-for the same batch, which goes on from where it was cut with the new weights
-(`stapo.rollout.drivers.Generation`).
-A batch must be finished before its iteration trains, so it spans at most ``k + 1`` policy versions.
+"""Asynchronous rollouts with bounded staleness (``rollout.max_staleness: k >= 1``; docs/algorithm.md,
+"Asynchronous training"): a thread generates batch ``j`` once ``j - v <= k`` (``v``: the servers' policy
+version); the weight sync pauses it, and with ``rollout.partial`` cuts the batch under way, which goes on
+after the sync. Only generation runs here: scoring and every collective stay on the trainer's thread.
 """
 
 from __future__ import annotations
@@ -46,14 +30,9 @@ class ProducedBatch:
 
 
 class RolloutProducer:
-    """The background producer; ``produce(index, version)`` draws and generates one batch (or, interrupted
-    by a sync, returns None and is called again for the same batch afterwards), for the iterations from
-    ``first_index`` up to (not including) ``stop_index``. ``interrupt`` / ``resume``: how a sync stops and
-    restarts a generation under way (partial rollouts); None: the sync waits for the batch.
-
-    ``sampler_state()`` returns the prompt sampler's state; it is read before each draw, so that a
-    checkpoint can name the draw of the first batch not yet trained.
-    """
+    """The background producer: ``produce(index, version)`` generates one batch (None: a sync cut it, call again)
+    for iterations ``first_index`` to ``stop_index`` (excluded). ``interrupt`` / ``resume``: how a sync cuts a
+    generation under way (None: it waits). ``sampler_state()`` is read before each draw (the resume point)."""
 
     def __init__(self, produce: Callable[[int, int], ProducedBatch | None], sampler_state: Callable[[], dict], *,
                  max_staleness: int, first_index: int, version: int, stop_index: int | None = None,

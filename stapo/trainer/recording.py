@@ -1,9 +1,5 @@
-"""Token recording for ``stapo inspect`` (option ``inspect.record_every``).
-
-Every N iterations the per-token statistics of the first mini-batch (``inspect.record_minibatches``:
-or of every one) — exactly the ``p``, ``H`` and ``A`` the mask saw, what it silenced, plus top-5
-alternatives and the collision probability (paper Fig. 2, App. C), and which tokens the off-policy
-correction rejected — are written to ``output_dir/token_records/``.
+"""Token recording for ``stapo inspect`` (``inspect.record_every``, docs/inspector.md): the ``p``, ``H`` and ``A``
+the mask saw, what it silenced, top-5 alternatives and the collision probability (paper Fig. 2, App. C).
 """
 
 from __future__ import annotations
@@ -32,9 +28,7 @@ class TokenRecorder:
     @torch.no_grad()
     def record(self, step, minibatch, model, mini, stats, masked, thresholds, rollout, rewards, tokenizer, mask_name,
                opts, rejected=None) -> None:
-        """Write the record of one mini-batch (rank 0's rows; every rank runs the forward). Called
-        before the mini-batch's update, so top-k comes from the theta that gave p and H. ``rejected``:
-        (B, T) bool, the tokens the off-policy correction took out of the loss."""
+        """Write one mini-batch's record (rank 0's rows; every rank runs the forward), before its update."""
         shape = (*mini.response_ids.shape, self.top_k)
         topk_ids = torch.zeros(shape, dtype=torch.long)
         topk_probs = torch.zeros(shape)
@@ -68,8 +62,7 @@ class TokenRecorder:
 
 
 def context_segments(rollout, tokenizer) -> list[list] | None:
-    """Per row, each run of context tokens (a tool turn of an episode) as ``[first position, text]``
-    (special tokens shown: they are the chat template's); None for single-turn rows."""
+    """Per row, each run of context tokens (a tool turn) as ``[first position, text]``; None for one turn."""
     if rollout.episodes is None:
         return None
     out = []

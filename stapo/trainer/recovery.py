@@ -1,13 +1,5 @@
-"""What a health alarm does (``health.on_alarm``, docs/health.md): warn, stop, or roll back.
-
-Every step the trainer hands its metrics to :meth:`Recovery.observe` (the monitors' statistics join
-the step's row) and, when an alarm went off, calls :meth:`Recovery.respond`:
-
-``warn`` logs the alarm, ``stop`` checkpoints and raises :class:`~stapo.trainer.interrupt.HealthStop`
-(exit status 3), ``rollback`` returns model, optimizer, lr schedule, mask state and the monitors' window
-to the newest healthy checkpoint saved before the onset (stapo.health.watch), gives the rollout engine
-those weights, scales the lr and checkpoints the new state, while the data order and random streams go on.
-docs/health.md, "Alarms and actions", has the details and why resuming inside a rollback stays exact.
+"""What a health alarm does (``health.on_alarm``): warn, stop (exit status 3), or roll back to the newest
+healthy checkpoint while the data order and random streams go on (docs/health.md, "Alarms and actions").
 """
 
 from __future__ import annotations
@@ -26,10 +18,10 @@ __all__ = ["Recovery", "restore"]
 log = logging.getLogger("stapo.trainer")
 
 
-def restore(trainer, path: Path) -> dict:
-    """Load checkpoint ``path`` into the running trainer (weights, optimizer, lr schedule, mask state; not
-    the RNG, the data order or the step count); returns its client state."""
-    state = trainer.checkpoints.load(trainer.engine, path, restore_rng=False)
+def restore(trainer, path: Path, rng: bool = False) -> dict:
+    """Load checkpoint ``path`` into the trainer (weights, optimizer, lr, mask; the RNG with ``rng``); returns
+    its client state."""
+    state = trainer.checkpoints.load(trainer.engine, path, restore_rng=rng)
     trainer.mask.load_state_dict(state.get("mask", {}))
     return state
 
@@ -43,8 +35,7 @@ class Recovery:
         self._announced = False
 
     def observe(self, metrics: dict) -> list[Alarm]:
-        """Run the monitors on the step's ``metrics`` (their statistics are added to it); the new alarms,
-        rank 0's on every rank (a user monitor reading a rank's own timing cannot split the ranks)."""
+        """Run the monitors on ``metrics`` (their statistics join it); rank 0's new alarms on every rank."""
         t = self.trainer
         if not self._announced:  # each session's first row: the monitors and thresholds (`stapo health`)
             t.logger.log_event(t.step_count, "health", {"on_alarm": self.settings.on_alarm,

@@ -1,16 +1,6 @@
-"""Which checkpoint ``trainer.resume`` continues, checked before any weights load.
-
-A checkpoint records the config it was trained with; ``auto`` refuses one whose experiment differs from
-this run's (``stapo.config.experiment``: another mask, LoRA, batch sizes, ...), naming the keys, so an
-ablation never continues the run it is compared with. ``force`` (or a checkpoint named by its path)
-continues it anyway with a warning; changed run settings (eval cadence, logging, more steps) are logged.
-
-A checkpoint can be unreadable after the run that wrote it: a file truncated by a full disk or a
-copy, a shard deleted by hand, a world size that changed. With ``trainer.resume=auto`` such a
-checkpoint is skipped (a warning names it and why) and the newest intact one is used; nothing is
-deleted. A checkpoint the user named (``trainer.resume=PATH``) fails with the reason instead: they
-asked for that one. The checks read the small client state and the zip directories of DeepSpeed's
-files (their ends, where a truncated file loses its table of contents), not the tensors.
+"""Which checkpoint ``trainer.resume`` continues, checked before any weights load (docs/distributed.md,
+"Resuming"): ``auto`` skips unreadable ones and refuses another experiment's. The checks read the client
+state and the zip directories of DeepSpeed's files (where a truncated file loses its table), not the tensors.
 """
 
 from __future__ import annotations
@@ -60,7 +50,7 @@ def checkpoint_problem(path: Path, world_size: int) -> str | None:
     try:
         saved = int(torch.load(client, weights_only=False, map_location="cpu")["world_size"])  # our own file
     except Exception as exc:  # a damaged file raises whatever the unpickler met
-        return f"{CLIENT_FILE} cannot be read ({_first_line(exc)})"
+        return f"{CLIENT_FILE} cannot be read ({first_line(exc)})"
     if saved != world_size:
         return f"saved with {saved} rank(s), this run has {world_size}: resume with the same number of ranks"
     files = sorted((path / DS_TAG).glob("*.pt"))
@@ -83,30 +73,25 @@ def checkpoint_problem(path: Path, world_size: int) -> str | None:
 
 
 def _zip_problem(file: Path) -> str | None:
-    """torch.save files are zip archives: a cut-off file has no table of contents at its end, or
-    entries that run past it."""
+    """A torch.save zip cut off: no table of contents at its end, or entries that run past it."""
     try:
         with zipfile.ZipFile(file) as archive:
             size = file.stat().st_size
             if any(info.header_offset + info.compress_size > size for info in archive.infolist()):
                 return "is truncated (entries run past the end of the file)"
     except (zipfile.BadZipFile, OSError) as exc:
-        return f"is truncated or damaged ({_first_line(exc)})"
+        return f"is truncated or damaged ({first_line(exc)})"
     return None
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
 
 def choose_checkpoint(output_dir: str | Path, how: str, world_size: int) -> ResumeChoice:
-    """``trainer.resume`` (``auto`` / ``never`` / a path) -> the checkpoint to load.
-
-    ``auto`` (and ``force``): the one ``latest`` names, else the newest complete one; unreadable ones are
-    skipped for the next older (:class:`ResumeChoice` lists them). CheckpointUnreadable when a named
-    checkpoint, or every checkpoint there is, cannot be resumed.
-    """
+    """``trainer.resume`` (``auto`` / ``force`` / ``never`` / a path) -> the checkpoint to load: ``latest``, else
+    the newest intact one; CheckpointUnreadable when a named checkpoint, or every one, cannot be resumed."""
     if how == "never":
         return ResumeChoice(None)
     if how not in ("auto", "force"):

@@ -1,21 +1,9 @@
 """Algorithm 1 lines 3-5 on one rank: the weight sync, the prompts, their G responses and rewards.
 
-`Rollouts` holds everything between the policy and a scored batch, so that `STAPOTrainer` reads as
-the algorithm box:
-
-* prompts: the sampler's batch, this rank's share balanced by prompt tokens (same on every rank);
-* generation: a driver (`stapo.rollout.drivers.Generation`: one turn, or tool episodes with
-  ``rollout.tools``) on the rollout engine (colocated, or vLLM servers with ``rollout.mode: server``),
-  seeded per (run, iteration, rank, dynamic-sampling round) so a resumed run regenerates the same rows;
-  every token stamped with the policy version that sampled it;
-* asynchronous (``rollout.max_staleness`` >= 1): a `RolloutProducer` generates ahead; the iteration
-  takes its batch from it, and the checkpoint's resume point is its draw (docs/algorithm.md); with an
-  interruptible engine (``rollout.partial``) a sync cuts the batch under way, which goes on afterwards;
-* the weight sync (line 3), which pauses the producer and, with servers, makes every rank wait for it;
-* rollout servers failing: whether a sync failed (and is retried with the servers left) and whether any
-  rank lost its last server is decided for ALL ranks by one collective, so every rank stops (with a
-  checkpoint) or goes on together — never one rank in the stop checkpoint's collective while the others
-  wait elsewhere.
+Generation is seeded per (run, iteration, rank, dynamic-sampling round), so a resumed run regenerates the
+same rows; asynchronous runs take their batches from a `RolloutProducer` (docs/algorithm.md, "Asynchronous
+training"). With rollout servers, whether a sync failed or a rank lost its last server is decided for ALL
+ranks by one collective, so every rank stops (with a checkpoint) or goes on together.
 """
 
 from __future__ import annotations
@@ -45,8 +33,7 @@ log = logging.getLogger("stapo.trainer")
 
 
 class Rollouts:
-    """This rank's rollouts of a run: ``engine`` fed from ``model``; ``tools``: every row is a tool episode
-    (``rollout.tools``; None: one turn). See the module docstring."""
+    """This rank's rollouts: ``engine`` fed from ``model``; ``tools``: every row is a tool episode (None: one turn)."""
 
     def __init__(self, cfg: STAPOConfig, dist: DistInfo, engine: RolloutEngine, model, sampler: PromptSampler,
                  train_data, score, reward_terms: Sequence[RewardTerm], training_offload=None,
@@ -74,8 +61,7 @@ class Rollouts:
 
     # ---- lines 4-5 ----------------------------------------------------------------------------
     def scored(self, step: int, timer) -> ScoredRollout:
-        """Iteration ``step``'s scored rows (asynchronous: from the producer); DAPO's filter groups with
-        ``rollout.dynamic_sampling``."""
+        """Iteration ``step``'s scored rows (asynchronous: from the producer)."""
         r, t, world = self.cfg.rollout, self.cfg.trainer, self.dist.world_size
         if self.producer is not None:
             with timer("rollout"):  # the trainer's wait: generation itself ran during earlier updates
@@ -93,8 +79,7 @@ class Rollouts:
 
     def _with_server_metrics(self, scored: ScoredRollout, step: int, epoch: int, generation_s: float,
                              interrupted: int = 0) -> ScoredRollout:
-        """The draw's epoch, and in server mode the staleness of the rows' tokens (max, and mean over response
-        tokens), the generation time (max over ranks) and the segments a sync cut (partial rollouts)."""
+        """The draw's epoch and, in server mode, the tokens' staleness, generation time and segments a sync cut."""
         sampling = dict(scored.sampling)
         versions = scored.rollout.token_versions()
         if self.server and versions is not None and len(versions):
@@ -112,8 +97,8 @@ class Rollouts:
         return dataclasses.replace(scored, sampling=sampling, epoch=epoch)
 
     def _produce(self, index: int, version: int) -> ProducedBatch | None:
-        """The producer's work (its thread; no collective): batch ``index``'s prompts generated with policy
-        ``version``; None when a sync cut it (an interruptible engine), and the next call goes on with it."""
+        """The producer's work (its thread; no collective): batch ``index`` with policy ``version``; None when
+        a sync cut it, and the next call goes on with it."""
         if self._under_way is None or self._under_way[0] != index:
             examples = self.next_prompts()
             generation = Generation([e.prompt_ids for e in examples], self.cfg.rollout.group_size,
@@ -130,8 +115,7 @@ class Rollouts:
                              time.perf_counter() - start, interrupted=generation.interrupted)
 
     def next_prompts(self) -> list:
-        """This rank's share of the global batch, balanced by prompt tokens (every rank computes the
-        same deal from the sampler's batch, so a resumed run deals the same prompts)."""
+        """This rank's share of the global batch, balanced by prompt tokens (the same deal on every rank)."""
         indices = self.sampler.next_batch()
         indices = indices[:len(indices) - len(indices) % self.dist.world_size]
         shares = balanced_shares([len(self.train_data[i].prompt_ids) for i in indices], self.dist.world_size)
@@ -146,14 +130,11 @@ class Rollouts:
 
     def generate(self, examples: list, step: int, greedy: bool = False, round_index: int = 0,
                  plain: bool = False) -> Rollout:
-        """Rows for ``examples`` (the iteration ``step``'s seed), on the trainer's thread: with rollout
-        servers every rank learns whether any rank lost its last server (`_agreed`). ``plain``: one turn
-        each, without the tools (evaluation without tools)."""
+        """Rows for ``examples`` on the trainer's thread (`_agreed`); ``plain``: one turn each, without the tools."""
         return self._agreed(lambda: self._generate(examples, step, greedy, round_index, plain=plain))
 
     def _agreed(self, work: Callable[[], T]) -> T:
-        """``work()``, then, in server mode, one collective: when any rank ran out of rollout servers, every
-        rank raises `NoRolloutServers` here (and all stop together, with a checkpoint)."""
+        """``work()``, then, in server mode, one collective: when any rank ran out of servers, every rank raises."""
         if not self.server:
             return work()
         result, lost = None, None
@@ -168,8 +149,7 @@ class Rollouts:
 
     def _generate(self, examples: list, step: int, greedy: bool = False, round_index: int = 0,
                   plain: bool = False) -> Rollout:
-        """Rows for ``examples`` (the iteration ``step``'s seed and, unless the engine says otherwise, its policy
-        version: the weights of the last sync). No collective."""
+        """Rows for ``examples`` with iteration ``step``'s seed and (unless the engine says) policy version."""
         generation = Generation([e.prompt_ids for e in examples], 1 if greedy else self.cfg.rollout.group_size,
                                 self.sampling(step, greedy, round_index), tools=None if plain else self.tools)
         if not self._advance(generation):
@@ -187,8 +167,7 @@ class Rollouts:
         return done
 
     def _rollout(self, generation: Generation, examples: list, version: int) -> Rollout:
-        """The finished rows with their answers, prompts and the policy version of every token (``version``
-        where the engine did not say)."""
+        """The finished rows with answers, prompts and every token's policy version (default ``version``)."""
         rollout = generation.rollout(self.engine.pad_token_id)
         if rollout.policy_version is None:
             rollout = rollout.with_policy_version(version)
@@ -197,8 +176,8 @@ class Rollouts:
 
     # ---- line 3 -------------------------------------------------------------------------------
     def sync(self, version: int) -> SyncStats:
-        """theta_old <- theta into the rollout engine, which then holds policy ``version``. Rollout servers
-        learn the version, and no rank generates before the sync is done (nor, asynchronous, during it)."""
+        """theta_old <- theta into the rollout engine, which then holds policy ``version``; no rank generates
+        before (nor, asynchronous, during) the sync."""
         if not self.server:
             return sync_weights(self.model, self.engine, self.cfg.rollout.sync_bucket_mb * 2**20)
         attempts = self.cfg.rollout.server.sync_retries + 1

@@ -1,14 +1,5 @@
-"""Algorithm 1 lines 4-5: sample G responses per prompt and score them.
-
-One place decides what the rewards of an iteration are:
-
-* the scorer (the math verifier, a ``reward.mode`` from the registry, or ``reward.function`` in
-  killable workers) gives ``scores``; the dataset row's extra columns reach it as ``row_fields``;
-* the reward terms (``stapo.rewards.terms``: DAPO's soft overlong punishment, ``reward.overlong_*``, and
-  the tool shaping of episodes, ``reward.tool_*``) are added: ``rewards = scores + penalty``
-  (docs/grpo_options.md, docs/tir.md); advantages are built from ``rewards``, accuracy from ``scores``;
-* with ``rollout.dynamic_sampling`` (DAPO's filter groups) groups whose rewards are all equal are
-  dropped and more prompts drawn (:mod:`stapo.trainer.dynamic_sampling`).
+"""Algorithm 1 lines 4-5, the one place that decides an iteration's rewards: ``rewards = scores + penalty``
+of the reward terms (docs/grpo_options.md, "Reward terms"); advantages use ``rewards``, accuracy ``scores``.
 """
 
 from __future__ import annotations
@@ -50,12 +41,7 @@ def collect_scored_rollout(draw: Callable[[], list], generate: Callable[[list, i
                            terms: Sequence[RewardTerm], timer, *, group_size: int, dynamic: bool = False,
                            target_groups: int = 0, max_rounds: int = 1, multiple_of: int = 1,
                            gather: Callable[[object], list] = lambda value: [value]) -> ScoredRollout:
-    """One iteration's scored rollout; with ``dynamic`` only informative groups (see module doc).
-
-    ``draw()`` gives this rank's next prompts, ``generate(prompts, round)`` their responses (``round``
-    enters the sampling seed), ``timer`` the step's phase timer, ``gather`` an all-gather of a small
-    value over ranks (ranks agree on the dynamic-sampling rounds).
-    """
+    """One iteration's scored rollout; with ``dynamic`` only informative groups (trainer.dynamic_sampling)."""
     if not dynamic:
         examples = draw()
         with timer("rollout"):

@@ -1,9 +1,5 @@
-"""``rollout.mode: server``: the `ServerEngine` a config asks for, and what the servers allow the data.
-
-Where the rollout servers' settings become components (the server-mode part of
-`stapo.trainer.components`): the secret (``STAPO_SERVER_TOKEN`` or ``rollout.server.token_file``), every limit
-(`ServerLimits`), the fingerprint of the trainer's model and tokenizer the servers are checked against,
-and the longest prompt the servers' ``max_model_len`` leaves room for. docs/rollout.md, "Rollout servers".
+"""``rollout.mode: server`` as components: the `ServerEngine` (secret, limits, the fingerprint the servers are
+checked against) and the longest prompt the servers allow (docs/rollout.md, "Rollout servers").
 """
 
 from __future__ import annotations
@@ -43,9 +39,7 @@ def build_server_engine(cfg: STAPOConfig, model_path: str, tokenizer, dtype: tor
 
 
 def prompt_length_limit(cfg: STAPOConfig, rollout_engine: RolloutEngine) -> int:
-    """The longest prompt the run keeps: ``data.max_prompt_length``, or less when a rollout server's
-    ``max_model_len`` leaves less room beside ``rollout.max_response_length`` (a warning says so; longer
-    prompts are filtered with a count, as for the colocated engine, whose length is set from the config)."""
+    """``data.max_prompt_length``, or less (with a warning) when a server's ``max_model_len`` leaves less room."""
     limit = cfg.data.max_prompt_length
     served = rollout_engine.max_model_len
     if served is None or served >= limit + cfg.rollout.max_response_length:

@@ -1,11 +1,5 @@
-"""``rollout.tools`` and ``tiny.task: tir`` as components (docs/tir.md); called by
-:mod:`stapo.trainer.components`, the one place that reads the rest of the config.
-
-* the tools the policy may call, built from the registry with the per-call limits (``timeout_s``,
-  ``max_output_chars``), ``stateful`` for the tools that have state, and each tool's own ``params``;
-* the episodes' :class:`~stapo.rollout.episodes.ToolEpisodes` (parser, tools, turn limit), which the
-  rollout driver makes every row a multi-turn episode with;
-* the tiny TIR demo's tokenizer, model and warm start, and its problems.
+"""``rollout.tools`` and ``tiny.task: tir`` as components (docs/tir.md): the tools, the episodes'
+:class:`~stapo.rollout.episodes.ToolEpisodes`, and the tiny TIR demo's model and problems.
 """
 
 from __future__ import annotations
@@ -42,8 +36,7 @@ def tool_schemas(cfg: STAPOConfig) -> list[dict] | None:
 
 
 def tool_episodes(cfg: STAPOConfig, tokenizer):
-    """What makes every rollout row an episode with ``rollout.tools`` (its token budget is
-    ``rollout.max_response_length``, the rollouts' ``max_new_tokens``); None when tools are off."""
+    """What makes every rollout row an episode with ``rollout.tools``; None when tools are off."""
     t = cfg.rollout.tools
     if not t.enabled:
         return None
@@ -55,9 +48,8 @@ def tool_episodes(cfg: STAPOConfig, tokenizer):
 
 
 def control_token_ids(cfg: STAPOConfig, tokenizer):
-    """The call format's tags that are single tokens of ``tokenizer`` (Qwen3's ``<tool_call>`` and
-    ``</tool_call>``), as a LongTensor: the control tokens the step metrics count for the health monitors
-    (docs/health.md). None without tools or without such tags."""
+    """The call format's tags that are single tokens of ``tokenizer`` (``<tool_call>``), counted for the health
+    monitors (docs/health.md); None without tools or such tags."""
     import torch
 
     from stapo.tools import build_tool_parser

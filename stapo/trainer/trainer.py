@@ -1,16 +1,5 @@
-"""``STAPOTrainer``: paper Algorithm 1 on DeepSpeed ZeRO-3 with a colocated rollout engine.
-
-One iteration (``step``)::
-
-    prompts   -> rollout engine: G responses each from pi_theta_old        (Alg. 1 line 4)
-    responses -> verifier: R in {+1, -1} -> group advantages (Eq. 2)        (line 5)
-    no-grad pass of theta_old: old_logprobs, entropy                       (line 8, first mini-batch)
-    per mini-batch: mask stats -> keep, off-policy correction -> clipped surrogate (Eq. 1) -> step (lines 6-12)
-    bucketed ZeRO-3 gather -> rollout engine weights                       (line 3, next iteration)
-
-Launch: ``stapo train CONFIG`` (one process) or ``deepspeed --num_gpus N -m stapo.cli train CONFIG``,
-``torchrun --nproc_per_node N -m stapo.cli train CONFIG``, ``accelerate launch -m stapo.cli train CONFIG``.
-"""
+"""``STAPOTrainer``: paper Algorithm 1 on DeepSpeed ZeRO-3 with a rollout engine; the step reads as the
+algorithm box (docs/algorithm.md, "Algorithm 1, line by line"; launchers: docs/distributed.md, "Launch")."""
 
 from __future__ import annotations
 
@@ -35,7 +24,7 @@ from stapo.distributed.training_offload import offloaded
 from stapo.telemetry.metrics import MetricsLogger
 from stapo.trainer.preflight import plan_run
 from stapo.trainer.recording import TokenRecorder
-from stapo.trainer.recovery import Recovery
+from stapo.trainer.recovery import Recovery, restore
 from stapo.distributed.deepspeed_engine import current_lr
 from stapo.distributed.lora import reference_scope
 from stapo.distributed.zero3_trace import REFERENCE
@@ -55,16 +44,9 @@ class TrainingAborted(RuntimeError):
 
 
 class STAPOTrainer:
-    """Spurious-Token-Aware Policy Optimization (and its baselines, via ``mask``).
-
-    Args:
-        config: the run (``STAPOConfig.from_yaml(...)``).
-        reward_fn: ``(response, ground_truth) -> float``; default: stapo's math verifier (+1/-1).
-        mask: a :class:`~stapo.losses.TokenMask` instance that overrides ``config.mask`` (e.g. a
-            user subclass registered with ``@register_mask``).
-        train_dataset / eval_dataset: a :class:`stapo.data.PromptDataset`, an HF ``datasets.Dataset``
-            or a list of dicts with the configured prompt/answer fields; default: ``config.data``.
-    """
+    """Spurious-Token-Aware Policy Optimization (and its baselines, via ``mask``). ``reward_fn``
+    ``(response, ground_truth) -> float`` replaces the verifier; ``mask`` (a TokenMask) overrides ``config.mask``;
+    the datasets (PromptDataset, HF dataset or list of dicts) override ``config.data``."""
 
     def __init__(self, config: STAPOConfig, *, reward_fn=None, mask: TokenMask | None = None,
                  train_dataset=None, eval_dataset=None):
@@ -179,8 +161,7 @@ class STAPOTrainer:
         return metrics()
 
     def _train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:
-        """The iteration's rows, complete: theta_old's stats from the no-grad pass (and the reference
-        policy's logprobs when ``loss.kl_coef > 0``)."""
+        """The iteration's rows with theta_old's stats (and the reference's logprobs when ``loss.kl_coef > 0``)."""
         old_logprobs, old_entropy = policy_stats(self.model, rollout, self.opts)
         ref_logprobs = None
         if self.reference is not None:  # LoRA: the policy itself, adapters disabled
@@ -194,8 +175,7 @@ class STAPOTrainer:
                           ref_logprobs=ref_logprobs, loss_mask=loss_mask, context_mask=rollout.context_mask)
 
     def _mask_stats(self, mini: TrainBatch, first: bool, batch_entropy: float, seed: int) -> TokenStats:
-        """Exact stats for the first mini-batch (theta = theta_old); later ones need a fresh pass
-        unless ``mask.stats_source: old`` (documented approximation)."""
+        """Exact for the first mini-batch (theta = theta_old); later ones: a fresh pass (``mask.stats_source``)."""
         if first or self.config.mask.stats_source == "old":
             logprobs, entropy = mini.old_logprobs, mini.old_entropy
         else:
@@ -205,8 +185,7 @@ class STAPOTrainer:
                           batch_entropy=batch_entropy, seed=seed)
 
     def _mask_seed(self, k: int) -> int:
-        """Seed of mini-batch ``k``'s random token choices (clip_cov): per (run, step, mini-batch), the
-        same on every rank, so runs reproduce and resume exactly."""
+        """Mini-batch ``k``'s seed (clip_cov): per (run, step, mini-batch), equal on all ranks: resumes stay exact."""
         return (self.config.trainer.seed * 1_000_003 + self.step_count * 1_009 + k * 7_919 + 104_729) % 2**31
 
     def _mini_batches(self, num_rows: int) -> list[slice]:
@@ -234,9 +213,7 @@ class STAPOTrainer:
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        """Run to ``trainer.total_steps``; checkpoints, evaluation, export, plots. Returns a summary.
-
-        Ctrl-C / SIGTERM stop at the next step boundary with a checkpoint (stapo.trainer.interrupt)."""
+        """Run to ``trainer.total_steps``; returns a summary. Signals stop at a step boundary (trainer.interrupt)."""
         cfg, start, first_step = self.config, time.perf_counter(), self.step_count
         before = self.evaluate() if self.step_count == 0 else self._logged_evaluation(0)
         if before and self.step_count == 0:
@@ -312,9 +289,8 @@ class STAPOTrainer:
         return summary
 
     def _observe(self, k, mini, stats, masked, probe, rollout, rewards, rows, rejected) -> None:
-        """Sample completions of the first mini-batch and token records of mini-batch ``k`` (its
-        ``rows`` of the rollout), when due. Runs BEFORE its update, so the recorder's top-k
-        alternatives come from the same theta_old as p, H and A."""
+        """Sample completions and token records of mini-batch ``k`` when due; BEFORE its update, so the
+        recorder's top-k alternatives come from the same theta_old as p, H and A."""
         step, every = self.step_count + 1, self.config.logging.log_samples_every
         log_samples = k == 0 and every and step % every == 0
         record = self.recorder.due(step, k)
@@ -366,10 +342,9 @@ class STAPOTrainer:
         barrier()
 
     def _resume(self, path: Path) -> None:
-        state = self.checkpoints.load(self.engine, path)
+        state = restore(self, path, rng=True)
         self.step_count, self.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
         self.sampler.load_state_dict(state["sampler"])
-        self.mask.load_state_dict(state.get("mask", {}))
         self.health.watch.load_state_dict(state.get("health"))
         self.logger.truncate_after(self.step_count)
         self.rollouts.sync(self.step_count)

@@ -1,17 +1,6 @@
-"""The no-grad stats pass and one policy update on one mini-batch (Algorithm 1 lines 7-12, Eq. 1).
-
-The update must not depend on how the mini-batch is cut into micro-batches or spread over ranks
-(docs/algorithm.md, "Why the update is exact"). Three things make that exact:
-
-1. the keep mask and the off-policy correction are computed once per mini-batch by the caller, on full
-   rows, with quantile thresholds and batch means over the whole mini-batch on all ranks, and composed
-   once into the loss's keep and token weights (:func:`loss_tokens`);
-2. the loss normalizer (kept tokens for ``token-mean``, rows for the ``seq-mean-*`` modes) is the
-   GLOBAL count, all-reduced before any backward, so micro-batch losses add up to Eq. 1;
-3. gradients are summed, not averaged, over micro-batches and ranks (``GradientAccumulation``).
-
-Both passes run over :class:`~stapo.trainer.microbatch.MicroBatches`: rows cut by count or by a
-token budget, each micro-batch packed into one padding-free row (``trainer.packing``) or padded.
+"""The no-grad stats pass and one policy update on one mini-batch (Algorithm 1 lines 7-12, Eq. 1),
+independent of the micro-batch cut and the ranks (docs/algorithm.md, "Why the update is exact"): keep and
+weights composed once on full rows, a GLOBAL loss normalizer, gradients summed over micro-batches and ranks.
 """
 
 from __future__ import annotations
@@ -90,9 +79,8 @@ class UpdateOptions:
 
 @torch.no_grad()
 def policy_stats(model, seqs, opts: UpdateOptions, trace: str = NO_GRAD) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad ``(logprobs, entropy)`` ``(B, T)`` fp32 on CPU of ``model`` over ``seqs`` (a Rollout
-    or TrainBatch: prompt/response ids and masks); zero on padding. ``trace``: the ZeRO-3 pass kind
-    (:mod:`stapo.distributed.zero3_trace`; the LoRA reference, adapters off, calls other modules)."""
+    """No-grad ``(logprobs, entropy)`` ``(B, T)`` fp32 on CPU of ``model`` over ``seqs``, zero on padding;
+    ``trace``: the ZeRO-3 pass kind (stapo.distributed.zero3_trace)."""
     shape = seqs.response_ids.shape
     logprobs = torch.zeros(shape, dtype=torch.float32)
     entropy = torch.zeros(shape, dtype=torch.float32)
@@ -105,8 +93,7 @@ def policy_stats(model, seqs, opts: UpdateOptions, trace: str = NO_GRAD) -> tupl
 
 
 def rollout_entropy(batch: TrainBatch) -> float:
-    """Token-mean entropy of theta_old over the rollout batch's response tokens on all ranks (the
-    ``TokenStats.batch_entropy`` a gated weighting mask such as STARE reads); NaN with no token."""
+    """Token-mean entropy of theta_old over the batch on all ranks (``TokenStats.batch_entropy``); NaN if empty."""
     valid = batch.response_mask
     sums = torch.stack([batch.old_entropy[valid].sum().double(), valid.sum().double()])
     total, count = all_reduce_sum_(sums).tolist()
@@ -114,9 +101,7 @@ def rollout_entropy(batch: TrainBatch) -> float:
 
 
 def _global_normalizer(keep: torch.Tensor, trainable: torch.Tensor, agg: str) -> torch.Tensor:
-    """Eq. 1's denominator over the whole mini-batch on all ranks: kept tokens for ``token-mean``,
-    rows for the seq-mean modes (rows left out of the loss by ``loss.mask_truncated`` or rejected whole by
-    the off-policy correction do not count)."""
+    """Eq. 1's denominator over the mini-batch on all ranks: kept tokens (``token-mean``) or trainable rows."""
     local = keep.sum() if agg == "token-mean" else trainable.any(dim=1).sum()
     return all_reduce_sum_(local.to(torch.float64)).to(torch.float32)
 
@@ -140,51 +125,42 @@ def loss_tokens(trainable: torch.Tensor, keep: torch.Tensor, mask_weights: torch
 def update_minibatch(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOptions,
                      weights: torch.Tensor | None = None,
                      correction: CorrectionResult | None = None) -> dict[str, torch.Tensor]:
-    """Eq. 1 over the kept tokens, backward over micro-batches, one optimizer step.
-
-    ``keep``: ``(B, T)`` bool from the mask strategy (never true on padding); ``weights``: its
-    float token weights (``MaskResult.weights``; tokens of weight 0 leave ``keep``). ``correction``:
-    the mini-batch's off-policy correction (``stapo.losses.RolloutCorrection``, computed on these full
-    rows). :func:`loss_tokens` composes them once. Returns this rank's metric SUMS as device tensors
-    (the step reduces them once; no per-micro-batch sync).
-    """
+    """Eq. 1 over the kept tokens, backward over micro-batches, one optimizer step; the mask's ``keep`` and
+    ``weights`` and the off-policy ``correction`` are composed once (:func:`loss_tokens`). Returns this
+    rank's metric SUMS as device tensors (the step reduces them once)."""
     with pass_kind(model, UPDATE):  # ZeRO-3: its own forward + backward trace (zero3_trace)
-        return _update(engine, model, batch, keep, opts, weights, correction)
-
-
-def _update(engine, model, batch: TrainBatch, keep: torch.Tensor, opts: UpdateOptions,
-            weights: torch.Tensor | None, correction: CorrectionResult | None) -> dict[str, torch.Tensor]:
-    trainable, keep, weights = loss_tokens(batch.trainable, keep, weights, correction)
-    normalizer = _global_normalizer(keep, trainable, opts.agg)
-    device = _device(model)
-    micro_batches = MicroBatches(batch, opts, device, no_grad=False)
-    accumulation = GradientAccumulation(engine, len(micro_batches))
-    bonus = opts.entropy_coef != 0.0  # the entropy then needs its gradient
-    sums: dict[str, torch.Tensor] = {}
-    for rows, inputs in micro_batches:
-        logprobs, entropy = response_token_stats(model, inputs, temperature=opts.temperature,
-                                                 chunk_size=opts.chunk_size, entropy_grad=bonus, runner=engine)
-        t_len = logprobs.shape[1]
-        part = batch.rows(rows)
-        old = part.old_logprobs[:, :t_len].to(device)
-        micro_keep = keep[rows, :t_len].to(device)
-        micro_weights = weights[rows, :t_len].to(device) if weights is not None else None
-        ref = part.ref_logprobs[:, :t_len].to(device) if part.ref_logprobs is not None else None
-        loss, metrics = clipped_surrogate_loss(
-            logprobs, old, part.advantages.to(device), micro_keep,
-            clip_low=opts.clip_low, clip_high=opts.clip_high, clip_c=opts.clip_c, agg=opts.agg,
-            normalizer=normalizer.to(device), max_response_length=opts.max_response_length,
-            log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef,
-            entropy=entropy if bonus else None, entropy_coef=opts.entropy_coef, weights=micro_weights,
-        )
-        accumulation.backward(loss)
-        _accumulate(sums, {"loss": loss.detach(), **metrics})
-    step = accumulation.step()
-    _accumulate(sums, {
-        "step_applied": torch.tensor(float(step.applied)),
-        "grad_norm": torch.tensor(float(step.grad_norm) if step.applied else 0.0),
-        "micro_batches": torch.tensor(float(len(micro_batches))),
-    })
+        trainable, keep, weights = loss_tokens(batch.trainable, keep, weights, correction)
+        normalizer = _global_normalizer(keep, trainable, opts.agg)
+        device = _device(model)
+        micro_batches = MicroBatches(batch, opts, device, no_grad=False)
+        accumulation = GradientAccumulation(engine, len(micro_batches))
+        bonus = opts.entropy_coef != 0.0  # the entropy then needs its gradient
+        sums: dict[str, torch.Tensor] = {}
+        for rows, inputs in micro_batches:
+            logprobs, entropy = response_token_stats(model, inputs, temperature=opts.temperature,
+                                                     chunk_size=opts.chunk_size, entropy_grad=bonus,
+                                                     runner=engine)
+            t_len = logprobs.shape[1]
+            part = batch.rows(rows)
+            old = part.old_logprobs[:, :t_len].to(device)
+            micro_keep = keep[rows, :t_len].to(device)
+            micro_weights = weights[rows, :t_len].to(device) if weights is not None else None
+            ref = part.ref_logprobs[:, :t_len].to(device) if part.ref_logprobs is not None else None
+            loss, metrics = clipped_surrogate_loss(
+                logprobs, old, part.advantages.to(device), micro_keep,
+                clip_low=opts.clip_low, clip_high=opts.clip_high, clip_c=opts.clip_c, agg=opts.agg,
+                normalizer=normalizer.to(device), max_response_length=opts.max_response_length,
+                log_ratio_clamp=opts.log_ratio_clamp, ref_logprobs=ref, kl_coef=opts.kl_coef,
+                entropy=entropy if bonus else None, entropy_coef=opts.entropy_coef, weights=micro_weights,
+            )
+            accumulation.backward(loss)
+            _accumulate(sums, {"loss": loss.detach(), **metrics})
+        step = accumulation.step()
+        _accumulate(sums, {
+            "step_applied": torch.tensor(float(step.applied)),
+            "grad_norm": torch.tensor(float(step.grad_norm) if step.applied else 0.0),
+            "micro_batches": torch.tensor(float(len(micro_batches))),
+        })
     return sums
 
 
