@@ -58,6 +58,14 @@ def build_atomically(final: Path, build: Callable[[Path], None], *, reuse: bool)
     return final
 
 
+def build_cached(out_dir: Path | None, kind: str, payload: dict, build: Callable[[Path], None]) -> Path:
+    """``build`` into ``out_dir`` (replaced), or with ``out_dir=None`` into the cache entry keyed by ``kind``
+    and ``payload`` (reused when present)."""
+    if out_dir is None:
+        return build_atomically(cache_root() / cache_key(kind, payload), build, reuse=True)
+    return build_atomically(Path(out_dir), build, reuse=False)
+
+
 def hash_files(directory: Path, names: list[str]) -> str:
     """sha256 over the named files of ``directory`` (used to key derived artifacts)."""
     h = hashlib.sha256()
