@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from stapo.losses.builtin_masks import DEFAULT_ENTROPY_QUANTILE, DEFAULT_TAU_P  # the paper's, as the stapo mask
@@ -136,13 +137,10 @@ def default_thresholds(thresholds: dict[str, Any], entropy: torch.Tensor) -> dic
 
 
 def _quantile(values: torch.Tensor, q: float) -> float:
-    """``torch.quantile``'s linear interpolation without its input-size limit; 0 when empty."""
+    """``torch.quantile``'s linear interpolation without its input-size limit (numpy's); 0 when empty."""
     if not isinstance(values, torch.Tensor) or values.numel() == 0:
         return 0.0
-    s = values.detach().double().flatten().sort().values
-    pos = q * (s.numel() - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+    return float(np.quantile(values.detach().double().flatten().numpy(), q))
 
 
 def write_token_record(path: str | Path, record: TokenRecord | dict[str, Any]) -> Path:
