@@ -113,11 +113,8 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path,
 def plot_comparison(runs: Mapping[str, str | Path], out_png: str | Path,
                     keys: Sequence[str] = ("reward_mean", "entropy_mean", "eval_accuracy",
                                            "silenced_frac"), *, smooth: int = 1) -> Path:
-    """Side-by-side ablation curves: one subplot per key, one line per run (paper Fig. 3/5).
-
-    ``runs`` maps a label to a ``metrics.jsonl`` path or a run dir. ``smooth`` > 1 applies a
-    trailing moving average of that many points. Keys no run has are skipped.
-    """
+    """Side-by-side ablation curves, one subplot per key (skipped where no run has it), one line per run (paper
+    Fig. 3/5); ``runs``: label -> ``metrics.jsonl`` or run dir; ``smooth`` > 1: a trailing moving average."""
     if not runs:
         raise ValueError("plot_comparison needs at least one run")
     if smooth < 1:

@@ -57,11 +57,8 @@ NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 def written_artifacts(output_dir: str | Path) -> list[str]:
-    """The entries of :data:`RUN_ARTIFACTS` present in ``output_dir``, directories with a ``/``.
-
-    What the end-of-run summary lists: switched-off sinks (``logging.tensorboard``,
-    ``logging.plot``, ``trainer.export_hf``) leave no file behind, so they are not named.
-    """
+    """The entries of :data:`RUN_ARTIFACTS` present in ``output_dir`` (directories with a ``/``): what the
+    end-of-run summary lists, so a switched-off sink (``logging.plot``, ...) is not named."""
     root = Path(output_dir)
     return [name + "/" if (root / name).is_dir() else name
             for name in RUN_ARTIFACTS if (root / name).exists()]

@@ -1,19 +1,7 @@
-"""`evaluate_model`: the paper's evaluation protocol (STAPO §5.1) on any HF model directory (or a
-LoRA adapter directory: merged into its base first, stapo.evaluation.adapter).
-
-For each benchmark and decoding setting: sample N responses per problem (vLLM on a GPU when it is
-installed, the HF engine otherwise), judge them with the rule-based math verifier (or another
-``reward_mode`` / a ``reward_function``: a response counts as correct when its reward is > 0), and report
-avg@N, unbiased pass@k and per-problem correct counts. With ``tools`` every response is a tool episode
-(the trainer's episodes, docs/tir.md): the prompts offer the tools, the verifier scores each episode's final
-turn, and the tool calls and errors per episode are reported beside the accuracy. All datasets are loaded
-before any generation, so a missing file or field fails in seconds, not after an hour of sampling.
-
-    report = evaluate_model("runs/stapo/final", ["math500"], settings=PAPER_SETTINGS[:1])
-    print(report.markdown())
-
-Not reproduced: the paper also re-judges rule-based verdicts with CompassVerifier-3B (an LLM
-verifier); our numbers are the rule-based verifier's only (see docs/evaluation.md).
+"""`evaluate_model`: the paper's evaluation protocol (STAPO §5.1) on an HF model or LoRA adapter directory,
+one-turn responses or tool episodes, judged by a reward mode or function (docs/evaluation.md). All datasets
+load before any generation, so a missing file or field fails in seconds. Not reproduced: the paper's re-judging
+with CompassVerifier-3B (docs/evaluation.md).
 """
 
 from __future__ import annotations

@@ -72,11 +72,8 @@ def _summary_lines(records: Sequence[TokenRecord]) -> list[str]:
 
 def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, *,
                 context_chars: int = 300, max_table_rows: int = 500, top_tokens: int = 20) -> Path:
-    """Analyse a run's token records; returns the output dir (default ``RUN_DIR/inspect``).
-
-    Raises ``FileNotFoundError`` when the run has no records (train with
-    ``inspect.record_every=N``).
-    """
+    """Analyse a run's token records into the output dir (default ``RUN_DIR/inspect``) and return it;
+    FileNotFoundError when the run has no records (train with ``inspect.record_every=N``)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")

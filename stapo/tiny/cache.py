@@ -32,11 +32,8 @@ def cache_key(kind: str, payload: dict) -> str:
 
 
 def build_atomically(final: Path, build: Callable[[Path], None], *, reuse: bool) -> Path:
-    """Run ``build(tmp_dir)`` and rename ``tmp_dir`` to ``final``.
-
-    With ``reuse`` an existing ``final`` is returned as is (cache hit). Without it, an existing
-    ``final`` is replaced. If another process wins the race for ``final``, its copy is kept.
-    """
+    """Run ``build(tmp_dir)`` and rename ``tmp_dir`` to ``final``, replacing it (or with ``reuse``, returning an
+    existing ``final`` as is). If another process wins the race for ``final``, its copy is kept."""
     final = Path(final)
     if reuse and final.is_dir():
         return final
