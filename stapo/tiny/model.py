@@ -15,28 +15,19 @@ from stapo.tiny.tokenizer import VOCAB_SIZE, build_tiny_tokenizer
 
 @dataclass(frozen=True)
 class TinySpec:
-    """Qwen3 hyper-parameters of a tiny model; the vocabulary comes from the tiny tokenizer."""
+    """Qwen3 hyper-parameters of a tiny model, named and meant as in ``transformers.Qwen3Config`` (GQA, tied
+    embeddings as the small Qwen3 models); the vocabulary comes from the tiny tokenizer."""
 
     hidden_size: int = 128
-    """Model width."""
     intermediate_size: int = 384
-    """SwiGLU MLP width."""
     num_hidden_layers: int = 4
-    """Transformer blocks."""
     num_attention_heads: int = 4
-    """Query heads."""
     num_key_value_heads: int = 2
-    """Key/value heads (GQA, as in Qwen3)."""
     head_dim: int = 32
-    """Per-head dimension (Qwen3 sets it explicitly)."""
     max_position_embeddings: int = 512
-    """Longest prompt + response the model is meant for."""
     rope_theta: float = 10000.0
-    """RoPE base."""
     tie_word_embeddings: bool = True
-    """Share the embedding and lm_head weights (as the small Qwen3 models do)."""
     initializer_range: float = 0.02
-    """Std of the normal init."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -55,11 +55,6 @@ def prompt_text(tokenizer, question: str, tools: list[dict] | None = None) -> st
                                          tools=tools, add_generation_prompt=True, tokenize=False)
 
 
-def render_prompt(tokenizer, question: str) -> list[int]:
-    """The ids of :func:`prompt_text`."""
-    return tokenizer(prompt_text(tokenizer, question), add_special_tokens=False)["input_ids"]
-
-
 def answer_example(tokenizer, prompt: str, solution: str) -> SFTExample:
     """``prompt`` then ``solution + EOS``: the rollout's response format."""
     if tokenizer.eos_token_id is None:
