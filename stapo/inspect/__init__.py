@@ -29,7 +29,6 @@ _MODULES = {
     "stapo.inspect.report": ("grad_norm_table_markdown", "inspect_run", "weight_table_markdown"),
     "stapo.inspect.tables": ("SilencedToken", "silenced_table_html", "silenced_table_markdown",
                              "silenced_token_table"),
-    "stapo.run_dir": ("RECORDS_DIR", "token_record_path"),  # the run directory's format
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
 

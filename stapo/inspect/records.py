@@ -15,6 +15,7 @@ blob ``text_bytes``, ``text_offsets`` and int32 indices ``token_text_idx`` / ``t
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -187,9 +188,7 @@ def _pack_texts(token_text: list[str], topk_text: list[list[str]]) -> dict[str, 
     token_idx = [table.setdefault(t, len(table)) for t in token_text]
     topk_idx = [[table.setdefault(t, len(table)) for t in row] for row in topk_text]
     encoded = [t.encode("utf-8") for t in table]
-    offsets = [0]
-    for e in encoded:
-        offsets.append(offsets[-1] + len(e))
+    offsets = [0, *itertools.accumulate(len(e) for e in encoded)]
     k = len(topk_text[0]) if topk_text else 0
     blob = b"".join(encoded)
     text_bytes = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob  # (bytes,)
