@@ -1,13 +1,8 @@
-"""Prompt datasets for RL on verifiable math: rows -> chat-templated prompt token ids + answers.
+"""Prompt datasets for RL on verifiable math: rows -> chat-templated prompt token ids + answers (docs/rollout.md).
 
-Paper setup (STAPO §5.1; docs/rollout.md): DAPO-Math-17K, each problem followed by the instruction
-"Please reason step by step, and put your final answer within \\boxed{}." and rendered with the
-tokenizer's chat template (`add_generation_prompt=True`). The `dapo_math_17k` preset strips DAPO's
-own "Answer:" instruction first, so the prompt asks for `\\boxed{}` only.
-
-    ds = load_prompt_dataset(preset="dapo_math_17k", tokenizer=tok, max_prompt_length=1024)
-    sampler = PromptSampler(len(ds), batch_size=256, seed=0)
-    batch = [ds[i] for i in sampler.next_batch()]
+Paper setup (STAPO §5.1): DAPO-Math-17K, each problem followed by the instruction "Please reason step by step,
+and put your final answer within \\boxed{}." in the tokenizer's chat template; the `dapo_math_17k` preset strips
+DAPO's own "Answer:" instruction first, so the prompt asks for `\\boxed{}` only.
 """
 
 from __future__ import annotations

@@ -106,7 +106,6 @@ class EvalReport:
         common = set.intersection(*(set(p) for p in rows)) if rows else set()
         return {k: float(np.mean([p[k] for p in rows])) for k in sorted(common)}
 
-    # ----------------------------------------------------------------- output
     def to_dict(self) -> dict:
         return {
             "model": self.model_path, "engine": self.engine, "max_new_tokens": self.max_new_tokens,

@@ -1,12 +1,6 @@
-"""Spurious-token inspector: record per-token statistics during training, analyse them offline.
-
-Reproduces the paper's diagnostics (§3.2, Fig. 2, Fig. 6, App. C) on your own runs; see
-docs/inspector.md. Train with ``inspect.record_every=N``, then::
-
-    from stapo.inspect import inspect_run
-    inspect_run("runs/stapo")   # -> runs/stapo/inspect/index.md, report.html, PNGs, tables
-
-Names resolve lazily so the trainer's recording path (``write_token_record``,
+"""Spurious-token inspector: per-token statistics recorded during training (``inspect.record_every=N``),
+analysed offline by ``inspect_run(RUN_DIR)``: the paper's diagnostics (§3.2, Fig. 2, Fig. 6, App. C) on your
+own runs (docs/inspector.md). Names resolve lazily so the trainer's recording path (``write_token_record``,
 ``build_token_record``) does not import matplotlib.
 
 May import: ``stapo.plots``, ``stapo.run_dir`` and the rest below them (docs/index.md, "Layout");

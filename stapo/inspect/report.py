@@ -1,10 +1,5 @@
-"""``inspect_run``: every inspector artifact of a run into ``RUN_DIR/inspect/`` (docs/inspector.md).
-
-Outputs: ``prob_entropy.png`` (Fig. 2a), ``grad_norm_by_class.png`` + table (Fig. 2b),
-``weighted_tokens.md`` (a weighting mask's up-/down-weighted and silenced tokens next to S2T),
-``silenced_tokens.md``/``.html`` (App. C Tables 3–5), ``token_frequencies.png`` (Fig. 6b/c),
-``silenced_ratio.png`` (Fig. 6a), ``training_curves.png`` when ``metrics.jsonl`` exists, and
-``index.md`` / ``report.html`` linking them all.
+"""``inspect_run``: every inspector artifact of a run into ``RUN_DIR/inspect/`` (the paper's figures and
+tables; docs/inspector.md lists them), linked from ``index.md`` and ``report.html``.
 """
 
 from __future__ import annotations
