@@ -66,10 +66,6 @@ def series(rows: Sequence[Mapping], key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
-def _panels(keys) -> list[tuple[str, ...]]:
-    return [(k,) if isinstance(k, str) else tuple(k) for k in keys]
-
-
 def _draw(ax, steps: list[int], values: list[float], label: str, n_rows: int) -> None:
     sparse = len(steps) < max(2, n_rows // 2)  # eval-style metric: show the points
     ax.plot(steps, values, label=label, marker="o" if sparse else None,
@@ -92,7 +88,7 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path,
     """
     rows = read_metrics(metrics_jsonl)
     panels = []
-    for group in _panels(keys):
+    for group in ((k,) if isinstance(k, str) else tuple(k) for k in keys):
         data = [(k, *series(rows, k)) for k in group]
         data = [d for d in data if d[1]]
         if data:

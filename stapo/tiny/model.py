@@ -41,21 +41,14 @@ class TinySpec:
             )
 
 
-def qwen3_config(spec: TinySpec, tokenizer):
-    """The ``Qwen3Config`` for ``spec`` with vocab and special ids from ``tokenizer``."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(vocab_size=len(tokenizer), **dataclasses.asdict(spec), bos_token_id=None,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       torch_dtype="float32")
-
-
 def _write_model(out_dir: Path, spec: TinySpec, seed: int, tokenizer_dir: Path | None = None) -> None:
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or build_tiny_tokenizer()))
-    config = qwen3_config(spec, tokenizer)
+    config = Qwen3Config(vocab_size=len(tokenizer), **dataclasses.asdict(spec), bos_token_id=None,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         torch_dtype="float32")
     # A private generator state: seed the global RNG only inside a fork so callers' RNG is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
