@@ -1,13 +1,8 @@
-"""Prompt datasets for RL on verifiable math: rows -> chat-templated prompt token ids + answers.
+"""Prompt datasets for RL on verifiable math: rows -> chat-templated prompt token ids + answers (docs/rollout.md).
 
-Paper setup (STAPO §5.1; docs/rollout.md): DAPO-Math-17K, each problem followed by the instruction
-"Please reason step by step, and put your final answer within \\boxed{}." and rendered with the
-tokenizer's chat template (`add_generation_prompt=True`). The `dapo_math_17k` preset strips DAPO's
-own "Answer:" instruction first, so the prompt asks for `\\boxed{}` only.
-
-    ds = load_prompt_dataset(preset="dapo_math_17k", tokenizer=tok, max_prompt_length=1024)
-    sampler = PromptSampler(len(ds), batch_size=256, seed=0)
-    batch = [ds[i] for i in sampler.next_batch()]
+Paper setup (STAPO §5.1): DAPO-Math-17K, each problem followed by the instruction "Please reason step by step,
+and put your final answer within \\boxed{}." in the tokenizer's chat template; the `dapo_math_17k` preset strips
+DAPO's own "Answer:" instruction first, so the prompt asks for `\\boxed{}` only.
 """
 
 from __future__ import annotations
@@ -106,15 +101,12 @@ def load_prompt_dataset(source: str | Path | None = None, *, split: str = "train
                         instruction: str | None = PAPER_INSTRUCTION, max_prompt_length: int | None = None,
                         data_files: Any = None, cache_dir: str | Path | None = None,
                         tools: Sequence[dict] | None = None) -> PromptDataset:
-    """Load a dataset (HF hub name, local dir, or .jsonl / .json / .parquet file) into prompts.
+    """Load a dataset (HF hub name, local dir, or .jsonl / .json / .parquet file) into prompts (docs/rollout.md).
 
-    `prompt_field` / `answer_field` may be dotted paths (`reward_model.ground_truth`); a prompt is
-    either a string or chat messages (`[{"role", "content"}, ...]`, the last user turn is the
-    problem). `preset` fills source and fields (explicit non-default arguments still win).
-    Prompts longer than `max_prompt_length` tokens are dropped and the count is logged.
-    `cache_dir` is where `datasets` keeps its Arrow cache (default: its own, ~/.cache/huggingface).
-    `tools`: the schemas of the tools the policy may call (``Tool.schema()``), rendered by the chat
-    template into each prompt (multi-turn episodes, docs/tir.md).
+    Fields may be dotted paths (`reward_model.ground_truth`); a prompt is a string or chat messages (the last
+    user turn is the problem). `preset` fills source and fields (explicit non-default arguments win); prompts
+    over `max_prompt_length` tokens are dropped and counted; `tools`: the schemas the chat template renders
+    into each prompt (multi-turn episodes, docs/tir.md).
     """
     if source is None and preset is not None:
         source = _preset(preset).hf_name
@@ -138,9 +130,9 @@ def prompt_dataset_from_records(records: Iterable[dict], *, prompt_field: str = 
     messages, problems, answers, extras = [], [], [], []
     used = {prompt_field.split(".")[0], answer_field.split(".")[0]}  # top-level columns of the mapping
     for i, row in enumerate(records):
-        chat, problem = _prompt_messages(_field(row, prompt_field, i), i, prompt_field, clean)
+        chat, problem = _prompt_messages(row_field(row, prompt_field, i), i, prompt_field, clean)
         chat[-1] = {**chat[-1], "content": format_problem(problem, instruction)}
-        answer = _field(row, answer_field, i)
+        answer = row_field(row, answer_field, i)
         if answer is None or not str(answer).strip():
             raise ValueError(f"row {i}: empty answer in field {answer_field!r}")
         messages.append(chat)
@@ -206,12 +198,8 @@ def looks_like_file(source: str) -> bool:
 
 
 def scan_data_file(path: str | Path, head: int = 8) -> DataFileScan:
-    """Read every row of a local ``.jsonl`` / ``.json`` / ``.parquet`` file, keep the first ``head``.
-
-    Parses the whole file (JSON lines are checked one by one), so a truncated or hand-edited file is
-    reported with its line here, not as ``datasets``' ``DatasetGenerationError`` later. DataError
-    when the file is missing, of another format, unreadable or has no rows.
-    """
+    """Read every row of a local ``.jsonl`` / ``.json`` / ``.parquet`` file, keep the first ``head``: a missing,
+    empty, truncated or hand-edited file is a DataError naming its line here, not ``datasets``' error later."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise DataError(f"{path}: no such file" if not path.exists() else f"{path} is not a file")
@@ -265,10 +253,6 @@ def _parquet_rows(path: Path, head: int) -> DataFileScan:
 
 def row_field(row: dict, dotted: str, i: int) -> Any:
     """``row[a][b]`` for ``dotted="a.b"``; KeyError naming row ``i``, the missing key and the columns."""
-    return _field(row, dotted, i)
-
-
-def _field(row: dict, dotted: str, i: int) -> Any:
     value: Any = row
     for depth, key in enumerate(dotted.split(".")):
         if not isinstance(value, dict) or key not in value:
@@ -304,12 +288,10 @@ def _render(tokenizer, messages: list[dict], tools: Sequence[dict] | None = None
 
 
 def balanced_shares(costs: Sequence[float], world_size: int) -> list[list[int]]:
-    """Positions ``0..n-1`` of a batch dealt to ``world_size`` ranks, ``n / world_size`` each, so that
-    the ranks' total ``costs`` (the expected rollout work of each prompt) come out close: longest first,
-    each to the rank with the least cost so far that still has room (LPT with equal counts). Every
-    position goes to exactly one rank; each share is in batch order; ties go to the lower position and
-    rank, so every rank computes the same deal. E.g. costs [9, 8, 1, 2], 2 ranks: 9 -> rank 0, 8 -> rank 1,
-    2 -> rank 1 (8 < 9), 1 -> rank 0: [[0, 2], [1, 3]], 10 and 10, where contiguous halves give 17 and 3.
+    """Positions ``0..n-1`` of a batch dealt to ``world_size`` ranks, ``n / world_size`` each, with close total
+    ``costs`` (expected rollout work): longest first, each to the rank with the least cost that still has room
+    (LPT with equal counts). Each share is in batch order; ties go to the lower position and rank, so every
+    rank computes the same deal.
     """
     n = len(costs)
     if world_size < 1 or n % world_size:
@@ -325,11 +307,8 @@ def balanced_shares(costs: Sequence[float], world_size: int) -> list[list[int]]:
 
 
 class PromptSampler:
-    """Deterministic prompt batches: each epoch is a permutation drawn from (seed, epoch), so a run
-    resumed from `state_dict()` continues with exactly the same data order (docs/distributed.md, "Resuming").
-
-    `next_batch()` returns the next list of example indices.
-    """
+    """Deterministic prompt batches: each epoch is a permutation drawn from (seed, epoch), so a run resumed from
+    `state_dict()` continues with exactly the same data order (docs/distributed.md, "Resuming")."""
 
     def __init__(self, num_examples: int, batch_size: int, seed: int, drop_last: bool = True) -> None:
         if num_examples < 1 or batch_size < 1:

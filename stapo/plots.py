@@ -66,10 +66,6 @@ def series(rows: Sequence[Mapping], key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
-def _panels(keys) -> list[tuple[str, ...]]:
-    return [(k,) if isinstance(k, str) else tuple(k) for k in keys]
-
-
 def _draw(ax, steps: list[int], values: list[float], label: str, n_rows: int) -> None:
     sparse = len(steps) < max(2, n_rows // 2)  # eval-style metric: show the points
     ax.plot(steps, values, label=label, marker="o" if sparse else None,
@@ -92,7 +88,7 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path,
     """
     rows = read_metrics(metrics_jsonl)
     panels = []
-    for group in _panels(keys):
+    for group in ((k,) if isinstance(k, str) else tuple(k) for k in keys):
         data = [(k, *series(rows, k)) for k in group]
         data = [d for d in data if d[1]]
         if data:
@@ -113,11 +109,8 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path,
 def plot_comparison(runs: Mapping[str, str | Path], out_png: str | Path,
                     keys: Sequence[str] = ("reward_mean", "entropy_mean", "eval_accuracy",
                                            "silenced_frac"), *, smooth: int = 1) -> Path:
-    """Side-by-side ablation curves: one subplot per key, one line per run (paper Fig. 3/5).
-
-    ``runs`` maps a label to a ``metrics.jsonl`` path or a run dir. ``smooth`` > 1 applies a
-    trailing moving average of that many points. Keys no run has are skipped.
-    """
+    """Side-by-side ablation curves, one subplot per key (skipped where no run has it), one line per run (paper
+    Fig. 3/5); ``runs``: label -> ``metrics.jsonl`` or run dir; ``smooth`` > 1: a trailing moving average."""
     if not runs:
         raise ValueError("plot_comparison needs at least one run")
     if smooth < 1:

@@ -57,17 +57,12 @@ NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 def written_artifacts(output_dir: str | Path) -> list[str]:
-    """The entries of :data:`RUN_ARTIFACTS` present in ``output_dir``, directories with a ``/``.
-
-    What the end-of-run summary lists: switched-off sinks (``logging.tensorboard``,
-    ``logging.plot``, ``trainer.export_hf``) leave no file behind, so they are not named.
-    """
+    """The entries of :data:`RUN_ARTIFACTS` present in ``output_dir`` (directories with a ``/``): what the
+    end-of-run summary lists, so a switched-off sink (``logging.plot``, ...) is not named."""
     root = Path(output_dir)
     return [name + "/" if (root / name).is_dir() else name
             for name in RUN_ARTIFACTS if (root / name).exists()]
 
-
-# ---- metrics.jsonl ------------------------------------------------------------------------------
 
 def write_text_atomic(path: Path, text: str, tmp: Path | None = None) -> None:
     """Write ``text`` to ``tmp`` (default ``path`` + ``.tmp``), fsync, then rename it over ``path``: a
@@ -110,8 +105,6 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-# ---- token records ------------------------------------------------------------------------------
-
 def token_record_path(run_dir: str | Path, step: int, minibatch: int = 0) -> Path:
     """``RUN_DIR/token_records/step_XXXXXX.pt`` (``_mbK`` suffix for mini-batch K > 0)."""
     suffix = f"_mb{minibatch}" if minibatch else ""
@@ -125,8 +118,6 @@ def token_record_paths(run_dir: str | Path) -> list[Path]:
                    if (m := _RECORD_NAME.match(p.name)))
     return [p for *_, p in found]
 
-
-# ---- checkpoints --------------------------------------------------------------------------------
 
 def checkpoint_name(step: int) -> str:
     """``step_N``: the directory name of the checkpoint taken after iteration ``step``."""

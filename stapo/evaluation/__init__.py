@@ -1,10 +1,5 @@
-"""Evaluation with the STAPO paper's protocol (§5.1, App. D): avg@N and pass@k on math benchmarks.
-
-    from stapo.evaluation import evaluate_model, PAPER_SETTINGS
-    report = evaluate_model("runs/stapo/final", ["aime24", "math500"])   # vLLM on GPU, else HF
-    print(report.markdown()); report.write("runs/stapo/final/eval")
-
-Command line: `stapo eval MODEL_DIR [--benchmark NAME ...] [--data [NAME=]FILE] ...` (see docs/evaluation.md).
+"""Evaluation with the STAPO paper's protocol (§5.1, App. D): avg@N and pass@k on math benchmarks, from Python
+(`evaluate_model`) or the command line (`stapo eval`); docs/evaluation.md.
 
 May import: ``stapo.distributed``, ``stapo.rollout``, ``stapo.rewards``, ``stapo.data`` and the
 rest below them (docs/index.md, "Layout"); never the trainer.

@@ -1,10 +1,6 @@
-"""`stapo eval` on a LoRA adapter directory (the ``final/`` of a ``model.lora`` run; docs/lora.md).
-
-An adapter directory holds ``adapter_config.json`` and the adapter weights, not a model. Every rollout
-engine loads plain model directories, so the adapter is merged into its base model
-(``base_model_name_or_path`` in its config; PEFT's ``merge_and_unload``) and written to a temporary
-directory that lives until the engine has loaded it: the evaluation then runs exactly as on the
-run's ``final/merged``.
+"""`stapo eval` on a LoRA adapter directory (a ``model.lora`` run's ``final/``; docs/lora.md): every engine
+loads plain model directories, so the adapter is merged into its base model (PEFT's ``merge_and_unload``)
+in a temporary directory that lives until the engine has loaded it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Benchmark presets and decoding settings of the STAPO evaluation protocol (paper §5.1, App. D).
 
-Six math benchmarks, N samples per problem (32 for AIME24/25 and AMC23, 4 for MATH500, Minerva,
-OlympiadBench), two decoding settings (training-aligned T=1.0/top-p=1.0 and JustRL's T=0.7/top-p=0.9).
-Presets name the Hugging Face datasets most RL-for-math evaluations load (docs/evaluation.md lists
-them); any local .jsonl / .json / .parquet file works too (`local_benchmark`), which is also how
-to evaluate offline: `--data math500=MATH-500-test.parquet` keeps the preset's fields and N.
-Prompts are rendered exactly like training prompts (`stapo.data.load_prompt_dataset`: chat
-template over problem + the paper's instruction).
+Six math benchmarks, N per problem and two decoding settings as docs/evaluation.md lists them; any local
+.jsonl / .json / .parquet file works too (`local_benchmark`, also how to evaluate offline). Prompts are
+rendered exactly like training prompts (`stapo.data.load_prompt_dataset`).
 """
 
 from __future__ import annotations
@@ -53,18 +49,9 @@ SETTING_GROUPS: dict[str, tuple[DecodingSetting, ...]] = {
 
 @dataclass(frozen=True)
 class BenchmarkPreset:
-    """Where a benchmark lives and how its rows map onto (problem, answer).
-
-    Attributes:
-        name: short name used on the command line and in the results table.
-        hf_name: Hugging Face dataset name, or a local .jsonl / .json / .parquet path.
-        split: dataset split (ignored for local files).
-        prompt_field / answer_field: columns holding the problem text and the reference answer
-            (dotted paths reach into nested dicts).
-        num_samples: N, responses per problem (paper §5.1).
-        data_files: files of a hub dataset to read (e.g. both AIME 2025 parts), or None.
-        list_answer: the answer column holds a list of strings (OlympiadBench); joined with ", ".
-    """
+    """Where a benchmark lives (``hf_name``: a hub dataset, or a local .jsonl / .json / .parquet path) and how
+    its rows map onto (problem, answer): dotted ``*_field`` paths, N (``num_samples``, paper §5.1), the hub
+    ``data_files`` to read, and ``list_answer`` for a list column (OlympiadBench) joined with ", "."""
 
     name: str
     hf_name: str
@@ -119,14 +106,8 @@ def local_benchmark(path: str | Path, *, name: str | None = None, prompt_field: 
 
 def load_benchmark(preset: BenchmarkPreset, tokenizer, *, instruction: str | None = PAPER_INSTRUCTION,
                    cache_dir: str | Path | None = None, tools: list[dict] | None = None) -> PromptDataset:
-    """Load a benchmark's prompts (strict: a missing dataset or field raises one clear line); ``tools``:
-    the schemas of the tools the prompts offer (rendered by the chat template, as in training).
-
-    Raises:
-        FileNotFoundError: a local file is missing.
-        ValueError: the hub dataset could not be loaded (offline?), a field is missing, or an
-            answer is empty.
-    """
+    """Load a benchmark's prompts (strict: a missing file raises FileNotFoundError; an unreachable dataset, a
+    missing field or an empty answer one ValueError line); ``tools``: the schemas the prompts offer."""
     if preset.is_local and not Path(preset.hf_name).is_file():
         raise FileNotFoundError(f"{preset.name}: no such data file: {preset.hf_name}")
     if not preset.is_local:

@@ -29,26 +29,16 @@ def correct_counts(correct) -> np.ndarray:
 
 
 def avg_at_n(correct) -> float:
-    """Mean correctness over all samples of all problems: `correct (P, N)` bool -> float in [0, 1].
-
-    Every problem has the same N, so this is also the mean over problems of c_i / N. An empty
-    benchmark (P = 0) gives NaN rather than a misleading 0.
-    """
+    """Mean correctness over all samples, `correct (P, N)` bool -> float (NaN, not 0, for P = 0)."""
     matrix = _as_matrix(correct)
     return float(matrix.mean()) if matrix.size else float("nan")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one problem: the probability that k of the n samples, drawn without
-    replacement, contain at least one of the c correct ones: 1 - C(n-c, k) / C(n, k).
-
-    Computed as 1 - prod_{i=n-c+1..n} (1 - k / i) (no big binomials, exact for k = 1: c / n).
-    """
+    """Unbiased pass@k of one problem, 1 - C(n-c, k) / C(n, k) (:func:`pass_at_k_per_problem`)."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:  # every k-subset holds a correct sample
-        return 1.0
-    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+    return float(pass_at_k_per_problem([c], n, k)[0])
 
 
 def pass_at_k_per_problem(counts: Sequence[int] | np.ndarray, n: int, k: int) -> np.ndarray:
@@ -72,4 +62,4 @@ def mean_pass_at_k(correct, k: int) -> float:
     matrix = _as_matrix(correct)
     if not matrix.shape[0]:
         return float("nan")
-    return float(pass_at_k_per_problem(matrix.sum(axis=1), matrix.shape[1], k).mean())
+    return float(pass_at_k_per_problem(correct_counts(matrix), matrix.shape[1], k).mean())

@@ -24,33 +24,19 @@ __all__ = ["BenchmarkResult", "EvalReport"]
 
 @dataclass
 class BenchmarkResult:
-    """N sampled responses per problem of one benchmark under one decoding setting.
-
-    Attributes:
-        benchmark: the benchmark's name.
-        setting: the decoding setting.
-        correct: (P, N) bool, verdict of sample j of problem i.
-        response_lengths: (P, N) int, generated tokens (EOS included).
-        truncated: (P, N) bool, the response hit max_new_tokens.
-        problem_index: P row indices in the source split.
-        ground_truth: P reference answers.
-        responses: P lists of N response texts (empty when not kept).
-        pass_k: the k of pass@k to report (those > N are skipped).
-        tool_calls, tool_errors: (P, N) int, tool calls and failed calls of each episode (`stapo eval
-            --tools`), or None for one-turn responses.
-    """
+    """N sampled responses per problem of one benchmark under one decoding setting; P problems."""
 
     benchmark: str
     setting: DecodingSetting
-    correct: np.ndarray
-    response_lengths: np.ndarray
-    truncated: np.ndarray
-    problem_index: list[int]
+    correct: np.ndarray  # (P, N) bool, the verdict of sample j of problem i
+    response_lengths: np.ndarray  # (P, N) int, generated tokens (EOS included)
+    truncated: np.ndarray  # (P, N) bool, the response hit max_new_tokens
+    problem_index: list[int]  # row indices in the source split
     ground_truth: list[str]
-    responses: list[list[str]] = field(default_factory=list)
-    pass_k: tuple[int, ...] = (1,)
-    tool_calls: np.ndarray | None = None
-    tool_errors: np.ndarray | None = None
+    responses: list[list[str]] = field(default_factory=list)  # P lists of N texts (empty when not kept)
+    pass_k: tuple[int, ...] = (1,)  # the k of pass@k to report (those > N are skipped)
+    tool_calls: np.ndarray | None = None  # (P, N) int per episode (`stapo eval --tools`), else None
+    tool_errors: np.ndarray | None = None  # (P, N) int, failed calls per episode
 
     @property
     def num_problems(self) -> int:
@@ -120,7 +106,6 @@ class EvalReport:
         common = set.intersection(*(set(p) for p in rows)) if rows else set()
         return {k: float(np.mean([p[k] for p in rows])) for k in sorted(common)}
 
-    # ----------------------------------------------------------------- output
     def to_dict(self) -> dict:
         return {
             "model": self.model_path, "engine": self.engine, "max_new_tokens": self.max_new_tokens,

@@ -1,19 +1,7 @@
-"""`evaluate_model`: the paper's evaluation protocol (STAPO §5.1) on any HF model directory (or a
-LoRA adapter directory: merged into its base first, stapo.evaluation.adapter).
-
-For each benchmark and decoding setting: sample N responses per problem (vLLM on a GPU when it is
-installed, the HF engine otherwise), judge them with the rule-based math verifier (or another
-``reward_mode`` / a ``reward_function``: a response counts as correct when its reward is > 0), and report
-avg@N, unbiased pass@k and per-problem correct counts. With ``tools`` every response is a tool episode
-(the trainer's episodes, docs/tir.md): the prompts offer the tools, the verifier scores each episode's final
-turn, and the tool calls and errors per episode are reported beside the accuracy. All datasets are loaded
-before any generation, so a missing file or field fails in seconds, not after an hour of sampling.
-
-    report = evaluate_model("runs/stapo/final", ["math500"], settings=PAPER_SETTINGS[:1])
-    print(report.markdown())
-
-Not reproduced: the paper also re-judges rule-based verdicts with CompassVerifier-3B (an LLM
-verifier); our numbers are the rule-based verifier's only (see docs/evaluation.md).
+"""`evaluate_model`: the paper's evaluation protocol (STAPO §5.1) on an HF model or LoRA adapter directory,
+one-turn responses or tool episodes, judged by a reward mode or function (docs/evaluation.md). All datasets
+load before any generation, so a missing file or field fails in seconds. Not reproduced: the paper's re-judging
+with CompassVerifier-3B (docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -68,30 +56,11 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
                    reward_function: str | None = None, reward_function_batched: bool = False,
                    reward_timeout_s: float = 5.0, tensor_parallel_size: int = 1, tools: Sequence[str] = (),
                    tool_parser: str = "qwen3", max_turns: int = 8) -> EvalReport:
-    """Evaluate a model on `benchmarks` (preset names or `BenchmarkPreset`s) under `settings`.
-
-    Args:
-        num_samples: N per problem for every benchmark; None uses each preset's N (paper §5.1).
-        engine: "auto" (vLLM if a GPU and vLLM are available, else HF), "hf", "vllm", or a ready
-            `RolloutEngine` (with its `tokenizer`).
-        seed: sampling seed; chunk c of a benchmark samples with a seed derived from (seed, c).
-        pass_k: k of the pass@k to report (k > N is skipped).
-        batch_rows: most prompt × sample rows per `generate` call (also the progress granularity).
-        keep_responses: keep the response texts in the report (written to samples.jsonl).
-        cache_dir: the `datasets` cache (default: its own).
-        reward_mode: a `stapo.rewards.REWARD_MODES` name (`math`, `dapo`, `dapo_boxed`, ...).
-        reward_function: `"pkg.mod:fn"` or `"file.py:fn"` (as `reward.function`; implies mode
-            `function`), `reward_function_batched` its batch form; `reward_timeout_s` per call.
-        tensor_parallel_size: GPUs of the one vLLM engine (vLLM's own executor; one process).
-        tools: names of registered tools (`stapo tools`): every response is a tool episode of at most
-            ``max_turns`` policy turns in the ``tool_parser`` call format, within ``max_new_tokens`` policy and
-            context tokens (as ``rollout.tools`` in training, each tool with its default limits).
-
-    Under a launcher (``torchrun --nproc_per_node 8 -m stapo.cli eval ...``) every rank builds its own
-    engine and samples every ``world_size``-th chunk of ``batch_rows`` rows; the ranks then exchange
-    their chunks, so every rank returns the same report, equal to a one-process run with the same
-    ``batch_rows`` (chunk seeds depend on the chunk's first problem only). Data parallelism and
-    tensor parallelism do not combine here.
+    """Evaluate a model on `benchmarks` (preset names or `BenchmarkPreset`s) under `settings`; the options
+    are `stapo eval`'s (docs/evaluation.md). ``engine``: a registered engine's name or a ready `RolloutEngine`;
+    ``num_samples=None``: each preset's N (paper §5.1); ``tools``: registered tools, every response a tool
+    episode. Under a launcher every rank samples its share of the chunks and returns the whole report
+    (docs/evaluation.md, "Several GPUs").
     """
     if num_samples is not None and num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -167,14 +136,9 @@ def sample_benchmark(engine: RolloutEngine, scorer, dataset: PromptDataset, *, n
                      num_samples: int, max_new_tokens: int, seed: int, pass_k: tuple[int, ...] = DEFAULT_PASS_K,
                      batch_rows: int = 1024, keep_responses: bool = True, ranks: Ranks = Ranks(),
                      tools: ToolEpisodes | None = None) -> BenchmarkResult:
-    """N samples per problem of `dataset` under `setting` (tool episodes with ``tools``), judged by `scorer`
-    (`.score(responses, answers, row_fields)`, e.g. a `MathVerifier`): a response is correct when its reward
-    is > 0.
-
-    The problems go in chunks of ``batch_rows // N``, chunk ``c`` to rank ``c % world_size``, seeded by its
-    first problem's index: every rank count samples the same chunks with the same seeds. All of a rank's
-    chunks go to the engine together (one `generate_segments` call per round of segments), so no chunk waits
-    for the longest response of the one before."""
+    """N samples per problem of `dataset` under `setting` (tool episodes with ``tools``), judged by `scorer`:
+    a response is correct when its reward is > 0. Chunk ``c`` of ``batch_rows // N`` problems goes to rank
+    ``c % world_size``, seeded by its first problem's index, so any rank count samples the same rows."""
     n, examples = num_samples, list(dataset)
     per_call = max(1, batch_rows // n)
     firsts = list(range(0, len(examples), per_call))[ranks.rank::ranks.world_size]

@@ -1,12 +1,6 @@
-"""Spurious-token inspector: record per-token statistics during training, analyse them offline.
-
-Reproduces the paper's diagnostics (§3.2, Fig. 2, Fig. 6, App. C) on your own runs; see
-docs/inspector.md. Train with ``inspect.record_every=N``, then::
-
-    from stapo.inspect import inspect_run
-    inspect_run("runs/stapo")   # -> runs/stapo/inspect/index.md, report.html, PNGs, tables
-
-Names resolve lazily so the trainer's recording path (``write_token_record``,
+"""Spurious-token inspector: per-token statistics recorded during training (``inspect.record_every=N``),
+analysed offline by ``inspect_run(RUN_DIR)``: the paper's diagnostics (§3.2, Fig. 2, Fig. 6, App. C) on your
+own runs (docs/inspector.md). Names resolve lazily so the trainer's recording path (``write_token_record``,
 ``build_token_record``) does not import matplotlib.
 
 May import: ``stapo.plots``, ``stapo.run_dir`` and the rest below them (docs/index.md, "Layout");
@@ -29,7 +23,6 @@ _MODULES = {
     "stapo.inspect.report": ("grad_norm_table_markdown", "inspect_run", "weight_table_markdown"),
     "stapo.inspect.tables": ("SilencedToken", "silenced_table_html", "silenced_table_markdown",
                              "silenced_token_table"),
-    "stapo.run_dir": ("RECORDS_DIR", "token_record_path"),  # the run directory's format
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
 

@@ -79,22 +79,16 @@ def grad_norm_by_class(records: Sequence[TokenRecord]) -> list[ClassStat]:
     sq = torch.cat([grad_norm_proxy(r.logprob, r.collision, r.advantage) for r in records])
     silenced = torch.cat([r.silenced for r in records])
     signed = int((cls >= 0).sum())
-    means, norms = [], []
+    stats = []
     for c in range(8):
         sel = cls == c
         n = int(sel.sum())
-        means.append(float(sq[sel].double().mean()) if n else math.nan)
-        norms.append(float(sq[sel].double().sqrt().mean()) if n else math.nan)
-    stats = []
-    for c in range(8):
-        base = norms[c % 2]  # class 0 (A<0) or 1 (A>0): high H, high p
-        sel = cls == c
+        norm = float(sq[sel].double().sqrt().mean()) if n else math.nan
+        base = norm if c < 2 else stats[c % 2].mean_grad_norm  # class 0 (A<0) or 1 (A>0): high H, high p
         stats.append(ClassStat(
-            index=c, name=CLASS_NAMES[c], count=int(sel.sum()),
-            frac=int(sel.sum()) / signed if signed else math.nan,
-            silenced=int((sel & silenced).sum()), mean_grad_norm_sq=means[c],
-            mean_grad_norm=norms[c],
-            rel_to_baseline=norms[c] / base - 1 if base and not math.isnan(base) else math.nan))
+            index=c, name=CLASS_NAMES[c], count=n, frac=n / signed if signed else math.nan,
+            silenced=int((sel & silenced).sum()), mean_grad_norm_sq=float(sq[sel].double().mean()) if n else math.nan,
+            mean_grad_norm=norm, rel_to_baseline=norm / base - 1 if base and not math.isnan(base) else math.nan))
     return stats
 
 

@@ -52,14 +52,11 @@ def build_token_record(
     rows_idx, pos_idx = valid.nonzero(as_tuple=True)  # (N,), (N,)  row-major order
     flat_ids = token_ids[valid].long()  # (N,)
     flat_topk = topk_ids[valid].long()  # (N, K)
-    cache: dict[int, str] = {}
-    for i in set(flat_ids.tolist()) | set(flat_topk.flatten().tolist()):
-        cache[i] = decode_token(i)
+    cache = {i: decode_token(i) for i in set(flat_ids.tolist()) | set(flat_topk.flatten().tolist())}
     kept = (keep.bool() & valid)[valid]
-    rewards_list = [float(r) for r in rewards]
     seq_adv = adv_bt.masked_fill(~valid, 0).sum(1) / valid.sum(1).clamp(min=1)  # (B,)
     rows = [RecordRow(row=i, prompt_text=prompt_texts[i], response_text=response_texts[i],
-                      reward=rewards_list[i], advantage=float(seq_adv[i]),
+                      reward=float(rewards[i]), advantage=float(seq_adv[i]),
                       context=list(context_segments[i]) if context_segments else []) for i in range(b)]
     return TokenRecord(
         step=step, minibatch=minibatch, mask_name=mask_name,

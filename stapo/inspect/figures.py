@@ -20,13 +20,8 @@ _SIGN_COLORS = ((1, "tab:green", "A > 0"), (-1, "tab:red", "A < 0"), (0, "0.6", 
 
 def plot_prob_entropy_plane(records: Sequence[TokenRecord], out_png: str | Path, *,
                             max_points: int = 20_000, seed: int = 0) -> Path:
-    """Probability (log x) vs entropy scatter coloured by advantage sign (paper Fig. 2a).
-
-    The silenced region ``p < τ_p ∧ H < τ_h`` (for A > 0) is shaded; tokens the active mask
-    silenced are drawn as black crosses and a weighting mask's up-/down-weighted ones as blue
-    triangles, always (only the others are subsampled to
-    ``max_points``, deterministically with ``seed``).
-    """
+    """Probability (log x) vs entropy scatter coloured by advantage sign (paper Fig. 2a), the silenced region
+    shaded; silenced and re-weighted tokens always drawn, the others subsampled to ``max_points`` (``seed``)."""
     if not records:
         raise ValueError("plot_prob_entropy_plane needs at least one token record")
     p = torch.cat([r.logprob for r in records]).exp().clamp(min=1e-12)  # (N,)

@@ -1,42 +1,28 @@
-"""Token records: what the trainer saves every ``inspect.record_every`` steps for the inspector.
+"""Token records: what the trainer saves every ``inspect.record_every`` steps for the inspector (docs/inspector.md).
 
-One file per recorded mini-batch, ``RUN_DIR/token_records/step_XXXXXX.pt`` (``..._mbK.pt`` for a
-mini-batch K > 0; :func:`stapo.run_dir.token_record_path`), written by :func:`write_token_record`.
-A :class:`TokenRecord` holds::
+One file per recorded mini-batch (:func:`stapo.run_dir.token_record_path`) holding a :class:`TokenRecord`:
+its rows, and one entry per valid response token (row-major) with the statistics the mask saw (paper Fig. 2).
+``kept`` / ``silenced`` are the mask's decisions only; a token ``rejected`` by the off-policy correction
+(``loss.rollout_rs``) is out of the loss either way. Records written before ``weight`` / ``rejected`` existed
+read as weight = kept and none rejected; missing or NaN thresholds get STAPO's defaults
+(:func:`default_thresholds`).
 
-    step: int, minibatch: int, mask_name: str, thresholds: {"tau_p": float, "tau_h": float}
-    rows: list of {row, prompt_text, response_text, reward, advantage, context}
-    # one entry per VALID response token of the mini-batch (flattened, row-major):
-    row (N,) long, position (N,) long, token_id (N,) long, token_text list[str] (N),
-    logprob (N,) f32, entropy (N,) f32, advantage (N,) f32, kept (N,) bool, silenced (N,) bool,
-    topk_ids (N, K) long, topk_probs (N, K) f32, topk_text list[list[str]] (N x K),
-    collision (N,) f32   # Σ_v π(v)², the collision probability of paper Lemma A.1
-    weight (N,) f32      # the active mask's token weight (a plain mask: 1 kept, 0 silenced)
-    rejected (N,) bool   # rejected by the off-policy correction (loss.rollout_rs): out of the loss too
-
-``kept`` is the active mask's keep (``keep & response_mask``); ``silenced`` = valid and not kept.
-``weight`` is optional in the file (records written before token weights read as ``kept``), and so is
-``rejected`` (earlier records read as none rejected). ``kept`` / ``silenced`` are the mask's decisions
-only: a rejected token may be either (the loss uses ``kept & ~rejected``).
-All statistics are those the mask saw (paper Fig. 2 records the same quantities). Missing or NaN
-thresholds (masks without them) are filled with STAPO's defaults, see :func:`default_thresholds`.
-
-The file is a ``torch.save`` of a plain dict (loadable with ``weights_only=True``) with the
-fields above, except that the two text fields are interned (a record of
-2M tokens holds 12M strings, which ``weights_only`` unpickling reads slowly): ``token_text`` and
-``topk_text`` are replaced by ``text_bytes`` (uint8, the distinct strings UTF-8 encoded back to
-back), ``text_offsets`` (U + 1,) long, ``token_text_idx`` (N,) int32 and ``topk_text_idx``
-(N, K) int32, plus ``format_version``. Use :func:`read_token_record`, not ``torch.load``.
+The file is a ``torch.save`` of a plain dict (loadable with ``weights_only=True``) with the two text fields
+interned (a record of 2M tokens holds 12M strings, which ``weights_only`` unpickling reads slowly): one UTF-8
+blob ``text_bytes``, ``text_offsets`` and int32 indices ``token_text_idx`` / ``topk_text_idx`` into it, plus
+``format_version``. Use :func:`read_token_record`, not ``torch.load``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from stapo.losses.builtin_masks import DEFAULT_ENTROPY_QUANTILE, DEFAULT_TAU_P  # the paper's, as the stapo mask
@@ -104,10 +90,6 @@ class TokenRecord:
     def num_tokens(self) -> int:
         return int(self.row.numel())
 
-    @property
-    def prob(self) -> torch.Tensor:  # (N,)
-        return self.logprob.exp()
-
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field with a wrong dtype, rank or length."""
         where = f"token record step={self.step} minibatch={self.minibatch}"
@@ -144,11 +126,8 @@ class TokenRecord:
 
 
 def default_thresholds(thresholds: dict[str, Any], entropy: torch.Tensor) -> dict[str, float]:
-    """``tau_p``/``tau_h`` as floats; missing or NaN ones get STAPO's defaults (docs/losses.md).
-
-    Masks without these thresholds (``none``, ``entropy_top``) still get a record that shows
-    what STAPO would silence: ``τ_p = 2e-3`` and ``τ_h`` = the 0.8 quantile (linear
-    interpolation) of the record's token entropies.
+    """``tau_p``/``tau_h`` as floats; missing or NaN ones (masks without them, ``none``, ``entropy_top``) get
+    STAPO's defaults (docs/losses.md): ``τ_p = 2e-3`` and ``τ_h`` = the 0.8 quantile of the record's entropies.
     """
     out = {k: float(v) for k, v in thresholds.items()}
     if not math.isfinite(out.get("tau_p", math.nan)):
@@ -159,13 +138,10 @@ def default_thresholds(thresholds: dict[str, Any], entropy: torch.Tensor) -> dic
 
 
 def _quantile(values: torch.Tensor, q: float) -> float:
-    """``torch.quantile``'s linear interpolation without its input-size limit; 0 when empty."""
+    """``torch.quantile``'s linear interpolation without its input-size limit (numpy's); 0 when empty."""
     if not isinstance(values, torch.Tensor) or values.numel() == 0:
         return 0.0
-    s = values.detach().double().flatten().sort().values
-    pos = q * (s.numel() - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+    return float(np.quantile(values.detach().double().flatten().numpy(), q))
 
 
 def write_token_record(path: str | Path, record: TokenRecord | dict[str, Any]) -> Path:
@@ -212,9 +188,7 @@ def _pack_texts(token_text: list[str], topk_text: list[list[str]]) -> dict[str, 
     token_idx = [table.setdefault(t, len(table)) for t in token_text]
     topk_idx = [[table.setdefault(t, len(table)) for t in row] for row in topk_text]
     encoded = [t.encode("utf-8") for t in table]
-    offsets = [0]
-    for e in encoded:
-        offsets.append(offsets[-1] + len(e))
+    offsets = [0, *itertools.accumulate(len(e) for e in encoded)]
     k = len(topk_text[0]) if topk_text else 0
     blob = b"".join(encoded)
     text_bytes = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob  # (bytes,)

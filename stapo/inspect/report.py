@@ -1,10 +1,5 @@
-"""``inspect_run``: every inspector artifact of a run into ``RUN_DIR/inspect/`` (docs/inspector.md).
-
-Outputs: ``prob_entropy.png`` (Fig. 2a), ``grad_norm_by_class.png`` + table (Fig. 2b),
-``weighted_tokens.md`` (a weighting mask's up-/down-weighted and silenced tokens next to S2T),
-``silenced_tokens.md``/``.html`` (App. C Tables 3–5), ``token_frequencies.png`` (Fig. 6b/c),
-``silenced_ratio.png`` (Fig. 6a), ``training_curves.png`` when ``metrics.jsonl`` exists, and
-``index.md`` / ``report.html`` linking them all.
+"""``inspect_run``: every inspector artifact of a run into ``RUN_DIR/inspect/`` (the paper's figures and
+tables; docs/inspector.md lists them), linked from ``index.md`` and ``report.html``.
 """
 
 from __future__ import annotations
@@ -58,34 +53,22 @@ def weight_table_markdown(stats: Sequence[WeightClassStat]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _summary(records: Sequence[TokenRecord]) -> dict[str, object]:
-    n = sum(r.num_tokens for r in records)
-    n_sil = sum(int(r.silenced.sum()) for r in records)
-    n_spur = sum(int(spurious_mask(r).sum()) for r in records)
-    n_rej = sum(int(r.rejected.sum()) for r in records)
-    return {"records": len(records), "steps": sorted({r.step for r in records}),
-            "masks": sorted({r.mask_name for r in records}), "tokens": n, "silenced": n_sil,
-            "spurious": n_spur, "rejected": n_rej, "tau_p": records[0].thresholds["tau_p"]}
-
-
-def _summary_lines(s: dict[str, object]) -> list[str]:
-    n = max(int(s["tokens"]), 1)
-    steps = s["steps"]
-    return [f"- records: {s['records']} (steps {steps[0]}–{steps[-1]}), mask: "
-            f"{', '.join(s['masks'])}, τ_p = {s['tau_p']:g}",
-            f"- valid tokens: {s['tokens']}; silenced by the mask: {s['silenced']} "
-            f"({100 * int(s['silenced']) / n:.4f}%); meeting STAPO's criterion: "
-            f"{s['spurious']} ({100 * int(s['spurious']) / n:.4f}%); rejected by the off-policy correction: "
-            f"{s['rejected']} ({100 * int(s['rejected']) / n:.4f}%)"]
+def _summary_lines(records: Sequence[TokenRecord]) -> list[str]:
+    tokens = sum(r.num_tokens for r in records)
+    counts = {what: sum(int(select(r).sum()) for r in records) for what, select in (
+        ("silenced by the mask", lambda r: r.silenced), ("meeting STAPO's criterion", spurious_mask),
+        ("rejected by the off-policy correction", lambda r: r.rejected))}
+    steps = sorted({r.step for r in records})
+    return [f"- records: {len(records)} (steps {steps[0]}–{steps[-1]}), mask: "
+            f"{', '.join(sorted({r.mask_name for r in records}))}, τ_p = {records[0].thresholds['tau_p']:g}",
+            f"- valid tokens: {tokens}; " + "; ".join(f"{what}: {n} ({100 * n / max(tokens, 1):.4f}%)"
+                                                       for what, n in counts.items())]
 
 
 def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, *,
                 context_chars: int = 300, max_table_rows: int = 500, top_tokens: int = 20) -> Path:
-    """Analyse a run's token records; returns the output dir (default ``RUN_DIR/inspect``).
-
-    Raises ``FileNotFoundError`` when the run has no records (train with
-    ``inspect.record_every=N``).
-    """
+    """Analyse a run's token records into the output dir (default ``RUN_DIR/inspect``) and return it;
+    FileNotFoundError when the run has no records (train with ``inspect.record_every=N``)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
@@ -119,7 +102,7 @@ def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, *,
     (out / "silenced_tokens.md").write_text(f"# Silenced tokens\n\n{table_md}", encoding="utf-8")
     (out / "silenced_tokens.html").write_text(_page("Silenced tokens", table_html),
                                               encoding="utf-8")
-    summary = _summary_lines(_summary(records))
+    summary = _summary_lines(records)
     _write_index(out, run_dir, summary, figures, grad_md + "\n## Weighted tokens next to S2T\n\n" + weights_md)
     _write_html(out, run_dir, summary, figures, grad_md, table_html, weights_md)
     return out

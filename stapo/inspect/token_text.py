@@ -22,16 +22,10 @@ _WINDOW = 4  # a UTF-8 character has at most 4 bytes
 
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte <-> printable-character alphabet (what byte-level BPE vocabularies are written in)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    """GPT-2's printable-character alphabet -> byte (what byte-level BPE vocabularies are written in)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _token_bytes(tokenizer, token_id: int) -> bytes | None:

@@ -32,11 +32,8 @@ def cache_key(kind: str, payload: dict) -> str:
 
 
 def build_atomically(final: Path, build: Callable[[Path], None], *, reuse: bool) -> Path:
-    """Run ``build(tmp_dir)`` and rename ``tmp_dir`` to ``final``.
-
-    With ``reuse`` an existing ``final`` is returned as is (cache hit). Without it, an existing
-    ``final`` is replaced. If another process wins the race for ``final``, its copy is kept.
-    """
+    """Run ``build(tmp_dir)`` and rename ``tmp_dir`` to ``final``, replacing it (or with ``reuse``, returning an
+    existing ``final`` as is). If another process wins the race for ``final``, its copy is kept."""
     final = Path(final)
     if reuse and final.is_dir():
         return final
@@ -56,6 +53,14 @@ def build_atomically(final: Path, build: Callable[[Path], None], *, reuse: bool)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def build_cached(out_dir: Path | None, kind: str, payload: dict, build: Callable[[Path], None]) -> Path:
+    """``build`` into ``out_dir`` (replaced), or with ``out_dir=None`` into the cache entry keyed by ``kind``
+    and ``payload`` (reused when present)."""
+    if out_dir is None:
+        return build_atomically(cache_root() / cache_key(kind, payload), build, reuse=True)
+    return build_atomically(Path(out_dir), build, reuse=False)
 
 
 def hash_files(directory: Path, names: list[str]) -> str:

@@ -1,9 +1,6 @@
-"""Random-init tiny Qwen3 models for offline demos and tests.
-
-The model uses the real Qwen3 architecture (``transformers.Qwen3ForCausalLM``: GQA, q/k RMSNorm,
-RoPE, SwiGLU, tied embeddings) at a few hundred thousand to a few million parameters, so every
-code path of the trainer (chunked logprob/entropy over the lm_head, ZeRO-3 gathering, weight sync)
-runs unchanged on a 2-core CPU box. Builds are deterministic for a (spec, seed): same bytes twice.
+"""Random-init tiny Qwen3 models for offline demos and tests: the real ``Qwen3ForCausalLM`` architecture
+at a few hundred thousand to a few million parameters, so every trainer code path (chunked logprob over the
+lm_head, ZeRO-3 gathering, weight sync) runs unchanged on a CPU. Deterministic for a (spec, seed).
 """
 
 from __future__ import annotations
@@ -12,34 +9,25 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from stapo.tiny.cache import build_atomically, cache_key, cache_root, hash_files
+from stapo.tiny.cache import build_cached, hash_files
 from stapo.tiny.tokenizer import VOCAB_SIZE, build_tiny_tokenizer
 
 
 @dataclass(frozen=True)
 class TinySpec:
-    """Qwen3 hyper-parameters of a tiny model; the vocabulary comes from the tiny tokenizer."""
+    """Qwen3 hyper-parameters of a tiny model, named and meant as in ``transformers.Qwen3Config`` (GQA, tied
+    embeddings as the small Qwen3 models); the vocabulary comes from the tiny tokenizer."""
 
     hidden_size: int = 128
-    """Model width."""
     intermediate_size: int = 384
-    """SwiGLU MLP width."""
     num_hidden_layers: int = 4
-    """Transformer blocks."""
     num_attention_heads: int = 4
-    """Query heads."""
     num_key_value_heads: int = 2
-    """Key/value heads (GQA, as in Qwen3)."""
     head_dim: int = 32
-    """Per-head dimension (Qwen3 sets it explicitly)."""
     max_position_embeddings: int = 512
-    """Longest prompt + response the model is meant for."""
     rope_theta: float = 10000.0
-    """RoPE base."""
     tie_word_embeddings: bool = True
-    """Share the embedding and lm_head weights (as the small Qwen3 models do)."""
     initializer_range: float = 0.02
-    """Std of the normal init."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -53,35 +41,14 @@ class TinySpec:
             )
 
 
-def qwen3_config(spec: TinySpec, tokenizer):
-    """The ``Qwen3Config`` for ``spec`` with vocab and special ids from ``tokenizer``."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        rope_theta=spec.rope_theta,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=spec.initializer_range,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-    )
-
-
 def _write_model(out_dir: Path, spec: TinySpec, seed: int, tokenizer_dir: Path | None = None) -> None:
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or build_tiny_tokenizer()))
-    config = qwen3_config(spec, tokenizer)
+    config = Qwen3Config(vocab_size=len(tokenizer), **dataclasses.asdict(spec), bos_token_id=None,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         torch_dtype="float32")
     # A private generator state: seed the global RNG only inside a fork so callers' RNG is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -95,12 +62,8 @@ def _write_model(out_dir: Path, spec: TinySpec, seed: int, tokenizer_dir: Path |
 
 def build_tiny_model(out_dir: Path | None = None, *, spec: TinySpec = TinySpec(), seed: int = 0,
                      tokenizer_dir: Path | None = None) -> Path:
-    """Build a random-init tiny Qwen3 model dir (config, safetensors, generation config, tokenizer).
-
-    Deterministic for ``(spec, seed)``. ``out_dir=None`` uses the cache
-    (``$STAPO_CACHE/tiny/model-<key>``, else ``~/.cache/stapo/tiny``) keyed by spec, seed and the
-    format version, and reuses a complete entry; an explicit ``out_dir`` is (re)written. Writes are
-    atomic (temp dir + rename). Load with ``AutoModelForCausalLM.from_pretrained(path)``.
+    """A random-init tiny Qwen3 model dir (config, safetensors, generation config, tokenizer), deterministic
+    for ``(spec, seed)``; ``out_dir=None`` reuses a cache entry keyed by both (``stapo.tiny.cache``).
     ``tokenizer_dir``: another tokenizer than the default tiny one (a demo variant's; keyed by its files).
     """
     if not isinstance(spec, TinySpec):
@@ -109,14 +72,11 @@ def build_tiny_model(out_dir: Path | None = None, *, spec: TinySpec = TinySpec()
     def build(tmp: Path) -> None:
         _write_model(tmp, spec, seed, tokenizer_dir)
 
-    if out_dir is None:
-        payload = {"spec": dataclasses.asdict(spec), "seed": seed, "tokenizer_vocab": VOCAB_SIZE}
-        if tokenizer_dir is not None:
-            tok = Path(tokenizer_dir)
-            payload["tokenizer"] = hash_files(tok, sorted(f.name for f in tok.iterdir() if f.is_file()))
-        final = cache_root() / cache_key("model", payload)
-        return build_atomically(final, build, reuse=True)
-    return build_atomically(Path(out_dir), build, reuse=False)
+    payload = {"spec": dataclasses.asdict(spec), "seed": seed, "tokenizer_vocab": VOCAB_SIZE}
+    if tokenizer_dir is not None:
+        tok = Path(tokenizer_dir)
+        payload["tokenizer"] = hash_files(tok, sorted(f.name for f in tok.iterdir() if f.is_file()))
+    return build_cached(out_dir, "model", payload, build)
 
 
 def model_fingerprint(model_dir: Path) -> str:

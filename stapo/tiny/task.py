@@ -1,15 +1,13 @@
-"""Synthetic arithmetic task for the tiny-model demo.
+"""Synthetic arithmetic task for the tiny-model demo (docs/demo.md).
 
-Problems are chained integer expressions such as ``"Compute 47+38-12."``. The solution is a short
-chain of thought that evaluates left to right, one partial result per step, and ends with the
-paper's answer format ``\\boxed{<answer>}`` (STAPO §2.1: the verifier reads the last ``\\boxed{}``),
-e.g. ``"47+38=85. 85-12=73. \\boxed{73}"``. Difficulty knobs (operand digits, number of terms,
-operators) let the demo pick a task that a few-M-parameter model learns partly in a short warm
-start and improves on with RL.
+Chained integer expressions (``"Compute 47+38-12."``) with a left-to-right chain of thought ending in the
+paper's answer format (STAPO §2.1: the verifier reads the last ``\\boxed{}``):
+``"47+38=85. 85-12=73. \\boxed{73}"``.
 """
 
 from __future__ import annotations
 
+import operator
 import random
 from dataclasses import dataclass
 
@@ -18,7 +16,7 @@ from stapo.data import PAPER_INSTRUCTION
 #: The paper's prompt instruction (paper §5.1, docs/rollout.md); the data loader appends it to every question.
 CHAT_INSTRUCTION = PAPER_INSTRUCTION
 
-_OPS = ("+", "-", "*")
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
 @dataclass(frozen=True)
@@ -31,21 +29,9 @@ class ArithmeticProblem:
     solution: str
 
 
-def _apply(op: str, a: int, b: int) -> int:
-    if op == "+":
-        return a + b
-    if op == "-":
-        return a - b
-    return a * b
-
-
 def make_problem(operands: list[int], ops: list[str]) -> ArithmeticProblem:
-    """Build the problem for ``operands[0] ops[0] operands[1] ...`` evaluated left to right.
-
-    Left-to-right evaluation (not operator precedence) is part of the task definition, and the
-    question states it implicitly by the step-by-step solution; keep ``*`` out of mixed chains
-    if you want standard precedence to agree.
-    """
+    """The problem ``operands[0] ops[0] operands[1] ...``, evaluated left to right (not by operator
+    precedence: keep ``*`` out of mixed chains where the two should agree)."""
     if len(operands) != len(ops) + 1 or not ops:
         raise ValueError(f"need len(operands) == len(ops) + 1 >= 2, got {len(operands)} and {len(ops)}")
     bad = [op for op in ops if op not in _OPS]
@@ -54,7 +40,7 @@ def make_problem(operands: list[int], ops: list[str]) -> ArithmeticProblem:
     expr = str(operands[0]) + "".join(f"{op}{x}" for op, x in zip(ops, operands[1:]))
     steps, acc = [], operands[0]
     for op, x in zip(ops, operands[1:]):
-        new = _apply(op, acc, x)
+        new = _OPS[op](acc, x)
         steps.append(f"{acc}{op}{x}={new}.")
         acc = new
     answer = str(acc)
@@ -71,18 +57,10 @@ def arithmetic_problems(
     ops: tuple[str, ...] | str = ("+", "-"),
     min_digits: int = 1,
 ) -> list[ArithmeticProblem]:
-    """``n`` random problems, deterministic for ``seed`` (its own ``random.Random``, no global RNG).
-
-    The defaults (one-digit operands, four terms, ``+``/``-``: three chained steps such as
-    ``"7+5=12. 12-3=9. 9+8=17. \\boxed{17}"``) give a task a ~0.8M-parameter model learns partly
-    in a few hundred warm-start steps; errors compound over the steps. The README demo uses five
-    terms (``tiny.terms``, four steps; see ``stapo.tiny.warmstart`` and docs/demo.md).
-
-    Args:
-        digits: maximum number of digits per operand (operands drawn uniformly from
-            ``[10**(min_digits-1), 10**digits - 1]``; ``min_digits=1`` allows 0..9 too).
-        terms: number of operands in the chain (>= 2).
-        ops: operators to draw from (``"+"``, ``"-"``, ``"*"``), one uniformly per step.
+    """``n`` random problems, deterministic for ``seed`` (its own ``random.Random``): ``terms`` operands of
+    ``min_digits`` to ``digits`` digits (``min_digits=1`` allows 0..9), one of ``ops`` per step. The defaults
+    give three chained steps a ~0.8M-parameter model learns partly in a short warm start; the README demo
+    uses five terms (``tiny.terms``, docs/demo.md).
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")

@@ -1,12 +1,7 @@
-"""The tiny tool-integrated-reasoning demo: products the tiny model cannot work out in its head, and a
-calculator it can call (``tiny.task: tir``; docs/tir.md, "The tiny demo").
-
-Here: the task (`tir_problems`: mostly 3-digit x 2-digit products, some one-digit sums it answers in its
-head), the chat template (`TIR_CHAT_TEMPLATE`, tools listed in a system line, results as Qwen3's tool
-turn), the tokenizer (the four tool tags as whole, non-special tokens; its own cache entry) and the warm
-start's examples (`encode_tir_examples`: half offer no tools; of the others a ``tiny.warm_start_tool_fraction``
-call the calculator in Qwen3's format). Tool-turn tokens are inputs, not targets, as in RL; RL then finds
-out when a call pays.
+"""The tiny tool-integrated-reasoning demo (``tiny.task: tir``; docs/tir.md, "The tiny demo"): products
+the tiny model cannot work out in its head, a calculator it can call, the chat template and tokenizer with
+the four tool tags as whole tokens, and the warm start's examples (half offer no tools; of the others a
+``tiny.warm_start_tool_fraction`` call the calculator, tool turns as inputs, not targets, as in RL).
 """
 
 from __future__ import annotations
@@ -16,10 +11,10 @@ import json
 import random
 from pathlib import Path
 
-from stapo.tiny.cache import build_atomically, cache_key, cache_root
-from stapo.tiny.task import CHAT_INSTRUCTION, ArithmeticProblem
+from stapo.tiny.cache import build_cached
+from stapo.tiny.task import CHAT_INSTRUCTION, ArithmeticProblem, make_problem
 from stapo.tiny.tokenizer import EOS_TOKEN, IM_START, _train_tokenizer, _write_tokenizer
-from stapo.tiny.warmstart import SFTExample, train_sft
+from stapo.tiny.warmstart import SFTExample, answer_example, prompt_text, train_sft
 from stapo.tools import Calculator
 
 __all__ = ["TIR_CHAT_TEMPLATE", "TOOL_TAGS", "build_tir_tokenizer", "encode_tir_examples", "tir_problems",
@@ -56,8 +51,7 @@ def tir_problems(n: int, seed: int, *, easy_fraction: float = 0.25) -> list[Arit
             a, b, op = rng.randint(0, 9), rng.randint(0, 9), "+"
         else:
             a, b, op = rng.randint(100, 999), rng.randint(10, 99), "*"
-        answer = str(a + b if op == "+" else a * b)
-        out.append(ArithmeticProblem(f"Compute {a}{op}{b}.", answer, f"{a}{op}{b}={answer}. \\boxed{{{answer}}}"))
+        out.append(make_problem([a, b], [op]))
     return out
 
 
@@ -101,12 +95,8 @@ def build_tir_tokenizer(out_dir: Path | None = None) -> Path:
     def write(tmp: Path) -> None:
         _write_tokenizer(tmp, _train_tokenizer(corpus, TIR_VOCAB_SIZE, TOOL_TAGS), TIR_CHAT_TEMPLATE)
 
-    if out_dir is None:
-        digest = hashlib.sha256("\x00".join([*corpus, TIR_CHAT_TEMPLATE, *TOOL_TAGS]).encode()).hexdigest()
-        final = cache_root() / cache_key("tokenizer", {"vocab_size": TIR_VOCAB_SIZE, "variant": "tir",
-                                                       "text": digest})
-        return build_atomically(final, write, reuse=True)
-    return build_atomically(Path(out_dir), write, reuse=False)
+    digest = hashlib.sha256("\x00".join([*corpus, TIR_CHAT_TEMPLATE, *TOOL_TAGS]).encode()).hexdigest()
+    return build_cached(out_dir, "tokenizer", {"vocab_size": TIR_VOCAB_SIZE, "variant": "tir", "text": digest}, write)
 
 
 def _tool_episode(tokenizer, problem: ArithmeticProblem, prompt_text: str) -> SFTExample:
@@ -136,14 +126,11 @@ def encode_tir_examples(tokenizer, problems, tool_fraction: float) -> list[SFTEx
     out = []
     for i, p in enumerate(problems):
         offered = i % 2 == 1
-        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{p.question} {CHAT_INSTRUCTION}"}],
-                                             tools=tir_tool_schemas() if offered else None, tokenize=False,
-                                             add_generation_prompt=True)
+        text = prompt_text(tokenizer, p.question, tir_tool_schemas() if offered else None)
         if offered and rng.random() < tool_fraction:
             out.append(_tool_episode(tokenizer, p, text))
         else:
-            answer = tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            out.append(SFTExample(tokenizer(text, add_special_tokens=False)["input_ids"], answer))
+            out.append(answer_example(tokenizer, text, p.solution))
     return out
 
 

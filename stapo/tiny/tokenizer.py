@@ -1,18 +1,15 @@
-"""A small byte-level BPE tokenizer for the synthetic arithmetic task, built offline.
+"""A small byte-level BPE tokenizer for the synthetic arithmetic task, trained offline on task text.
 
-Trained with the `tokenizers` library on generated task text (questions, solutions, the paper's
-instruction and the chat markers) so that the README demo needs no model hub. Digits are split
-into single tokens before BPE (so numbers are spelled digit by digit, as in Qwen's tokenizer) and
-the byte-level alphabet guarantees that any text round-trips. The chat template mirrors Qwen's
-``<|im_start|>role\\n...<|im_end|>`` format; ``<|im_end|>`` is the EOS token, so a rollout's
-response is ``solution + <|im_end|>``.
+Digits are split before BPE (numbers spelled digit by digit, as in Qwen's tokenizer); the byte-level
+alphabet makes any text round-trip. The chat template is Qwen's ``<|im_start|>role\\n...<|im_end|>`` with
+``<|im_end|>`` as EOS, so a rollout's response is ``solution + <|im_end|>``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from stapo.tiny.cache import build_atomically, cache_key, cache_root
+from stapo.tiny.cache import build_cached
 from stapo.tiny.task import CHAT_INSTRUCTION, arithmetic_problems
 
 PAD_TOKEN = "<|endoftext|>"
@@ -86,13 +83,5 @@ def _write_tokenizer(out_dir: Path, tokenizer=None, chat_template: str = CHAT_TE
 
 
 def build_tiny_tokenizer(out_dir: Path | None = None) -> Path:
-    """Train (or reuse from the cache) the tiny tokenizer and save it as an HF tokenizer dir.
-
-    ``out_dir=None`` uses ``$STAPO_CACHE/tiny/tokenizer-<key>`` (else ``~/.cache/stapo/tiny``) and
-    reuses it when present; an explicit ``out_dir`` is (re)written. Writes are atomic.
-    Load with ``AutoTokenizer.from_pretrained(path)``.
-    """
-    if out_dir is None:
-        final = cache_root() / cache_key("tokenizer", {"vocab_size": VOCAB_SIZE})
-        return build_atomically(final, _write_tokenizer, reuse=True)
-    return build_atomically(Path(out_dir), _write_tokenizer, reuse=False)
+    """Train (or reuse from the cache, ``stapo.tiny.cache``) the tiny tokenizer as an HF tokenizer dir."""
+    return build_cached(out_dir, "tokenizer", {"vocab_size": VOCAB_SIZE}, _write_tokenizer)

@@ -1,14 +1,9 @@
-"""Supervised warm start of a tiny model on the arithmetic task.
+"""Supervised warm start of a tiny model on the arithmetic task (docs/demo.md).
 
-RL only improves a policy that sometimes succeeds: with ±1 rewards and group-normalized
-advantages (STAPO §2.1), a group whose samples all fail carries no signal. A random-init model
-never produces a correct ``\\boxed{}``, so the demo first fine-tunes it briefly on
-(prompt, solution) pairs until held-out accuracy is well above zero but below the ceiling.
-
-Prompts are rendered exactly as the data loader renders them (chat template over
-``question + " " + CHAT_INSTRUCTION`` with a generation prompt) and the target is
-``solution + EOS``, i.e. exactly a rollout's response; the loss is the token mean of the
-cross-entropy over those response tokens only.
+RL only improves a policy that sometimes succeeds (STAPO §2.1: a group whose samples all fail carries no
+signal), so the demo first fine-tunes the random-init model on (prompt, solution + EOS) pairs rendered
+exactly as a rollout's prompt and response; the loss is the token mean of the cross-entropy over the
+response tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from stapo.data import format_problem
-from stapo.tiny.cache import build_atomically, cache_key, cache_root
+from stapo.tiny.cache import build_cached
 from stapo.tiny.model import model_fingerprint
 from stapo.tiny.task import CHAT_INSTRUCTION, ArithmeticProblem, arithmetic_problems
 
@@ -45,12 +40,8 @@ class SFTExample:
 
 
 def with_bare_answers(problems: Sequence[ArithmeticProblem], fraction: float) -> list[ArithmeticProblem]:
-    """A copy of ``problems`` where about ``fraction`` of them (chosen deterministically) have the
-    bare answer ``\\boxed{answer}`` as their solution instead of the worked steps.
-
-    Like web text, such data teaches two answer forms; RL then has to find out which one earns
-    more reward (docs/demo.md).
-    """
+    """A copy of ``problems`` where about ``fraction`` of them (chosen deterministically) answer bare,
+    ``\\boxed{answer}``: two answer forms, and RL finds out which earns more reward (docs/demo.md)."""
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"bare-answer fraction must be in [0, 1), got {fraction}")
     rng = random.Random(BARE_ANSWER_SEED)
@@ -58,33 +49,28 @@ def with_bare_answers(problems: Sequence[ArithmeticProblem], fraction: float) ->
             for p in problems]
 
 
-def render_prompt(tokenizer, question: str, instruction: str = CHAT_INSTRUCTION) -> list[int]:
-    """Prompt ids exactly as the data loader builds them (``stapo.data``, docs/rollout.md)."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": format_problem(question, instruction)}], add_generation_prompt=True,
-        tokenize=False,
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def prompt_text(tokenizer, question: str, tools: list[dict] | None = None) -> str:
+    """The prompt exactly as the data loader renders it (``stapo.data``, docs/rollout.md)."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": format_problem(question, CHAT_INSTRUCTION)}],
+                                         tools=tools, add_generation_prompt=True, tokenize=False)
+
+
+def answer_example(tokenizer, prompt: str, solution: str) -> SFTExample:
+    """``prompt`` then ``solution + EOS``: the rollout's response format."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has no eos_token_id; the warm start must teach the model to stop")
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return SFTExample(encode(prompt), encode(solution) + [tokenizer.eos_token_id])
 
 
 def encode_examples(tokenizer, problems: Sequence[ArithmeticProblem]) -> list[SFTExample]:
-    """Tokenize prompts and ``solution + EOS`` responses (the rollout's response format)."""
-    if tokenizer.eos_token_id is None:
-        raise ValueError("tokenizer has no eos_token_id; the warm start must teach the model to stop")
-    out = []
-    for p in problems:
-        response = tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        out.append(SFTExample(render_prompt(tokenizer, p.question), response))
-    return out
+    """Tokenize prompts and ``solution + EOS`` responses."""
+    return [answer_example(tokenizer, prompt_text(tokenizer, p.question), p.solution) for p in problems]
 
 
 def collate(examples: Sequence[SFTExample], pad_id: int):
-    """Right-pad ``prompt + response`` rows; labels are -100 except on response tokens (context
-    tokens of a multi-turn example included: -100 there too).
-
-    Returns ``input_ids (B, L)``, ``attention_mask (B, L)``, ``labels (B, L)`` (already aligned
-    with the inputs: HF causal-LM losses shift internally, but we shift ourselves in ``sft_loss``).
-    """
+    """Right-padded ``input_ids, attention_mask, labels`` ``(B, L)``; labels are -100 except on response
+    tokens that are not context, and aligned with the inputs (``sft_loss`` shifts them)."""
     import torch
 
     length = max(len(e.prompt_ids) + len(e.response_ids) for e in examples)
@@ -203,16 +189,10 @@ def warm_start(
 ) -> Path:
     """Fine-tune ``model_dir`` on (prompt, solution + EOS) pairs; return the saved HF model dir.
 
-    ``problems=None`` uses 4,000 default-difficulty problems (seed ``DEFAULT_TRAIN_SEED``). The
-    defaults (260 steps of 32 at peak lr 3e-3, cosine to 10%) leave the default ~0.8M-parameter
-    model at 33-69% greedy accuracy on the default task depending on the seed (docs/demo.md: the
-    warm start sits on a cliff there), in about a minute of one CPU core.
-    ``bare_fraction`` > 0 replaces that fraction of the targets by bare answers
-    (:func:`with_bare_answers`).
-    ``out_dir=None`` caches under ``$STAPO_CACHE/tiny/warm-<key>`` keyed by the source weights,
-    the problems and every hyper-parameter, and reuses a complete entry. Deterministic for the
-    same inputs on the same machine and thread count. ``warm_start.json`` in the output records
-    the per-step losses and the wall time.
+    ``problems=None``: 4,000 default-difficulty problems (seed ``DEFAULT_TRAIN_SEED``); the defaults leave
+    the default model at 33-69% greedy accuracy depending on the seed (docs/demo.md). ``bare_fraction``: see
+    :func:`with_bare_answers`. ``out_dir=None`` caches the result keyed by the source weights, the problems
+    and every hyper-parameter; ``warm_start.json`` records the per-step losses and the wall time.
     """
     model_dir = Path(model_dir)
     if steps < 1 or batch_size < 1 or lr <= 0:
@@ -234,11 +214,6 @@ def train_sft(model_dir: Path, encode, data_digest: str, out_dir: Path | None = 
     def build(tmp: Path) -> None:
         _train(model_dir, tmp, encode, steps, lr, batch_size, seed, weight_decay, progress)
 
-    if out_dir is not None:
-        return build_atomically(Path(out_dir), build, reuse=False)
-    key = cache_key(
-        "warm",
-        {"model": model_fingerprint(model_dir), "problems": data_digest, "steps": steps,
-         "lr": lr, "batch_size": batch_size, "seed": seed, "weight_decay": weight_decay},
-    )
-    return build_atomically(cache_root() / key, build, reuse=True)
+    payload = {"model": model_fingerprint(model_dir), "problems": data_digest, "steps": steps, "lr": lr,
+               "batch_size": batch_size, "seed": seed, "weight_decay": weight_decay}
+    return build_cached(out_dir, "warm", payload, build)

@@ -8,7 +8,8 @@ import pytest
 
 from stapo.inspect import (grad_norm_by_class, inspect_run, plot_grad_norm_by_class,
                            plot_prob_entropy_plane, plot_silenced_ratio, plot_token_frequencies,
-                           token_record_path, write_token_record)
+                           write_token_record)
+from stapo.run_dir import token_record_path
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

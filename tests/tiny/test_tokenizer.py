@@ -3,7 +3,8 @@ import hashlib
 from transformers import AutoTokenizer
 
 from stapo.tiny import CHAT_INSTRUCTION, arithmetic_problems, build_tiny_tokenizer
-from stapo.tiny.warmstart import render_prompt
+from stapo.tiny.task import make_problem
+from stapo.tiny.warmstart import encode_examples
 
 
 def test_round_trips_task_text(tiny_tokenizer):
@@ -37,13 +38,14 @@ def test_chat_template(tiny_tokenizer):
     # The tokenized form (what the data loader uses) equals the warm start's prompt ids.
     out = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     ids = out["input_ids"] if hasattr(out, "keys") else out
-    assert list(ids) == render_prompt(tiny_tokenizer, "Compute 1+2.")
+    (example,) = encode_examples(tiny_tokenizer, [make_problem([1, 2], ["+"])])
+    assert list(ids) == example.prompt_ids
 
 
 def test_prompt_then_response_tokenizes_like_the_rollout(tiny_tokenizer):
     """Prompt ids + solution ids decode to the same text as the whole string (no merge across)."""
     p = arithmetic_problems(1, seed=0)[0]
-    prompt = render_prompt(tiny_tokenizer, p.question)
+    prompt = encode_examples(tiny_tokenizer, [p])[0].prompt_ids
     response = tiny_tokenizer(p.solution, add_special_tokens=False)["input_ids"]
     assert tiny_tokenizer.decode(response) == p.solution
     assert tiny_tokenizer.decode(prompt + response).endswith("assistant\n" + p.solution)
