@@ -56,20 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     from stapo.rewards.symbolic import symbolic_verdict
 
     symbolic_verdict("x+1", "1+x")  # import and warm sympy before the first timed item
-    _limit_memory(args.memory_mb)
-    out = sys.stdout
-    out.write('"ready"\n')
-    out.flush()
-    for line in sys.stdin:
-        task_id, (pred, gt) = json.loads(line)
-        try:
-            verdict = bool(symbolic_verdict(pred, gt))
-        except MemoryError:
-            os._exit(3)
-        except Exception:  # noqa: BLE001 - RecursionError etc.: a mismatch, keep serving
-            verdict = False
-        out.write(json.dumps([task_id, verdict]) + "\n")
-        out.flush()
+    # RecursionError etc.: a mismatch, keep serving
+    _serve(sys.stdout, args.memory_mb, lambda pair: bool(symbolic_verdict(*pair)), lambda exc: [False])
 
 
 def _serve_function(spec: str, batched: bool, memory_mb: int) -> None:
@@ -85,20 +73,27 @@ def _serve_function(spec: str, batched: bool, memory_mb: int) -> None:
         out.write(json.dumps(["error", f"{type(exc).__name__}: {exc}"]) + "\n")
         out.flush()
         os._exit(2)
+    # a user error scores failure_value, keep serving
+    _serve(out, memory_mb, lambda payload: call_function(fn, batched, payload),
+           lambda exc: [None, f"{type(exc).__name__}: {str(exc)[:500]}"])
+
+
+def _serve(out, memory_mb: int, call, failed) -> None:
+    """Say ready, then answer each ``[task_id, payload]`` line with ``[task_id, call(payload)]``, or
+    ``[task_id, *failed(exc)]`` when the call raised; a MemoryError ends the worker (it is replaced)."""
     _limit_memory(memory_mb)
     out.write('"ready"\n')
     out.flush()
     for line in sys.stdin:
         task_id, payload = json.loads(line)
         try:
-            reply = [task_id, call_function(fn, batched, payload)]
+            reply = [task_id, call(payload)]
         except MemoryError:
             os._exit(3)
-        except BaseException as exc:  # noqa: BLE001 - a user error scores failure_value, keep serving
-            reply = [task_id, None, f"{type(exc).__name__}: {str(exc)[:500]}"]
+        except BaseException as exc:  # noqa: BLE001 - see failed
+            reply = [task_id, *failed(exc)]
         out.write(json.dumps(reply) + "\n")
         out.flush()
-
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,7 @@ import re
 from fractions import Fraction
 from typing import Optional
 
-from stapo.rewards.structure import Answer, Undecided, match, parse_structure
+from stapo.rewards.structure import Undecided, match, parse_structure
 
 ROUNDED_DECIMALS = 6
 MAX_NUMBER_CHARS = 400  # longer digit strings are not parsed as numbers (int() limits, DoS)
@@ -97,8 +97,3 @@ def cheap_verdict(pred: str, gt: str) -> Optional[bool]:
         return match(parse_structure(pred), parse_structure(gt), cheap_scalar_eq)
     except Undecided:
         return None
-
-
-def structures(pred: str, gt: str) -> tuple[Answer, Answer]:
-    """Parsed trees of both answers (shared with the sympy worker)."""
-    return parse_structure(pred), parse_structure(gt)

@@ -145,11 +145,6 @@ class WorkerPool:
             self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._owner_pid)
 
     # -- batch execution ---------------------------------------------------------------------
-    def run(self, items: Sequence[tuple[str, str]]) -> list[bool]:
-        """Symbolic verdicts for ``(pred, gt)`` pairs; a timed-out or crashed item is False."""
-        values, _ = self.run_tasks([[pred, gt] for pred, gt in items], default=False)
-        return [bool(v) for v in values]
-
     def run_tasks(self, payloads: Sequence[object], default: object) -> tuple[list, dict[int, str]]:
         """``(results, errors)``: each JSON ``payload`` run by a worker; a task that timed out, crashed
         or raised keeps ``default`` and gets its reason in ``errors`` (keyed by position)."""

@@ -13,9 +13,9 @@ import re
 from functools import lru_cache
 from typing import Any, Optional
 
-from stapo.rewards.compare import cheap_scalar_eq, parse_decimal, parse_number, ROUNDED_DECIMALS, structures
+from stapo.rewards.compare import cheap_scalar_eq, decimal_places, parse_decimal, parse_number, ROUNDED_DECIMALS
 from stapo.rewards.latex import screen, to_python
-from stapo.rewards.structure import Undecided, match
+from stapo.rewards.structure import Undecided, match, parse_structure
 
 _REL_RE = re.compile(r"\\leq|\\geq|\\neq|<=|>=|!=|\\lt|\\gt|<|>")
 _FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "!=": "!="}
@@ -84,7 +84,7 @@ def _rounded(dec_text: str, other: Any) -> bool:
     import sympy
 
     dec = parse_decimal(dec_text)
-    places = len(dec_text.split(".")[-1]) if "." in dec_text else 0
+    places = decimal_places(dec_text)
     if dec is None or places < ROUNDED_DECIMALS or other.free_symbols:
         return False
     value = sympy.N(other, places + 10)
@@ -149,5 +149,4 @@ def symbolic_scalar_eq(a: str, b: str) -> bool:
 
 def symbolic_verdict(pred: str, gt: str) -> bool:
     """Full verdict on two normalized answers, structures matched element-wise."""
-    a, b = structures(pred, gt)
-    return match(a, b, symbolic_scalar_eq)
+    return match(parse_structure(pred), parse_structure(gt), symbolic_scalar_eq)

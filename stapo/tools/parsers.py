@@ -172,3 +172,7 @@ class PythonBlockParser(ToolCallParser):
             if len(calls) > self.max_calls:
                 return self._checked(calls)
             pos = end
+
+    def render_results(self, texts: list[str]) -> str:
+        """Each result inline, in the turn, and the block's closing fence (ToRA)."""
+        return "".join(f"\n{t}\n```\n" for t in texts)

@@ -300,11 +300,8 @@ class Sandbox:
         """What is already in the output pipe (the cell wrote it before its answer)."""
         data = bytearray()
         for _ in range(64):
-            try:
-                chunk = os.read(self._out, 1 << 16)
-            except OSError:  # BlockingIOError: nothing more now
-                break
-            if not chunk:
+            chunk = self._read(self._out)
+            if not chunk:  # None: nothing more now
                 break
             data += chunk
         return bytes(data[:max(0, room)])
