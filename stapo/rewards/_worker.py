@@ -1,14 +1,9 @@
-"""Entry point of one reward worker process: ``python -m stapo.rewards._worker --memory-mb N``.
+"""One reward worker process: ``python -m stapo.rewards._worker --memory-mb N [--function SPEC [--batched]]``.
 
-Protocol (JSON lines): the worker prints ``"ready"`` once sympy is imported, then answers
-each ``[task_id, [pred, gt]]`` line on stdin with ``[task_id, verdict]``. With
-``--function SPEC [--batched]`` it loads that user reward function instead (printing
-``["error", message]`` and exiting if it cannot), answers ``[task_id, payload]`` with
-``[task_id, value]`` or ``[task_id, null, "Error: message"]`` when the call raised, and sends
-the function's own prints to stderr so they cannot corrupt the protocol. It caps its own
-address space (RLIMIT_AS), exits on MemoryError (the parent scores the item -1 and starts a
-replacement), exits when stdin closes, and exits when its parent process disappears (a
-watchdog thread polls the parent pid, so a SIGKILLed trainer leaves no orphans).
+JSON lines: ``"ready"`` once sympy (or the user function) is loaded, then ``[task_id, value]`` for each
+``[task_id, payload]`` (``[task_id, null, "Error: ..."]`` when a user function raised; ``["error", why]``
+when it cannot be loaded). It caps its address space, exits on MemoryError, at stdin's end and when its
+parent disappears (docs/rewards.md, "Hang-proofing").
 """
 
 from __future__ import annotations

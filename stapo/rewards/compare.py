@@ -1,10 +1,5 @@
-"""Cheap, in-process answer comparison: normalized strings, then exact rational numbers.
-
-Numbers compare as exact ``Fraction`` values (``34.0 == 34``, ``0.5 == \\frac{1}{2}``,
-``034 == 34``), never with a relative tolerance: ``123460`` is not ``123456``. The one
-concession to rounding: a decimal written with at least ``ROUNDED_DECIMALS`` fractional
-digits (a float printout such as ``0.0833333333333333``) matches a value within one unit of
-its last digit. Anything these rules cannot settle raises ``Undecided`` and goes to sympy.
+"""Cheap, in-process comparison: normalized strings, then exact ``Fraction`` numbers, never a relative
+tolerance (``123460`` is not ``123456``; docs/rewards.md, step 3). ``Undecided`` sends the rest to sympy.
 """
 
 from __future__ import annotations

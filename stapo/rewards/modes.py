@@ -1,15 +1,5 @@
-"""The reward-mode registry: ``reward.mode`` name -> scorer builder (one registry per concept).
-
-Built in: ``math``, ``dapo``, ``dapo_boxed`` (the math verifier's modes, docs/rewards.md) and
-``function`` (``reward.function``, a user function run in killable workers). The config's
-``reward.mode`` choices, ``stapo eval --reward-mode`` and the trainer's scorer all come from
-here; ``@register_reward_mode("name")`` adds one::
-
-    @register_reward_mode("length")
-    def build_length_scorer(**options):      # options: see build_scorer
-        return CallableScorer(lambda response, answer: -len(response) / 1000)
-
-Register before the config is loaded (``stapo train --import my_rewards.py``).
+"""The reward-mode registry: ``reward.mode`` name -> scorer builder; the config's choices, ``stapo eval
+--reward-mode`` and the trainer's scorer all come from here (docs/grpo_options.md, "Reward functions").
 """
 
 from __future__ import annotations

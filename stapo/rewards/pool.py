@@ -1,17 +1,8 @@
-"""Killable reward workers: a hard per-item wall-clock limit and memory cap (docs/rewards.md, "Hang-proofing").
+"""Killable reward workers: a hard per-item wall-clock limit and a memory cap (docs/rewards.md, "Hang-proofing").
 
-Signals (``SIGALRM``) only work on the main thread and some sympy hangs ignore them, so every
-symbolic comparison runs in a separate worker process that is killed when its item runs past
-``timeout_s`` (the item scores -1) and replaced. Items run concurrently across workers, so
-one pathological answer never stalls the rest of the batch.
-
-Workers are fresh interpreters (``python -m stapo.rewards._worker``), start on the first item that
-needs sympy, persist, and never outlive the trainer; docs/rewards.md, "Hang-proofing", says why neither
-``fork`` nor multiprocessing's spawn, and how a worker notices a dead parent.
-
-The same pool runs user reward functions (``function="pkg.mod:fn"``, see ``user_function.py``):
-then each task is one call of that function, and a timed-out, crashing or raising call is
-reported in ``run_tasks``' error map (the caller scores it ``reward.failure_value``).
+Some sympy hangs ignore signals, and SIGALRM works on the main thread only, so each item runs in a worker
+process that is killed past ``timeout_s`` (the item scores -1) and replaced. The same pool runs user reward
+functions (``user_function.py``): failed calls are reported in ``run_tasks``' error map.
 """
 
 from __future__ import annotations

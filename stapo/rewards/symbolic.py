@@ -1,10 +1,5 @@
-"""Symbolic equivalence with sympy. Runs ONLY inside verifier worker processes (pool.py).
-
-Two scalars are equal when ``simplify(a - b) == 0`` (after cheaper exact checks; constant
-differences are evaluated to 50 digits first). Equations are equal when one side-difference is
-a nonzero constant multiple of the other (``2x+4y-3=0`` vs ``y=-x/2+3/4``); inequalities when
-they normalize to the same relation with a positive multiple. sympy is imported lazily so
-that ``import stapo.rewards`` stays light in the trainer process.
+"""Symbolic equivalence with sympy (docs/rewards.md, step 3.4). Runs ONLY inside the verifier's worker
+processes (``pool.py``); sympy is imported lazily so that ``import stapo.rewards`` stays light.
 """
 
 from __future__ import annotations
