@@ -1,18 +1,8 @@
 """One sandboxed Python interpreter, from the trainer's side (docs/tools.md, "Threat model").
 
-``Sandbox(limits)`` starts ``_sandbox_child.py`` — a fresh interpreter (fork+exec, as the reward
-workers of ``stapo/rewards/pool.py``: never a fork of the trainer) in a clean environment and its
-own process group: a launcher that forks the worker running the code, kills every process the code
-starts, and confines it with whatever the OS gives (namespaces, a uid of its own, Landlock, seccomp;
-``Sandbox.isolation`` says what it got). ``run(code)`` executes one cell. The wall-clock limit is
-enforced here: a cell that has not answered within ``timeout_s`` is killed with everything it
-started, as is a cell that floods its output pipe. The launcher's answers are length-prefixed,
-capped and type-checked here too (``_sandbox_protocol.py``). The interpreter's own limits (CPU time,
-memory, processes, file size) are set inside it.
-
-A ``Sandbox`` lives as long as its owner keeps it: one call (the stateless ``python`` tool) or
-one episode (a stateful session). ``close()`` — or the finalizer at exit — kills it and removes
-its working directory.
+``Sandbox`` starts ``_sandbox_child.py`` (fork+exec, never a fork of the trainer) in a clean environment
+and a process group of its own, enforces the wall clock and the output cap, and trusts nothing the
+launcher answers: frames are length-capped and type-checked (``_sandbox_protocol.py``).
 """
 
 from __future__ import annotations
