@@ -9,6 +9,7 @@ from typing import Optional
 
 from stapo.registry import Registry
 from stapo.rewards.scorers import FunctionScorer, Scorer
+from stapo.rewards.verifier import MODES, MathVerifier
 
 __all__ = ["REWARD_MODES", "available_reward_modes", "build_scorer", "register_reward_mode"]
 
@@ -35,15 +36,13 @@ def build_scorer(mode: str, *, timeout_s: float = 5.0, function: Optional[str] =
 
 def _verifier_mode(name: str) -> ScorerBuilder:
     def build(*, timeout_s: float = 5.0, **_) -> Scorer:
-        from stapo.rewards.verifier import MathVerifier
-
         return MathVerifier(mode=name, timeout_s=timeout_s)
 
     build.__qualname__ = f"MathVerifier(mode={name!r})"
     return build
 
 
-for _name in ("math", "dapo", "dapo_boxed"):
+for _name in MODES:
     register_reward_mode(_name)(_verifier_mode(_name))
 
 

@@ -32,10 +32,6 @@ class _Worker:
     deadline: float = math.inf
     buf: bytes = field(default=b"")
 
-    @property
-    def fd(self) -> int:
-        return self.proc.stdout.fileno()
-
 
 def _kill(worker: _Worker) -> None:
     proc = worker.proc
@@ -204,7 +200,7 @@ class WorkerPool:
     def _read(self, w: _Worker, results: list, errors: dict[int, str], sel) -> int:
         """Consume a worker's output; returns how many items it finished (incl. by dying)."""
         try:
-            chunk = os.read(w.fd, 1 << 16)
+            chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
         except OSError:
             chunk = b""
         if not chunk:  # EOF: the worker died (memory cap, crash); its item is a mismatch

@@ -9,7 +9,7 @@ from functools import lru_cache
 from typing import Any, Optional
 
 from stapo.rewards.compare import cheap_scalar_eq, decimal_places, parse_decimal, parse_number, ROUNDED_DECIMALS
-from stapo.rewards.latex import screen, to_python
+from stapo.rewards.latex import ALLOWED_CALLS, screen, to_python
 from stapo.rewards.structure import Undecided, match, parse_structure
 
 _REL_RE = re.compile(r"\\leq|\\geq|\\neq|<=|>=|!=|\\lt|\\gt|<|>")
@@ -21,9 +21,7 @@ _REL_CANON = {"\\leq": "<=", "\\geq": ">=", "\\neq": "!=", "\\lt": "<", "\\gt": 
 def _namespace() -> dict[str, Any]:
     import sympy
 
-    names = ["Symbol", "Integer", "Float", "Rational", "sqrt", "Abs", "root", "sin", "cos", "tan",
-             "sec", "csc", "cot", "asin", "acos", "atan", "sinh", "cosh", "tanh", "log", "exp",
-             "pi", "oo", "E"]
+    names = ["Symbol", "Integer", "Float", "Rational", "pi", "oo", "E", *sorted(ALLOWED_CALLS)]  # what screen lets by
     ns: dict[str, Any] = {name: getattr(sympy, name) for name in names}
     ns["__builtins__"] = {}  # parse_expr eval()s its own generated code: no builtins in reach
     return ns
