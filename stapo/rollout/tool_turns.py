@@ -29,7 +29,7 @@ class ToolTurnRenderer:
 
     def __init__(self, tokenizer, parser: ToolCallParser, template_kwargs: dict | None = None) -> None:
         self.tokenizer = tokenizer
-        self.inline = getattr(parser, "render_results", None)
+        self.inline = parser.render_results
         self.template_kwargs = dict(template_kwargs or {})
         if self.inline is None:
             self.text(["probe"])  # a template that cannot render tool messages fails here, once

@@ -40,6 +40,9 @@ class ToolCallParser:
 
     stop = ()  # strings that end a turn holding a call (a class attribute, overridden per format)
     control = ()  # the format's tags (class attribute); those that are single tokens are counted (docs/health.md)
+    # an inline format's ``render_results(texts) -> str`` writes the results into the turn itself; None: the
+    # chat template renders them as ``tool`` messages (stapo.rollout.tool_turns)
+    render_results = None
 
     def __post_init__(self):
         self.tools = tuple(self.tools)
