@@ -26,10 +26,7 @@ def parse_decimal(s: str) -> Optional[Fraction]:
     m = _DEC_RE.match(s)
     if not m or not (m.group(2) or m.group(3)) or len(s) > MAX_NUMBER_CHARS:
         return None
-    value = Fraction(int(m.group(2) or "0"))
-    if m.group(3):
-        value += Fraction(int(m.group(3)), 10 ** len(m.group(3)))
-    return -value if m.group(1) == "-" else value
+    return Fraction(s)
 
 
 def parse_number(s: str) -> Optional[Fraction]:
