@@ -172,7 +172,7 @@ class Sandbox:
         finally:
             for fd in (req_r, rep_w, out_w):
                 os.close(fd)
-        self._proc, self._req, self._rep, self._out = proc, req_w, rep_r, out_r
+        self._proc, self._req, self._rep, self._out, self._workdir = proc, req_w, rep_r, out_r, workdir
         self._owner, self._rep_buf = os.getpid(), bytearray()
         self._finalizer = weakref.finalize(self, _finalize, proc, self._owner, self._uid, [req_w, rep_r, out_r],
                                            workdir)
