@@ -38,16 +38,10 @@ def ground_truth_answer(ground_truth: object) -> Optional[str]:
 
 
 class MathVerifier:
-    """Batch math verifier with killable sympy workers; thread-safe; use as a context manager.
-
-    Args:
-        mode: one of ``MODES`` (docs/rewards.md, "Modes").
-        timeout_s: hard wall-clock limit per symbolic item; past it the item scores -1.
-        memory_mb: address-space cap (RLIMIT_AS) of each sympy worker.
-        num_workers: sympy worker processes (started lazily, on the first symbolic item).
-        tail_chars: only the last ``tail_chars`` characters of a response are searched (None:
-            all); the ``dapo`` modes keep DAPO's own 300.
-    """
+    """Batch math verifier: ``mode`` one of ``MODES``; a symbolic item runs in one of ``num_workers`` sympy workers
+    (started on the first such item; ``memory_mb`` each) and scores -1 past ``timeout_s``; only the last
+    ``tail_chars`` characters are searched (None: all; the ``dapo`` modes keep DAPO's 300). Thread-safe; a context
+    manager (docs/rewards.md)."""
 
     def __init__(self, mode: str = "math", timeout_s: float = 5.0, memory_mb: int = 1024,
                  num_workers: Optional[int] = None, tail_chars: Optional[int] = DEFAULT_TAIL_CHARS):
