@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     from stapo.rewards.symbolic import symbolic_verdict
 
     symbolic_verdict("x+1", "1+x")  # import and warm sympy before the first timed item
-    # RecursionError etc.: a mismatch, keep serving
+    # an exception (RecursionError etc.) is a mismatch; the worker keeps serving
     _serve(sys.stdout, args.memory_mb, lambda pair: bool(symbolic_verdict(*pair)), lambda exc: [False])
 
 
@@ -68,7 +68,7 @@ def _serve_function(spec: str, batched: bool, memory_mb: int) -> None:
         out.write(json.dumps(["error", f"{type(exc).__name__}: {exc}"]) + "\n")
         out.flush()
         os._exit(2)
-    # a user error scores failure_value, keep serving
+    # a user error scores failure_value; the worker keeps serving
     _serve(out, memory_mb, lambda payload: call_function(fn, batched, payload),
            lambda exc: [None, f"{type(exc).__name__}: {str(exc)[:500]}"])
 
@@ -89,6 +89,7 @@ def _serve(out, memory_mb: int, call, failed) -> None:
             reply = [task_id, *failed(exc)]
         out.write(json.dumps(reply) + "\n")
         out.flush()
+
 
 if __name__ == "__main__":
     main()
