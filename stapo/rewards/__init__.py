@@ -1,14 +1,6 @@
-"""Rule-based math reward (paper §2.1; docs/rewards.md): +1 for a correct final answer, -1 otherwise.
-
-    from stapo.rewards import math_reward, MathVerifier
-    math_reward("... so the answer is \\boxed{\\frac12}", "0.5")   # 1.0
-
-Modes: ``math`` (default; extraction, normalization, exact numbers, sympy), ``dapo`` (DAPO's
-verifier exactly) and ``dapo_boxed`` (its later revision with a ``\\boxed{}`` fallback), plus
-``function`` (a user reward function in killable workers); the registry is ``modes.py``. Reward
-terms (DAPO's overlong punishment, tool shaping) add penalties to the score: ``terms.py``.
-Light to import (no sympy, no torch): sympy runs only in the verifier's worker processes.
-See docs/rewards.md for the extraction, normalization and equivalence rules.
+"""Rule-based math reward (paper §2.1): +1 for a correct final answer, -1 otherwise; its modes
+(``modes.py``), user reward functions and reward terms (``terms.py``). Light to import: sympy runs only
+in the verifier's worker processes. docs/rewards.md.
 
 May import: ``stapo.registry`` and the standard library (docs/index.md, "Layout").
 """

@@ -1,14 +1,9 @@
-"""Entry point of one reward worker process: ``python -m stapo.rewards._worker --memory-mb N``.
+"""One reward worker process: ``python -m stapo.rewards._worker --memory-mb N [--function SPEC [--batched]]``.
 
-Protocol (JSON lines): the worker prints ``"ready"`` once sympy is imported, then answers
-each ``[task_id, [pred, gt]]`` line on stdin with ``[task_id, verdict]``. With
-``--function SPEC [--batched]`` it loads that user reward function instead (printing
-``["error", message]`` and exiting if it cannot), answers ``[task_id, payload]`` with
-``[task_id, value]`` or ``[task_id, null, "Error: message"]`` when the call raised, and sends
-the function's own prints to stderr so they cannot corrupt the protocol. It caps its own
-address space (RLIMIT_AS), exits on MemoryError (the parent scores the item -1 and starts a
-replacement), exits when stdin closes, and exits when its parent process disappears (a
-watchdog thread polls the parent pid, so a SIGKILLed trainer leaves no orphans).
+JSON lines: ``"ready"`` once sympy (or the user function) is loaded, then ``[task_id, value]`` for each
+``[task_id, payload]`` (``[task_id, null, "Error: ..."]`` when a user function raised; ``["error", why]``
+when it cannot be loaded). It caps its address space, exits on MemoryError, at stdin's end and when its
+parent disappears (docs/rewards.md, "Hang-proofing").
 """
 
 from __future__ import annotations
@@ -56,20 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     from stapo.rewards.symbolic import symbolic_verdict
 
     symbolic_verdict("x+1", "1+x")  # import and warm sympy before the first timed item
-    _limit_memory(args.memory_mb)
-    out = sys.stdout
-    out.write('"ready"\n')
-    out.flush()
-    for line in sys.stdin:
-        task_id, (pred, gt) = json.loads(line)
-        try:
-            verdict = bool(symbolic_verdict(pred, gt))
-        except MemoryError:
-            os._exit(3)
-        except Exception:  # noqa: BLE001 - RecursionError etc.: a mismatch, keep serving
-            verdict = False
-        out.write(json.dumps([task_id, verdict]) + "\n")
-        out.flush()
+    # an exception (RecursionError etc.) is a mismatch; the worker keeps serving
+    _serve(sys.stdout, args.memory_mb, lambda pair: bool(symbolic_verdict(*pair)), lambda exc: [False])
 
 
 def _serve_function(spec: str, batched: bool, memory_mb: int) -> None:
@@ -85,17 +68,25 @@ def _serve_function(spec: str, batched: bool, memory_mb: int) -> None:
         out.write(json.dumps(["error", f"{type(exc).__name__}: {exc}"]) + "\n")
         out.flush()
         os._exit(2)
+    # a user error scores failure_value; the worker keeps serving
+    _serve(out, memory_mb, lambda payload: call_function(fn, batched, payload),
+           lambda exc: [None, f"{type(exc).__name__}: {str(exc)[:500]}"])
+
+
+def _serve(out, memory_mb: int, call, failed) -> None:
+    """Say ready, then answer each ``[task_id, payload]`` line with ``[task_id, call(payload)]``, or
+    ``[task_id, *failed(exc)]`` when the call raised; a MemoryError ends the worker (it is replaced)."""
     _limit_memory(memory_mb)
     out.write('"ready"\n')
     out.flush()
     for line in sys.stdin:
         task_id, payload = json.loads(line)
         try:
-            reply = [task_id, call_function(fn, batched, payload)]
+            reply = [task_id, call(payload)]
         except MemoryError:
             os._exit(3)
-        except BaseException as exc:  # noqa: BLE001 - a user error scores failure_value, keep serving
-            reply = [task_id, None, f"{type(exc).__name__}: {str(exc)[:500]}"]
+        except BaseException as exc:  # noqa: BLE001 - see failed
+            reply = [task_id, *failed(exc)]
         out.write(json.dumps(reply) + "\n")
         out.flush()
 

@@ -1,10 +1,5 @@
-"""Cheap, in-process answer comparison: normalized strings, then exact rational numbers.
-
-Numbers compare as exact ``Fraction`` values (``34.0 == 34``, ``0.5 == \\frac{1}{2}``,
-``034 == 34``), never with a relative tolerance: ``123460`` is not ``123456``. The one
-concession to rounding: a decimal written with at least ``ROUNDED_DECIMALS`` fractional
-digits (a float printout such as ``0.0833333333333333``) matches a value within one unit of
-its last digit. Anything these rules cannot settle raises ``Undecided`` and goes to sympy.
+"""Cheap, in-process comparison: normalized strings, then exact ``Fraction`` numbers, never a relative
+tolerance (``123460`` is not ``123456``; docs/rewards.md, step 3). ``Undecided`` sends the rest to sympy.
 """
 
 from __future__ import annotations
@@ -13,7 +8,7 @@ import re
 from fractions import Fraction
 from typing import Optional
 
-from stapo.rewards.structure import Answer, Undecided, match, parse_structure
+from stapo.rewards.structure import Undecided, match, parse_structure
 
 ROUNDED_DECIMALS = 6
 MAX_NUMBER_CHARS = 400  # longer digit strings are not parsed as numbers (int() limits, DoS)
@@ -31,10 +26,7 @@ def parse_decimal(s: str) -> Optional[Fraction]:
     m = _DEC_RE.match(s)
     if not m or not (m.group(2) or m.group(3)) or len(s) > MAX_NUMBER_CHARS:
         return None
-    value = Fraction(int(m.group(2) or "0"))
-    if m.group(3):
-        value += Fraction(int(m.group(3)), 10 ** len(m.group(3)))
-    return -value if m.group(1) == "-" else value
+    return Fraction(s)
 
 
 def parse_number(s: str) -> Optional[Fraction]:
@@ -97,8 +89,3 @@ def cheap_verdict(pred: str, gt: str) -> Optional[bool]:
         return match(parse_structure(pred), parse_structure(gt), cheap_scalar_eq)
     except Undecided:
         return None
-
-
-def structures(pred: str, gt: str) -> tuple[Answer, Answer]:
-    """Parsed trees of both answers (shared with the sympy worker)."""
-    return parse_structure(pred), parse_structure(gt)

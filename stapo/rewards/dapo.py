@@ -1,16 +1,7 @@
-"""``dapo`` mode: DAPO's rule-based verifier, reproduced exactly (paper §5: "the reward
-function employs the lightweight, rule-based verifier from DAPO without modification").
-
-Behaviour of verl ``math_dapo.py`` at commit 00a10a8 (checked row by row against
-``conformance/dapo_reference_probes.jsonl``): keep the last 300 characters of the response,
-take the last ``Answer: ...`` line (case-insensitive), apply Minerva's normalization to it
-and to the ground truth, and score +1 on exact string equality, else -1. No ``\\boxed{}``
-fallback, no numeric or symbolic comparison: ``0.5`` is not ``\\frac{1}{2}`` here.
-
-``dapo_boxed`` mode is verl's later revision (commit bf48903, checked against the probes'
-second column): the same, plus the last ``\\boxed{}`` when there is no ``Answer:`` line. The
-STAPO paper prompts for ``\\boxed{}`` and uses "the DAPO verifier", which only works with
-that fallback, so ``dapo_boxed`` is the paper-faithful reward for boxed prompts.
+"""``dapo`` mode: DAPO's rule-based verifier, reproduced exactly (paper §5: "the rule-based verifier from
+DAPO without modification"): verl ``math_dapo.py`` at 00a10a8, and ``dapo_boxed`` its revision bf48903
+with the ``\\boxed{}`` fallback the paper's boxed prompt needs (docs/rewards.md, "Modes"; checked against
+``conformance/dapo_reference_probes.jsonl``).
 """
 
 from __future__ import annotations
@@ -73,11 +64,8 @@ def _last_boxed_content(text: str) -> Optional[str]:
 
 
 def dapo_extract(response: str, boxed_fallback: bool = False) -> Optional[str]:
-    """Normalized last ``Answer:`` line within the final 300 characters; None if absent.
-
-    ``boxed_fallback=True`` is verl's later behaviour (commit bf48903): with no ``Answer:``
-    line, the last ``\\boxed{}`` in the window is used instead.
-    """
+    """Normalized last ``Answer:`` line within the final 300 characters, else (``boxed_fallback``, verl
+    bf48903) the last ``\\boxed{}`` there; None if absent."""
     window = response[-TAIL_CHARS:]
     matches = _ANSWER_RE.findall(window)
     if matches:

@@ -1,14 +1,6 @@
-"""Final-answer extraction from a model response (docs/rewards.md).
-
-The STAPO prompt asks the model to "put your final answer within \\boxed{}", so the last
-``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces is the primary marker; else the
-last line opening with ``Answer:``; else a Minerva-style "The final answer is ..." sentence.
-One exception: an ``Answer:`` line AFTER the last box wins, so a box quoted from the question
-(or a draft) never overrides the model's own concluding line. A response that is nothing but
-one math span (``$34$``) is its own answer. Anything else has no answer (and scores -1).
-
-Only the last ``tail_chars`` characters are scanned: answers sit at the end, and scanning
-50 kB of reasoning per response would dominate the reward's cost.
+"""Final-answer extraction: the last ``\\boxed{}``, else an ``Answer:`` line, else "final answer is"
+(docs/rewards.md, "`math` mode, step by step"). Only the last ``tail_chars`` characters are scanned:
+answers sit at the end, and scanning 50 kB of reasoning would dominate the reward's cost.
 """
 
 from __future__ import annotations
@@ -66,13 +58,8 @@ def _box_at(text: str, m: re.Match) -> Optional[tuple[int, int, str]]:
 
 
 def _last_boxed(text: str) -> Optional[tuple[int, str]]:
-    """(start, content) of the final boxed answer; None if absent or if the last box is cut off.
-
-    Boxes separated only by commas, "and", ``\\quad`` or math delimiters form one
-    multi-part answer (``\\boxed{2} and \\boxed{3}`` -> ``2,3``); boxes separated by
-    words are drafts, and only the last one counts. Works backwards from the last box, so a
-    tail full of unclosed boxes costs one scan, not one per box.
-    """
+    """(start, content) of the final boxed answer, boxes joined by commas or "and" read as one (docs/rewards.md);
+    None if absent or cut off. Backwards from the last box: unclosed boxes cost one scan, not one each."""
     commands = list(_BOX_RE.finditer(text))
     last = _box_at(text, commands[-1]) if commands else None
     if last is None:
@@ -143,15 +130,8 @@ def _marked_answer(text: str) -> Optional[str]:
 
 def extract_answer(text: object, tail_chars: Optional[int] = DEFAULT_TAIL_CHARS,
                    lenient: bool = False) -> Optional[str]:
-    """The final answer written in ``text`` (LaTeX, unnormalized), or None if there is none.
-
-    ``lenient=True`` adds Math-Verify's fallbacks for texts without any answer marker: a
-    short formula-only text is its own answer, else the last math span, else the last number.
-    The reward keeps the strict default (a response must state a final answer).
-
-    >>> extract_answer("so x = 4, hence \\boxed{\\frac{1}{2}}.")
-    '\\frac{1}{2}'
-    """
+    """The final answer written in ``text`` (LaTeX, unnormalized), or None. ``lenient=True`` adds
+    Math-Verify's fallbacks (conformance benchmark only: the reward needs a stated final answer)."""
     if not isinstance(text, str) or not text:
         return None
     if tail_chars is not None and tail_chars > 0 and len(text) > tail_chars:

@@ -1,11 +1,7 @@
-"""A small LaTeX -> Python-expression translator and the safety screen in front of sympy.
+"""LaTeX -> Python-expression translator and the safety screen in front of sympy (docs/rewards.md, step 3.4).
 
-``sympy.parsing.latex`` needs antlr4 (or lark) at a pinned version, so stapo translates the
-LaTeX subset that final answers use itself: fractions, radicals, powers, subscripts,
-``\\pi``, ``\\infty``, ``e``, trig/log functions, ``|x|``, implicit multiplication.
-``to_python`` returns a string such as ``((1)/(2))*sqrt(3)`` or None; ``screen`` then checks
-its Python AST against an allow-list and rejects explosive input (power towers, huge
-exponents, deep nesting) before sympy ever sees it. Nothing here evaluates model output.
+Our own, for the subset final answers use: ``sympy.parsing.latex`` needs antlr4 or lark at a pinned
+version. ``screen`` rejects explosive input before sympy sees it; nothing here evaluates model output.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""The reward-mode registry: ``reward.mode`` name -> scorer builder (one registry per concept).
-
-Built in: ``math``, ``dapo``, ``dapo_boxed`` (the math verifier's modes, docs/rewards.md) and
-``function`` (``reward.function``, a user function run in killable workers). The config's
-``reward.mode`` choices, ``stapo eval --reward-mode`` and the trainer's scorer all come from
-here; ``@register_reward_mode("name")`` adds one::
-
-    @register_reward_mode("length")
-    def build_length_scorer(**options):      # options: see build_scorer
-        return CallableScorer(lambda response, answer: -len(response) / 1000)
-
-Register before the config is loaded (``stapo train --import my_rewards.py``).
+"""The reward-mode registry: ``reward.mode`` name -> scorer builder; the config's choices, ``stapo eval
+--reward-mode`` and the trainer's scorer all come from here (docs/grpo_options.md, "Reward functions").
+``@register_reward_mode("name")`` adds one before the config is loaded (``stapo train --import my_rewards.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +10,7 @@ from typing import Optional
 
 from stapo.registry import Registry
 from stapo.rewards.scorers import FunctionScorer, Scorer
+from stapo.rewards.verifier import MODES, MathVerifier
 
 __all__ = ["REWARD_MODES", "available_reward_modes", "build_scorer", "register_reward_mode"]
 
@@ -45,15 +37,13 @@ def build_scorer(mode: str, *, timeout_s: float = 5.0, function: Optional[str] =
 
 def _verifier_mode(name: str) -> ScorerBuilder:
     def build(*, timeout_s: float = 5.0, **_) -> Scorer:
-        from stapo.rewards.verifier import MathVerifier
-
         return MathVerifier(mode=name, timeout_s=timeout_s)
 
     build.__qualname__ = f"MathVerifier(mode={name!r})"
     return build
 
 
-for _name in ("math", "dapo", "dapo_boxed"):
+for _name in MODES:
     register_reward_mode(_name)(_verifier_mode(_name))
 
 

@@ -1,10 +1,6 @@
-"""Answer normalization (Minerva / DAPO style, extended; docs/rewards.md).
-
-``normalize_answer`` maps the many spellings of one answer to one string so that the cheap
-string comparison decides most items: ``\\dfrac12`` -> ``\\frac{1}{2}``, ``34\\text{ cm}`` ->
-``34``, ``x = 5`` -> ``5``, ``1{,}000`` -> ``1000``, ``50\\%`` -> ``50``, ``30^\\circ`` -> ``30``.
-Everything here is a pure string function with linear-time regexes (model output is
-untrusted; no pattern may backtrack catastrophically on 50 kB of junk).
+"""Answer normalization (Minerva / DAPO style, extended; docs/rewards.md, step 2): many spellings of one
+answer map to one string, so the cheap string comparison decides most items. Linear-time regexes only:
+model output is untrusted.
 """
 
 from __future__ import annotations

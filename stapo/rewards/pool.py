@@ -1,17 +1,8 @@
-"""Killable reward workers: a hard per-item wall-clock limit and memory cap (docs/rewards.md, "Hang-proofing").
+"""Killable reward workers: a hard per-item wall-clock limit and a memory cap (docs/rewards.md, "Hang-proofing").
 
-Signals (``SIGALRM``) only work on the main thread and some sympy hangs ignore them, so every
-symbolic comparison runs in a separate worker process that is killed when its item runs past
-``timeout_s`` (the item scores -1) and replaced. Items run concurrently across workers, so
-one pathological answer never stalls the rest of the batch.
-
-Workers are fresh interpreters (``python -m stapo.rewards._worker``), start on the first item that
-needs sympy, persist, and never outlive the trainer; docs/rewards.md, "Hang-proofing", says why neither
-``fork`` nor multiprocessing's spawn, and how a worker notices a dead parent.
-
-The same pool runs user reward functions (``function="pkg.mod:fn"``, see ``user_function.py``):
-then each task is one call of that function, and a timed-out, crashing or raising call is
-reported in ``run_tasks``' error map (the caller scores it ``reward.failure_value``).
+Some sympy hangs ignore signals, and SIGALRM works on the main thread only, so each item runs in a worker
+process that is killed past ``timeout_s`` (the item scores -1) and replaced. The same pool runs user reward
+functions (``user_function.py``): failed calls are reported in ``run_tasks``' error map.
 """
 
 from __future__ import annotations
@@ -40,10 +31,6 @@ class _Worker:
     task: Optional[int] = None  # index in the current batch
     deadline: float = math.inf
     buf: bytes = field(default=b"")
-
-    @property
-    def fd(self) -> int:
-        return self.proc.stdout.fileno()
 
 
 def _kill(worker: _Worker) -> None:
@@ -145,11 +132,6 @@ class WorkerPool:
             self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._owner_pid)
 
     # -- batch execution ---------------------------------------------------------------------
-    def run(self, items: Sequence[tuple[str, str]]) -> list[bool]:
-        """Symbolic verdicts for ``(pred, gt)`` pairs; a timed-out or crashed item is False."""
-        values, _ = self.run_tasks([[pred, gt] for pred, gt in items], default=False)
-        return [bool(v) for v in values]
-
     def run_tasks(self, payloads: Sequence[object], default: object) -> tuple[list, dict[int, str]]:
         """``(results, errors)``: each JSON ``payload`` run by a worker; a task that timed out, crashed
         or raised keeps ``default`` and gets its reason in ``errors`` (keyed by position)."""
@@ -218,7 +200,7 @@ class WorkerPool:
     def _read(self, w: _Worker, results: list, errors: dict[int, str], sel) -> int:
         """Consume a worker's output; returns how many items it finished (incl. by dying)."""
         try:
-            chunk = os.read(w.fd, 1 << 16)
+            chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
         except OSError:
             chunk = b""
         if not chunk:  # EOF: the worker died (memory cap, crash); its item is a mismatch

@@ -1,12 +1,6 @@
-"""Reward scorers: one interface for the math verifier and user reward functions.
-
-A scorer has ``score(responses, ground_truths, row_fields=None) -> list[float]`` (also its
-``__call__``), ``failures`` (items of the last call that scored ``failure_value`` because the
-function raised, hung or crashed; the step metric ``reward_failures``) and ``close()``.
-``MathVerifier`` is one; ``FunctionScorer`` runs ``reward.function`` in the verifier's killable
-worker processes (``pool.py``), so a hung or crashing user function costs at most
-``timeout_s`` and never stalls the step; ``CallableScorer`` wraps an in-process Python callable
-(``STAPOTrainer(reward_fn=...)``), which cannot be time-limited. docs/grpo_options.md.
+"""Reward scorers: one interface (``score``, ``failures``, ``close``) for the math verifier and user reward
+functions. ``FunctionScorer`` runs ``reward.function`` in the verifier's killable workers, so a hung
+function costs at most ``timeout_s``; ``CallableScorer`` runs in-process, unlimited (docs/grpo_options.md).
 """
 
 from __future__ import annotations
@@ -52,12 +46,8 @@ def _report(name: str, failures: dict[int, str], total: int, failure_value: floa
 
 
 class FunctionScorer:
-    """``reward.function`` (``"pkg.mod:fn"`` or ``"file.py:fn"``) in killable worker processes.
-
-    Per item (default) each response is one task with its own ``timeout_s``; ``batched`` sends the
-    whole batch as one call limited to ``timeout_s``. The function is loaded when the scorer is
-    built (workers start then), so a wrong name fails at once with a ValueError.
-    """
+    """``reward.function`` in killable workers: ``timeout_s`` per item, or per call when ``batched``. Loaded
+    when built, so a wrong name fails at once with a ValueError."""
 
     def __init__(self, spec: str, *, batched: bool = False, timeout_s: float = 5.0, failure_value: float = -1.0,
                  num_workers: Optional[int] = None, memory_mb: int = 0, startup_timeout_s: float = 120.0):

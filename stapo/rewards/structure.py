@@ -1,14 +1,6 @@
-"""Composite answers: tuples, intervals, sets, multiple answers and matrices (docs/rewards.md).
-
-``parse_structure`` turns a normalized answer into a small tree; ``match`` compares two trees
-element-wise with a caller-supplied scalar comparison, so the cheap in-process check and the
-sympy check in the worker share one definition of "same tuple / same set / same interval".
-
-Rules: a bare top-level list (``1,2``, ``21,16 or 11``) and ``\\{..\\}`` are sets;
-``(a,b)``, ``[a,b)`` and friends are ordered and their brackets must agree (an open interval
-is not a closed one); ``a\\pm b`` is the set ``{a+b, a-b}``; ``A\\cup B`` is the set of its
-parts; ``a<x\\leq b`` is the interval ``(a,b]``; matrices compare entry-wise. ``1,2`` is a
-list of two numbers and never the number 12.
+"""Composite answers (tuples, intervals, sets, multiple answers, matrices; docs/rewards.md, step 3.3):
+``parse_structure`` builds a tree that ``match`` compares with a caller's scalar comparison, so the cheap
+check and the sympy worker share one definition of "same tuple / set / interval".
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Symbolic equivalence with sympy. Runs ONLY inside verifier worker processes (pool.py).
-
-Two scalars are equal when ``simplify(a - b) == 0`` (after cheaper exact checks; constant
-differences are evaluated to 50 digits first). Equations are equal when one side-difference is
-a nonzero constant multiple of the other (``2x+4y-3=0`` vs ``y=-x/2+3/4``); inequalities when
-they normalize to the same relation with a positive multiple. sympy is imported lazily so
-that ``import stapo.rewards`` stays light in the trainer process.
+"""Symbolic equivalence with sympy (docs/rewards.md, step 3.4). Runs ONLY inside the verifier's worker
+processes (``pool.py``); sympy is imported lazily so that ``import stapo.rewards`` stays light.
 """
 
 from __future__ import annotations
@@ -13,9 +8,9 @@ import re
 from functools import lru_cache
 from typing import Any, Optional
 
-from stapo.rewards.compare import cheap_scalar_eq, parse_decimal, parse_number, ROUNDED_DECIMALS, structures
-from stapo.rewards.latex import screen, to_python
-from stapo.rewards.structure import Undecided, match
+from stapo.rewards.compare import cheap_scalar_eq, decimal_places, parse_decimal, parse_number, ROUNDED_DECIMALS
+from stapo.rewards.latex import ALLOWED_CALLS, screen, to_python
+from stapo.rewards.structure import Undecided, match, parse_structure
 
 _REL_RE = re.compile(r"\\leq|\\geq|\\neq|<=|>=|!=|\\lt|\\gt|<|>")
 _FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "!=": "!="}
@@ -26,9 +21,7 @@ _REL_CANON = {"\\leq": "<=", "\\geq": ">=", "\\neq": "!=", "\\lt": "<", "\\gt": 
 def _namespace() -> dict[str, Any]:
     import sympy
 
-    names = ["Symbol", "Integer", "Float", "Rational", "sqrt", "Abs", "root", "sin", "cos", "tan",
-             "sec", "csc", "cot", "asin", "acos", "atan", "sinh", "cosh", "tanh", "log", "exp",
-             "pi", "oo", "E"]
+    names = ["Symbol", "Integer", "Float", "Rational", "pi", "oo", "E", *sorted(ALLOWED_CALLS)]  # what screen lets by
     ns: dict[str, Any] = {name: getattr(sympy, name) for name in names}
     ns["__builtins__"] = {}  # parse_expr eval()s its own generated code: no builtins in reach
     return ns
@@ -84,7 +77,7 @@ def _rounded(dec_text: str, other: Any) -> bool:
     import sympy
 
     dec = parse_decimal(dec_text)
-    places = len(dec_text.split(".")[-1]) if "." in dec_text else 0
+    places = decimal_places(dec_text)
     if dec is None or places < ROUNDED_DECIMALS or other.free_symbols:
         return False
     value = sympy.N(other, places + 10)
@@ -149,5 +142,4 @@ def symbolic_scalar_eq(a: str, b: str) -> bool:
 
 def symbolic_verdict(pred: str, gt: str) -> bool:
     """Full verdict on two normalized answers, structures matched element-wise."""
-    a, b = structures(pred, gt)
-    return match(a, b, symbolic_scalar_eq)
+    return match(parse_structure(pred), parse_structure(gt), symbolic_scalar_eq)

@@ -1,20 +1,7 @@
-"""Reward terms: penalties added to the scorer's score, ``rewards = scores + sum of terms`` (docs/grpo_options.md,
-docs/tir.md). Advantages are built from the rewards, accuracy from the scores.
-
-A term is a small dataclass (its fields are its parameters, ``reward.*`` in the config) whose call is a
-pure function of a rollout (``stapo.rollout.Rollout``; read through its attributes, as this package sits
-below ``stapo.rollout``) giving a ``(B,)`` fp32 penalty ``<= 0``; ``metric`` names its per-rank sum in the
-step metrics. ``@register_reward_term("name")`` adds one; :func:`reward_penalty` composes them. Built in:
-
-* ``overlong`` — DAPO's soft overlong punishment (DAPO paper, Eq. 13). With ``L_max =
-  rollout.max_response_length``, ``L_cache = reward.overlong_buffer`` and ``c = reward.overlong_penalty``,
-  ``R_length(y) = clamp(((L_max - L_cache) - |y|) / L_cache, -1, 0) * c``: a linear ramp from 0 to ``-c``
-  over the last ``L_cache`` tokens; ``L_cache = 0`` turns it off. An episode's length is its policy and
-  context tokens, what ``max_response_length`` bounds (docs/tir.md).
-* ``tool`` — the shaping of tool-integrated episodes: ``reward.tool_error_penalty`` per tool error and
-  ``reward.tool_call_penalty`` per call beyond ``reward.tool_call_budget``; 0 for single-turn rows.
-
-Tensor methods only, so importing ``stapo.rewards`` stays torch-free.
+"""Reward terms: penalties added to the scorer's score, ``rewards = scores + sum of terms``; advantages come
+from the rewards, accuracy from the scores (docs/grpo_options.md, "Reward terms"; docs/tir.md). A term is a
+pure function of a rollout (read through its attributes: this package sits below ``stapo.rollout``) giving
+a ``(B,)`` fp32 penalty ``<= 0``. Tensor methods only, so importing ``stapo.rewards`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -44,7 +31,8 @@ build_reward_term = REWARD_TERMS.build  # an instance; an unknown parameter is a
 
 
 def overlong_penalty(lengths, max_length: int, buffer: int, penalty: float = 1.0):
-    """``(B,)`` fp32 length penalty (<= 0) for response ``lengths`` ``(B,)`` (a torch tensor); see the module doc."""
+    """``(B,)`` fp32 penalty (<= 0) for ``lengths`` ``(B,)``: a linear ramp from 0 to ``-penalty`` over the
+    last ``buffer`` tokens before ``max_length`` (DAPO Eq. 13; docs/grpo_options.md, "Overlong shaping")."""
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     if not 0 <= buffer <= max_length:

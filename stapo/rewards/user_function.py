@@ -1,16 +1,7 @@
-"""User reward functions named in the config: ``reward.function: "pkg.module:callable"`` or
-``"path/to/file.py:callable"`` (docs/grpo_options.md).
-
-Two call forms, chosen by ``reward.function_batched`` (explicit: signatures do not tell them apart
-reliably, e.g. ``def f(responses, answers)`` fits both):
-
-* per item (default): ``fn(response: str, ground_truth: str, **fields) -> float``;
-* batched: ``fn(responses: list[str], ground_truths: list[str], **columns) -> list[float]``, one
-  list per extra dataset column (TRL's convention), ``None`` where a row lacks the column.
-
-Extra dataset columns (``PromptExample.fields``) reach the function as keyword arguments: all of
-them when it takes ``**kwargs``, otherwise those whose names it declares. This module is loaded
-inside the reward worker processes (``_worker.py``); the parent only parses the spec.
+"""User reward functions: ``reward.function: "pkg.module:callable"`` or ``"path/to/file.py:callable"``, per
+item or batched (``reward.function_batched``: explicit, as a signature cannot tell the forms apart); extra
+dataset columns arrive as keywords (docs/grpo_options.md). Loaded inside the reward workers; the parent
+only parses the spec.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The math reward: +1 for a correct final answer, -1 otherwise (STAPO paper §2; docs/rewards.md).
 
-``MathVerifier.score`` is the batch API the trainer calls once per step. Per item, cheapest
-first: extract the final answer, normalize both sides, compare strings and exact numbers
-in-process; only what remains undecided (expressions, radicals, equations) is sent to the
-sympy workers, all such items of the batch concurrently. ``mode="dapo"`` instead reproduces
-DAPO's verifier exactly, ``mode="dapo_boxed"`` its later revision with a ``\\boxed{}``
-fallback (see ``dapo.py``).
-
-    from stapo.rewards import MathVerifier
-    with MathVerifier() as verifier:
-        rewards = verifier.score(responses, answers)  # list[float] of +1.0 / -1.0
+Cheapest first: extraction, normalization and exact numbers in-process; only undecided items go to the
+sympy workers, a batch's concurrently. ``dapo`` / ``dapo_boxed`` are DAPO's verifier (``dapo.py``).
 """
 
 from __future__ import annotations
@@ -46,17 +38,10 @@ def ground_truth_answer(ground_truth: object) -> Optional[str]:
 
 
 class MathVerifier:
-    """Batch math verifier with killable sympy workers; thread-safe; use as a context manager.
-
-    Args:
-        mode: ``"math"`` (extraction + normalization + exact numbers + sympy), ``"dapo"``
-            (DAPO's verifier, verl 00a10a8) or ``"dapo_boxed"`` (the same + boxed fallback).
-        timeout_s: hard wall-clock limit per symbolic item; past it the item scores -1.
-        memory_mb: address-space cap (RLIMIT_AS) of each sympy worker.
-        num_workers: sympy worker processes (started lazily, on the first symbolic item).
-        tail_chars: only the last ``tail_chars`` characters of a response are searched (None:
-            all); the ``dapo`` modes keep DAPO's own 300.
-    """
+    """Batch math verifier: ``mode`` one of ``MODES``; a symbolic item runs in one of ``num_workers`` sympy workers
+    (started on the first such item; ``memory_mb`` each) and scores -1 past ``timeout_s``; only the last
+    ``tail_chars`` characters are searched (None: all; the ``dapo`` modes keep DAPO's 300). Thread-safe; a context
+    manager (docs/rewards.md)."""
 
     def __init__(self, mode: str = "math", timeout_s: float = 5.0, memory_mb: int = 1024,
                  num_workers: Optional[int] = None, tail_chars: Optional[int] = DEFAULT_TAIL_CHARS):

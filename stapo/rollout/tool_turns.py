@@ -3,14 +3,14 @@ to see them (docs/tir.md, "How an episode runs", step 4).
 
 A chat template (``qwen3``) renders them as ``tool`` messages, cut after a marker given as the assistant's
 content, so the template's own rules decide the text, not a copy of them here. An inline format
-(``python_block``, ToRA, or a parser with ``render_results(texts) -> str``) writes them into the same turn.
+(a parser with ``render_results(texts) -> str``: ``python_block``, ToRA) writes them into the same turn.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stapo.tools import PythonBlockParser, ToolCallParser
+from stapo.tools import ToolCallParser
 
 __all__ = ["ToolTurnRenderer"]
 
@@ -22,16 +22,14 @@ class ToolTurnRenderer:
 
     Args:
         tokenizer: the policy's tokenizer (its chat template renders ``tool`` messages).
-        parser: the call format; `PythonBlockParser` results are inline.
+        parser: the call format; one with ``render_results`` writes results inline.
         template_kwargs: extra arguments of the chat template, the same as the prompts' (e.g.
             ``enable_thinking``), so the next assistant turn opens as the first one did.
     """
 
     def __init__(self, tokenizer, parser: ToolCallParser, template_kwargs: dict | None = None) -> None:
         self.tokenizer = tokenizer
-        self.inline = getattr(parser, "render_results", None)
-        if self.inline is None and isinstance(parser, PythonBlockParser):
-            self.inline = lambda texts: "".join(f"\n{t}\n```\n" for t in texts)
+        self.inline = parser.render_results
         self.template_kwargs = dict(template_kwargs or {})
         if self.inline is None:
             self.text(["probe"])  # a template that cannot render tool messages fails here, once

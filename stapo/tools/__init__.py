@@ -1,13 +1,6 @@
-"""Tools the policy calls during an episode, the sandbox they run in, and the parsers that find the
-calls in its text (docs/tools.md).
-
-The contract the episode loop uses (a call never raises, output is capped, calls of one session run in
-order) is docs/tools.md, "The contract": ``build_tool_parser`` finds a turn's ``ToolCall``s,
-``run_tool_calls`` runs them and returns ``ToolResult``s; add a tool with ``@register_tool("name")``, a
-parser with ``@register_tool_parser("name")``.
-
-Built in: ``python`` (code in a fresh, limited, isolated process; ``sandbox.py``; or a remote
-SandboxFusion service), ``calculator`` (exact arithmetic, no code execution).
+"""Tools the policy calls during an episode, the sandbox they run in, and the parsers that find the calls
+in its text. The contract the episode loop relies on (a call never raises, output is capped, one
+session's calls run in order) is docs/tools.md, "The contract".
 
 May import: ``stapo.registry`` and the standard library (docs/index.md, "Layout").
 """

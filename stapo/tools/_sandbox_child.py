@@ -1,20 +1,8 @@
-"""The python tool's sandbox: ``python -I -u _sandbox_child.py CONFIG_JSON``, started by ``sandbox.py``
-in a clean environment and its own process group (``-I``: no PYTHONPATH, no user site, no script
-directory on the path; standard library only). This process, the launcher, forks the worker
-(``_sandbox_worker.py``, which runs the code) and stands between it and the trainer
-(docs/tools.md, "Threat model"):
-
-* it is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every process a cell starts — double-
-  forked, ``setsid`` or not — stays its descendant: after each cell all of them but the worker are
-  killed, and all of them when the call or the episode ends (a walk of /proc, repeated until none is
-  left). Where the OS allows, it also enters new PID and network namespaces (the worker is PID 1).
-* the trainer's pipes are its alone (the worker closes them before it runs anything): it passes each
-  request on with a number, reads the worker's answer — length capped, fields type-checked, the
-  right number — stops the worker (SIGSTOP: no thread of a stateful session runs between its cells),
-  kills the rest, and only then answers the trainer. An answer that breaks those rules, or the
-  worker's death, ends the sandbox with ``{"ended": why}``.
-* on SIGTERM (``Sandbox.close``), or when the trainer disappears, it kills everything it started,
-  reaps it and exits (orphaned, it also removes the working directory).
+"""The sandbox's launcher: ``python -I -u _sandbox_child.py CONFIG_JSON`` (standard library only), started
+by ``sandbox.py``. It forks the worker (``_sandbox_worker.py``, which runs the code) and stands between it
+and the trainer (docs/tools.md, "Threat model", layer 1): a child subreaper, so every process a cell
+starts stays its descendant and is killed after the cell; the only holder of the trainer's pipes, which
+passes on numbered requests and checks each answer (the worker stopped) before it answers the trainer.
 """
 
 import json

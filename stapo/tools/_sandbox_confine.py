@@ -1,18 +1,7 @@
-"""The layers of the python tool's sandbox that need no privilege, so that a container without
-CAP_SYS_ADMIN still gets them (run in the worker; docs/tools.md, "Threat model"):
-
-* **Landlock** (Linux >= 5.13; what it covers grows with the ABI version the kernel reports): the
-  file system is the working directory (every access) plus read and execute of the interpreter, its
-  import path and the system's libraries (/usr, /lib*, /bin, /sbin, ld.so.cache, localtime, the
-  CPU list), /proc/self (all of /proc with a PID namespace of its own) and the five devices; TCP
-  bind and connect are denied (ABI >= 4); abstract UNIX sockets and signals cannot leave the sandbox
-  (ABI >= 6). Written against the kernel's UAPI (include/uapi/linux/landlock.h) with ctypes: the
-  Python binding on PyPI (``landlock``) handles file-system rules only.
-* **seccomp**, through ``pyseccomp`` (libseccomp's API over the system's libseccomp.so.2): new
-  sockets of any family (network and UNIX alike; ``socketpair`` stays), new namespaces (unshare,
-  setns, clone with a namespace flag; clone3, whose flags a filter cannot read, answers ENOSYS so
-  that libc falls back to clone), ptrace and process_vm_*, keyrings, bpf, perf, userfaultfd,
-  io_uring, mounts, modules, kexec, reboot and the like answer EPERM.
+"""The sandbox layers that need no privilege, so a container without CAP_SYS_ADMIN still gets them
+(docs/tools.md, "Threat model", layers 2 and 3): Landlock, written against the kernel's UAPI
+(include/uapi/linux/landlock.h) with ctypes, as PyPI's ``landlock`` binding covers file-system rules only;
+and seccomp through ``pyseccomp``.
 """
 
 import ctypes

@@ -1,14 +1,5 @@
 """Namespaces, mounts and privileges of the python tool's sandbox (run inside ``_sandbox_child.py``;
-standard library only).
-
-``unshare`` puts the launcher in new PID and network namespaces (through a user namespace when it
-is not root); the worker then makes every mount of a mount namespace of its own read-only
-(``read_only_mounts``), opens its interpreter's directories (``reach_interpreter``: the import path
-goes through those descriptors, so a closed home above a venv needs no bind mount and the directories
-stay read-only) and hides what it does not need (``hide_and_mount``: empty read-only tmpfs over
-/root, /home, /tmp, /run and closed directories, a /dev of five devices, a fresh /proc, an empty
-tmpfs working directory). ``drop_privileges`` leaves a uid of its own (or root of its user
-namespace) without capabilities. docs/tools.md, "Threat model", says what each one stops.
+standard library only): layer 4 of docs/tools.md, "Threat model", and the uid given up.
 """
 
 import ctypes

@@ -1,11 +1,7 @@
-"""The messages between the trainer, the sandbox's launcher and its worker (standard library only:
-imported by ``sandbox.py`` and, as a sibling file, by ``_sandbox_child.py``).
-
-Every message is a JSON object behind a 4-byte big-endian length. A reader that does not trust the
-writer (the launcher reading the worker, which runs the policy's code in its own process) caps the
-length before reading the body and checks every field's type: a cell that writes megabytes, a
-forged answer or ``{"cut": NaN}`` ends its sandbox with a reason, never an exception or an
-unbounded buffer in the trainer (docs/tools.md, "Threat model").
+"""The messages between the trainer, the sandbox's launcher and its worker: JSON objects behind a 4-byte
+big-endian length (standard library only: also imported as a sibling file by ``_sandbox_child.py``).
+A reader that does not trust its writer caps the length before reading and type-checks every field, so a
+forged answer ends its sandbox with a reason, never an exception (docs/tools.md, "Threat model").
 """
 
 import json

@@ -1,16 +1,8 @@
-"""The worker of the python tool's sandbox: the process that runs the policy's code cells (forked by
-``_sandbox_child.py``; standard library only, plus pyseccomp where installed).
-
-It sets itself up in this order (each step needs the one before): a session of its own; where the
-launcher got a PID namespace, a mount namespace with every mount read-only; descriptors of the
-interpreter's directories, through which its import path goes; homes, /tmp and /run hidden, a
-minimal /dev, a fresh /proc, an empty tmpfs working directory (``_sandbox_isolation.py``); root
-given up (a uid of its own, or root of a user namespace, without capabilities); resource limits;
-Landlock and seccomp (``_sandbox_confine.py``). Then it answers ``{"ready": true, "isolation":
-{...}}`` and runs cells: each request ``{"k", "code", "max_output_chars"}`` is answered by ``{"k",
-"error", "cut", "tail"}`` once the cell has finished: its output's first m characters went to fd 1 /
-2 (one pipe the trainer reads), n more were dropped, and the last m of those are ``tail``. The cell
-runs in this very process and could write anything on the answer pipe: the launcher checks it.
+"""The sandbox's worker: runs the policy's code cells (forked by ``_sandbox_child.py``; standard library
+only, plus pyseccomp where installed). Its set-up order matters, each step needing the one before:
+session, read-only mounts, the interpreter's descriptors, hidden directories (``_sandbox_isolation.py``),
+root given up, resource limits, Landlock and seccomp (``_sandbox_confine.py``). The cell runs in this
+very process and could write anything on the answer pipe: the launcher checks it.
 """
 
 import ast

@@ -1,18 +1,7 @@
-"""The tool contract: what a call and its result are, the ``Tool`` base class and the tool registry.
-
-A tool is a small dataclass whose fields are its parameters and limits (like a token mask; the
-registry is :class:`stapo.registry.Registry`). It implements ONE method, ``run(arguments, session) -> str``, and raises
-``ToolError(text)`` when the call failed in a way the policy should read (a traceback, a division
-by zero). The base class turns that into a ``ToolResult``: it checks the arguments against the
-tool's JSON schema first, times the call, turns any other exception into an error result (a tool
-never raises for bad input: hostile or malformed calls are the policy's mistakes, not the
-trainer's), and caps the text at ``max_output_chars`` (its start and end are kept) — output that
-had to be cut is an error (docs/tools.md, "Limits").
-
-A stateful tool (the ``python`` tool with ``stateful=True``) returns a session from
-``open_session()``: the episode loop opens one per episode, passes it to every call of that
-episode and closes it at the end, so variables persist across the episode's calls and no two
-episodes share state.
+"""The tool contract: ``ToolCall``, ``ToolResult``, the ``Tool`` base class and the tool registry
+(docs/tools.md, "The contract"). A tool implements ``run(arguments, session) -> str``; the base class
+checks the arguments, turns every failure into an error result (hostile or malformed calls are the
+policy's mistakes, not the trainer's) and caps the output.
 """
 
 from __future__ import annotations

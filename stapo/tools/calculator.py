@@ -1,11 +1,6 @@
-"""``calculator``: exact arithmetic on one expression, with no code execution.
-
-The expression is parsed with Python's ``ast`` and only numbers, parentheses, unary ``+ -`` and
-``+ - * / // % **`` are evaluated, by walking the tree over ``int`` and ``Fraction`` — never
-``eval``. Decimal literals are exact (``0.1`` is 1/10). Work is bounded before it is done: every
-value's numerator and denominator may have at most ``max_digits`` digits, and a power is refused
-from the size of its operands before it is computed (``9**9**9`` costs nothing), and the expression's length
-is capped. The result is an integer or a reduced fraction ``p/q``.
+"""``calculator``: exact arithmetic on one expression, without code execution (docs/tools.md): an ``ast``
+walk over ``int`` and ``Fraction``, never ``eval``, with work bounded before it is done (``9**9**9``
+costs nothing).
 """
 
 from __future__ import annotations

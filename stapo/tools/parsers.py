@@ -1,21 +1,6 @@
-"""Tool-call parsers: the calls in one policy turn, or the error to return to the policy.
-
-One parser per format, registered by name (``build_tool_parser("qwen3")``):
-
-* ``qwen3`` — Qwen3's format, as its chat template renders an assistant's ``tool_calls``:
-  ``<tool_call>\\n{"name": "python", "arguments": {"code": "..."}}\\n</tool_call>``, several
-  separated by a newline; the results go back as ``tool`` messages, which the template renders
-  as ``<tool_response>\\n...\\n</tool_response>`` inside one user turn. ``arguments`` may also be
-  a JSON string holding the object (the template writes a string as is).
-* ``python_block`` — a fenced `````python`` block is a call of the ``python`` tool (ToRA /
-  Qwen2.5-Math TIR style): the policy writes the block and then `````output``, where the turn
-  stops; the episode loop appends the result and the closing fence.
-
-``parse`` expects the turn's text including the stop string that ended it (vLLM:
-``include_stop_str_in_output``). It never raises: an unclosed or nested tag, bad JSON, JSON nested
-deeper than Python's recursion limit, a non-object ``arguments``, an unknown tool or too many
-calls make ``ParsedTurn.error`` the message the policy reads as its tool result. A turn with no
-call is a final answer.
+"""Tool-call parsers, one per format, registered by name: ``qwen3`` (its chat template's ``<tool_call>``
+blocks) and ``python_block`` (ToRA's fenced ```python blocks); docs/tools.md, "Tool-call parsers".
+``parse`` never raises: a malformed turn is a ``ParsedTurn.error`` the policy reads as its tool result.
 """
 
 from __future__ import annotations
@@ -55,6 +40,9 @@ class ToolCallParser:
 
     stop = ()  # strings that end a turn holding a call (a class attribute, overridden per format)
     control = ()  # the format's tags (class attribute); those that are single tokens are counted (docs/health.md)
+    # an inline format's ``render_results(texts) -> str`` writes the results into the turn itself; None: the
+    # chat template renders them as ``tool`` messages (stapo.rollout.tool_turns)
+    render_results = None
 
     def __post_init__(self):
         self.tools = tuple(self.tools)
@@ -172,3 +160,7 @@ class PythonBlockParser(ToolCallParser):
             if len(calls) > self.max_calls:
                 return self._checked(calls)
             pos = end
+
+    def render_results(self, texts: list[str]) -> str:
+        """Each result inline, in the turn, and the block's closing fence (ToRA)."""
+        return "".join(f"\n{t}\n```\n" for t in texts)

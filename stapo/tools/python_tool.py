@@ -1,14 +1,7 @@
-"""``python``: run the policy's code in a sandbox and return what it printed (docs/tools.md).
-
-Locally (``backend="local"``, the default) each call is a fresh interpreter process with CPU
-time, memory, process-count, file-size and output limits, an empty temporary working directory,
-a clean environment and every isolation layer the OS allows (``sandbox.py``; docs/tools.md,
-"Threat model"): what it got is logged once and told to the policy in the tool's description
-(network or not); ``isolation="required"`` refuses to start without seccomp and file-system and
-process isolation (namespaces or Landlock). With ``stateful=True`` one interpreter serves all the
-calls of an episode (its session), so variables persist, and a call that kills it (a timeout, a
-limit) starts the next one afresh. ``backend="sandbox_fusion"`` sends each call to a SandboxFusion
-service at ``url`` instead (``sandbox_fusion.py``; stateless).
+"""``python``: run the policy's code in a sandbox and return what it printed (docs/tools.md, "``python``").
+Locally, a fresh limited and isolated interpreter per call (``sandbox.py``), or one per episode with
+``stateful=True``; or a SandboxFusion service (``sandbox_fusion.py``). What isolation a sandbox got is
+logged once and told to the policy in the tool's description; ``isolation="required"`` refuses less.
 """
 
 from __future__ import annotations
@@ -38,11 +31,8 @@ _WHY = ("landlock_error", "seccomp_error", "mount_error", "uid_error", "error")
 
 
 def isolation_holds(isolation: dict) -> dict:
-    """What a started sandbox's ``isolation`` keeps the code from, whichever layer does it: the
-    network (a network namespace, or seccomp's denial of every new socket), the file system (a
-    read-only mount namespace, or Landlock), other processes (a PID namespace, or Landlock from ABI
-    6 on, which scopes signals and abstract sockets; ptrace and /proc are denied either way) and
-    unbounded processes (RLIMIT_NPROC, which binds any uid but a root one)."""
+    """What a started sandbox's ``isolation`` keeps the code from, whichever layer does it (docs/tools.md,
+    "What holds in each mode")."""
     landlock = isolation.get("landlock", 0)
     return {"network": bool(isolation.get("network") or isolation.get("seccomp")),
             "file system": bool(isolation.get("read_only") or landlock >= 1),

@@ -1,15 +1,7 @@
-"""Run a batch of tool calls concurrently, bounded, results in the order of the calls.
-
-The episode loop collects the calls of every live episode in a turn and runs them here: up to
-``max_workers`` at once (each ``python`` call is a process of its own), so one slow call does not
-hold up the others. Calls that share a session (one episode's python calls in one turn) run one
-after the other in their order, since each may use what the previous one left behind.
-
-A call that has not returned ``deadline_s`` after it started is reported as a timeout and the
-batch moves on. A tool that runs untrusted work in a process (``python``) kills that work itself
-within its limit; a pure-Python tool cannot be stopped from outside, so its thread is left behind
-(a daemon thread: it never blocks the interpreter's exit) — such tools must bound their own work,
-as ``calculator`` does.
+"""Run a batch of tool calls concurrently, bounded, results in the calls' order (docs/tools.md, "The
+contract"): one slow call does not hold up the others, and one session's calls run one after another.
+A call past ``deadline_s`` is reported as a timeout; a pure-Python tool's thread cannot be stopped from
+outside and is left behind (a daemon), so such tools must bound their own work, as ``calculator`` does.
 """
 
 from __future__ import annotations

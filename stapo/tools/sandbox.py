@@ -1,18 +1,8 @@
 """One sandboxed Python interpreter, from the trainer's side (docs/tools.md, "Threat model").
 
-``Sandbox(limits)`` starts ``_sandbox_child.py`` — a fresh interpreter (fork+exec, as the reward
-workers of ``stapo/rewards/pool.py``: never a fork of the trainer) in a clean environment and its
-own process group: a launcher that forks the worker running the code, kills every process the code
-starts, and confines it with whatever the OS gives (namespaces, a uid of its own, Landlock, seccomp;
-``Sandbox.isolation`` says what it got). ``run(code)`` executes one cell. The wall-clock limit is
-enforced here: a cell that has not answered within ``timeout_s`` is killed with everything it
-started, as is a cell that floods its output pipe. The launcher's answers are length-prefixed,
-capped and type-checked here too (``_sandbox_protocol.py``). The interpreter's own limits (CPU time,
-memory, processes, file size) are set inside it.
-
-A ``Sandbox`` lives as long as its owner keeps it: one call (the stateless ``python`` tool) or
-one episode (a stateful session). ``close()`` — or the finalizer at exit — kills it and removes
-its working directory.
+``Sandbox`` starts ``_sandbox_child.py`` (fork+exec, never a fork of the trainer) in a clean environment
+and a process group of its own, enforces the wall clock and the output cap, and trusts nothing the
+launcher answers: frames are length-capped and type-checked (``_sandbox_protocol.py``).
 """
 
 from __future__ import annotations
@@ -300,11 +290,8 @@ class Sandbox:
         """What is already in the output pipe (the cell wrote it before its answer)."""
         data = bytearray()
         for _ in range(64):
-            try:
-                chunk = os.read(self._out, 1 << 16)
-            except OSError:  # BlockingIOError: nothing more now
-                break
-            if not chunk:
+            chunk = self._read(self._out)
+            if not chunk:  # None: nothing more now
                 break
             data += chunk
         return bytes(data[:max(0, room)])

@@ -1,13 +1,6 @@
-"""The ``python`` tool's remote backend: SandboxFusion's HTTP API (``backend="sandbox_fusion"``).
-
-SandboxFusion (github.com/bytedance/SandboxFusion; verl's ``sandbox_fusion`` tools use it) runs
-code in isolated containers behind one endpoint, ``POST {url}/run_code`` with
-``{"code", "language", "run_timeout", "memory_limit_MB"}``, answering ``{"status": "Success" |
-"Failed" | "SandboxError", "message", "run_result": {"status": "Finished" | "TimeLimitExceeded" |
-"Error", "stdout", "stderr", "return_code", "execution_time"}}``. It is an option, not a
-dependency: the request is the standard library's ``urllib`` (a direct connection, no proxy).
-Each call is one independent run: the service keeps no state between calls, so this backend
-has no stateful sessions.
+"""The ``python`` tool's remote backend: SandboxFusion's ``POST {url}/run_code`` (docs/tools.md, "The
+SandboxFusion backend"). The standard library's ``urllib`` (a direct connection, no proxy): an option,
+not a dependency; the service keeps no state, so this backend has no sessions.
 """
 
 from __future__ import annotations
