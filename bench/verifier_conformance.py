@@ -19,7 +19,7 @@ from pathlib import Path
 
 from stapo.rewards import MathVerifier, extract_answer
 
-DEFAULT_CASES = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "math_verify_cases.jsonl"
+DEFAULT_CASES = Path(__file__).resolve().parents[1] / "tests" / "rewards" / "conformance" / "math_verify_cases.jsonl"
 
 
 def load_cases(path: Path) -> list[dict]:

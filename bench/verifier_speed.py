@@ -27,7 +27,7 @@ from pathlib import Path
 
 from stapo.rewards import MathVerifier, extract_answer
 
-CASES = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "math_verify_cases.jsonl"
+CASES = Path(__file__).resolve().parents[1] / "tests" / "rewards" / "conformance" / "math_verify_cases.jsonl"
 FILLER = [
     "Let $x$ be the number of apples, so $3x + 5 = {a}$. ",
     "We compute $\\frac{{{a}}}{{{b}}}$ and simplify step by step. ",

@@ -8,14 +8,10 @@ import pytest
 from stapo.rewards import MathVerifier, math_reward
 from stapo.rewards.dapo import dapo_extract, minerva_normalize
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-PROBES = REPO_ROOT / ".." / "shared" / "conformance" / "dapo_reference_probes.jsonl"
+PROBES = Path(__file__).parent / "conformance" / "dapo_reference_probes.jsonl"
 
 
 def load_probes():
-    if not PROBES.exists():
-        pytest.skip(f"DAPO reference probes not found at {PROBES.resolve()} "
-                    "(shared conformance data lives next to the repo)")
     with open(PROBES, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
