@@ -1,20 +1,10 @@
-"""Off-policy corrections: importance weights and rejection from the sampler's and theta_old's log-probs.
+"""Off-policy corrections from the sampler's and theta_old's log-probs (docs/losses.md, "Off-policy corrections").
 
-The surrogate (Eq. 1) is an expectation under theta_old, but the rows were sampled by the rollout
-engine: other numerics (vLLM kernels, bf16) and, with ``rollout.max_staleness >= 1``, older weights.
-With ``log r_t = log pi_old(y_t) - log pi_sampler(y_t)`` on the valid tokens of ``mask`` this module
-computes, as pure functions of ``(B, T)`` tensors (docs/losses.md, "Off-policy corrections"; names and
-semantics of verl's rollout correction, ``verl/trainer/ppo/rollout_corr_helper.py``):
-
-importance weights (``rollout_is``: ``token`` or ``sequence``, truncated at ``C`` (TIS) or zeroed
-outside a band ``"lo_hi"`` (IcePop), optionally batch-normalized over ALL ranks) and rejection
-(``rollout_rs``: k1 / k2 / k3 divergences per token or per row). docs/losses.md has the table of
-formulas and thresholds. A weight multiplies its token's surrogate and a zero weight keeps the token in
-the loss normalizer; a rejected token (a whole row for ``seq_*``) leaves the loss AND its normalizer, as
-a silenced one does.
-
-Everything here depends on a row's own tokens, except batch normalization (two all-reduced sums):
-the result never depends on how rows are spread over micro-batches or ranks.
+With ``log r_t = log pi_old(y_t) - log pi_sampler(y_t)``: importance weights (``rollout_is``; TIS cap or
+IcePop band, optionally batch-normalized over ALL ranks) and rejection (``rollout_rs``: k1/k2/k3 per token
+or per row), with the names and semantics of verl's ``rollout_corr_helper.py``. A weight multiplies its
+token's surrogate (a zero keeps it in the normalizer); a rejected token leaves loss AND normalizer.
+Only batch normalization looks beyond a row, so nothing depends on the split.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Masked reductions and their distributed versions (docs/losses.md, "Reductions").
 
-``keep``/``mask`` always means "this element counts". Empty masks give well-defined values
-(0 for sums and means, ``+inf`` for quantiles), never NaN, so an all-silenced micro-batch or an
-empty rank cannot poison a step.
-
-Distributed helpers act only when ``torch.distributed`` is initialized with more than one rank
-in ``group``; otherwise they are plain single-process functions.
+Empty masks give 0 for sums and means, ``+inf`` for quantiles, never NaN, so an all-silenced micro-batch
+or an empty rank cannot poison a step.
 """
 
 from __future__ import annotations
@@ -46,11 +42,8 @@ def all_reduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Sum of ``x`` where ``mask`` is true (over all dims, or ``dim``).
-
-    Uses ``torch.where`` rather than ``x * mask`` so that inf/NaN in masked-out entries neither
-    leak into the value nor into the gradient.
-    """
+    """Sum of ``x`` where ``mask`` is true; ``torch.where``, not ``x * mask``: inf/NaN outside it leak neither
+    into the value nor into the gradient."""
     picked = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
     return picked.sum() if dim is None else picked.sum(dim)
 
@@ -81,16 +74,10 @@ def _gather_variable(values: torch.Tensor, group=None) -> torch.Tensor:
 def masked_quantile(
     values: torch.Tensor, mask: torch.Tensor, q: float, group=None
 ) -> torch.Tensor:
-    """Exact ``q``-quantile of ``values[mask]`` as a 0-dim tensor (no grad).
+    """Exact ``q``-quantile of ``values[mask]`` over ALL ranks (0-dim, no grad; ``+inf`` without a value).
 
-    Linear interpolation between order statistics, the same definition as ``torch.quantile``'s
-    default, but sort based so it has no 16M-element limit. When torch.distributed is
-    initialized with several ranks the quantile is over the valid values of ALL ranks (gathered
-    with variable lengths), so it does not depend on how the data is sharded (``tau_h`` is a
-    mini-batch-wide quantile; docs/algorithm.md, "Why the update is exact").
-
-    No valid value anywhere -> ``+inf``: "below the threshold" then holds for every (non-existent)
-    value and "at or above" for none, which keeps masks defined without a NaN.
+    ``torch.quantile``'s linear interpolation, sort based (no 16M-element limit); global, so ``tau_h`` does
+    not depend on the split (docs/algorithm.md, "Why the update is exact").
     """
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"q must be in [0, 1], got {q}")
