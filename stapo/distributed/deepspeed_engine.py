@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from stapo.distributed import zero3_trace
-from stapo.distributed.process_group import get_world_size
+from stapo.distributed.process_group import comm_device, get_world_size
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
@@ -125,9 +125,7 @@ def _check_same_weights(model: torch.nn.Module) -> None:
     named = [(n, p) for n, p in model.named_parameters() if not hasattr(p, "ds_id")]
     if get_world_size() == 1 or not named:
         return
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    sums = torch.stack([p.detach().double().sum() for _, p in named]).to(device)  # (P,)
+    sums = torch.stack([p.detach().double().sum() for _, p in named]).to(comm_device())  # (P,)
     low, high = sums.clone(), sums.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+
+from stapo.distributed.process_group import comm_device
 
 _ALIGN = 16  # bytes: every dtype view of a slot in the flat row starts aligned
 
@@ -109,7 +113,8 @@ def gather_partitioned(params: list[torch.nn.Parameter],
             raise ValueError(f"gather_partitioned: parameter ds_id={param.ds_id} has partitions of "
                              f"{slot.part_numel} elements ({param.ds_tensor.numel()} stored) on "
                              f"{world} ranks for {slot.numel} elements: not DeepSpeed's layout")
-    device = _comm_device(params[0].ds_tensor.device, group)
+    device = params[0].ds_tensor.device
+    device = comm_device(group) if device.type == "cpu" else device  # offloaded partitions: NCCL needs CUDA
     if len(params) == 1:  # no packing: gather straight into the full tensor, as DeepSpeed does
         slot, part = slots[0], params[0].ds_tensor.reshape(-1)[:slots[0].part_numel].to(device)
         full = torch.empty(world * slot.part_numel, dtype=slot.dtype, device=device)
@@ -122,8 +127,10 @@ def gather_partitioned(params: list[torch.nn.Parameter],
     return unpack_partitions(rows, slots)
 
 
-def _comm_device(device: torch.device, group) -> torch.device:
-    """NCCL needs accelerator tensors even when partitions are offloaded to CPU."""
-    if device.type == "cpu" and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+def gathered(params: list[torch.nn.Parameter]):
+    """All-gather ZeRO-3 ``params`` for the ``with`` body (read-only, DeepSpeed's gather); no-op for plain ones."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

@@ -13,6 +13,7 @@ from typing import Iterator
 
 import torch
 
+from stapo.distributed.flat_gather import gathered
 from stapo.distributed.names import hf_name
 
 #: Qwen3's attention and MLP projections: every linear layer of a decoder block.
@@ -170,14 +171,5 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
     """The adapters' tensors on the CPU under PEFT's names; collective under ZeRO-3."""
     module = getattr(model, "module", model)
     named = [(n, p) for n, p in module.named_parameters() if ".lora_" in n]
-    with _gathered(p for _, p in named):
+    with gathered([p for _, p in named]):
         return {hf_name(n): p.detach().to("cpu", copy=True) for n, p in named}
-
-
-def _gathered(params):
-    params = list(params)
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

@@ -156,13 +156,14 @@ def all_reduce_max(value: float) -> float:
     """The maximum of ``value`` over all ranks (itself without a process group)."""
     if get_world_size() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=_comm_device())
+    t = torch.tensor([value], dtype=torch.float64, device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
-def _comm_device() -> torch.device:
-    if distributed_on() and dist.get_backend() == "nccl":
+def comm_device(group=None) -> torch.device:
+    """Where a collective's tensors must live: NCCL needs accelerator tensors, gloo takes CPU ones."""
+    if distributed_on() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -173,7 +174,7 @@ def reduce_metrics(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
     if not sums:
         return {}
     names = list(sums)
-    device = _comm_device()
+    device = comm_device()
     values = [torch.as_tensor(sums[name]).detach() for name in names]
     bad = [name for name, value in zip(names, values) if value.numel() != 1]
     if bad:

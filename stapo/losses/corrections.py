@@ -15,7 +15,7 @@ from typing import Union
 
 import torch
 
-from stapo.losses.reduce import all_reduce_sum_
+from stapo.losses.reduce import all_reduce_sum_, masked_mean, masked_sum
 from stapo.registry import Registry
 
 __all__ = ["RS_OPTIONS", "IS_LEVELS", "SAFETY_BOUND", "RejectionBound", "CorrectionResult", "RolloutCorrection",
@@ -40,16 +40,12 @@ def log_ratio(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, mask:
     return torch.where(mask, old_logprobs.detach().float() - sampling_logprobs.detach().float(), zero)
 
 
-def _row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim=1)  # (B,)
-
-
 def raw_weights(lr: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """Untruncated ratios (B, T): ``exp(clamp(log r))`` per token or ``exp(clamp(sum log r))`` per row."""
     if level not in IS_LEVELS:
         raise ValueError(f"rollout_is must be one of {list(IS_LEVELS)} or null, got {level!r}")
     if level == "sequence":
-        lr = _row_sum(lr, mask)[:, None].expand_as(lr)
+        lr = masked_sum(lr, mask, dim=1)[:, None].expand_as(lr)
     return lr.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
 
 
@@ -103,8 +99,8 @@ def _row_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 _register("token", lambda x, mask: x)
-_register("seq_sum", _row_sum)
-_register("seq_mean", lambda x, mask: _row_sum(x, mask) / mask.sum(dim=1).clamp(min=1).float())
+_register("seq_sum", lambda x, mask: masked_sum(x, mask, dim=1))
+_register("seq_mean", lambda x, mask: masked_mean(x, mask, dim=1))
 _register("seq_max", _row_max, kinds=("k2", "k3"))  # k1 = -log r takes both signs: a max would hide a low ratio
 
 
