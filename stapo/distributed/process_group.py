@@ -18,7 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stapo.losses.reduce import distributed_on, world_size
+from stapo.losses.reduce import distributed_on
+from stapo.losses.reduce import rank as get_rank  # noqa: F401  (the one rank / world-size lookup)
+from stapo.losses.reduce import world_size as get_world_size
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _MPI_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -110,14 +112,6 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
-
-
-def get_rank() -> int:
-    return dist.get_rank() if distributed_on() else 0
-
-
-def get_world_size() -> int:
-    return world_size()
 
 
 def barrier() -> None:

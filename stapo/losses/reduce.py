@@ -29,9 +29,22 @@ def rank(group=None) -> int:
 
 
 def all_gather_variable(values: torch.Tensor, group=None) -> torch.Tensor:
-    """1-D ``values`` of every rank of ``group`` concatenated in rank order (lengths may differ);
-    ``values`` itself with one rank."""
-    return _gather_variable(values, group) if world_size(group) > 1 else values
+    """1-D ``values`` of every rank of ``group`` concatenated in rank order (lengths may differ, may be 0)."""
+    n = world_size(group)
+    if n == 1:
+        return values
+    local_len = torch.tensor([values.numel()], dtype=torch.long, device=values.device)
+    lengths = [torch.zeros_like(local_len) for _ in range(n)]
+    dist.all_gather(lengths, local_len, group=group)
+    sizes = [int(s.item()) for s in lengths]
+    longest = max(sizes)
+    if longest == 0:
+        return values[:0]
+    padded = torch.zeros(longest, dtype=values.dtype, device=values.device)
+    padded[: values.numel()] = values
+    shards = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(shards, padded, group=group)
+    return torch.cat([shard[:size] for shard, size in zip(shards, sizes)])
 
 
 def all_reduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -54,23 +67,6 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
 
 
-def _gather_variable(values: torch.Tensor, group=None) -> torch.Tensor:
-    """Concatenate 1-D ``values`` of every rank (lengths may differ, may be 0), in rank order."""
-    n = world_size(group)
-    local_len = torch.tensor([values.numel()], dtype=torch.long, device=values.device)
-    lengths = [torch.zeros_like(local_len) for _ in range(n)]
-    dist.all_gather(lengths, local_len, group=group)
-    sizes = [int(s.item()) for s in lengths]
-    longest = max(sizes)
-    if longest == 0:
-        return values[:0]
-    padded = torch.zeros(longest, dtype=values.dtype, device=values.device)
-    padded[: values.numel()] = values
-    shards = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(shards, padded, group=group)
-    return torch.cat([shard[:size] for shard, size in zip(shards, sizes)])
-
-
 def masked_quantile(
     values: torch.Tensor, mask: torch.Tensor, q: float, group=None
 ) -> torch.Tensor:
@@ -84,9 +80,7 @@ def masked_quantile(
     if mask.shape != values.shape:
         raise ValueError(f"mask shape {tuple(mask.shape)} != values shape {tuple(values.shape)}")
     dtype = values.dtype if values.dtype in (torch.float32, torch.float64) else torch.float32
-    flat = values.detach()[mask].to(dtype)  # (n_valid,)
-    if world_size(group) > 1:
-        flat = _gather_variable(flat, group)
+    flat = all_gather_variable(values.detach()[mask].to(dtype), group)  # (n_valid,) of all ranks
     n = flat.numel()
     if n == 0:
         return torch.tensor(float("inf"), dtype=dtype, device=values.device)
