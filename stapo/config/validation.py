@@ -114,11 +114,10 @@ def validate(cfg) -> None:
            "reward.mode 'function' needs reward.function ('pkg.module:callable' or 'path/to/file.py:callable')")
     _check(not rw.function or rw.mode in ("math", "function"),
            f"reward.function replaces the verifier: leave reward.mode at 'math' or set 'function', got {rw.mode!r}")
-    spec_error = _spec_error(rw.function) if rw.function else None
-    _check(spec_error is None, str(spec_error))
+    if rw.function:
+        _check_function_spec(rw.function)
     _check(math.isfinite(lo.entropy_coef), f"loss.entropy_coef must be finite, got {lo.entropy_coef}")
-    mask_error = _mask_error(cfg.mask)
-    _check(mask_error is None, str(mask_error))
+    _check_mask(cfg.mask)
     _validate_lora(cfg.model.lora)
     _check_data(cfg.data)
     _check_health(cfg)
@@ -179,21 +178,18 @@ def _check_health(cfg) -> None:
                "generated ahead by the failing policy would be trained after the rollback; use warn or stop")
 
 
-def _mask_error(mask) -> str | None:
-    """Why ``mask.name`` / ``mask.params`` do not build a mask from the live registry, or None; the params
-    are coerced to the mask's field types first (``mask.params.tau_p=2e-3`` arrives as a string)."""
+def _check_mask(mask) -> None:
+    """``mask.name`` / ``mask.params`` build a mask from the live registry; the params are coerced to the
+    mask's field types first (``mask.params.tau_p=2e-3`` arrives as a string)."""
     from stapo.losses.masks import available_masks, build_mask, mask_class  # user masks registered by now count
 
-    if mask.name not in available_masks():
-        return f"mask.name: unknown mask {mask.name!r}; available: {', '.join(available_masks())}"
+    _check(mask.name in available_masks(),
+           f"mask.name: unknown mask {mask.name!r}; available: {', '.join(available_masks())}")
+    mask.params = coerce_params(mask_class(mask.name), mask.params, "mask.params")  # a ConfigError names the key
     try:
-        mask.params = coerce_params(mask_class(mask.name), mask.params, "mask.params")
         build_mask(mask.name, **mask.params)
-    except ConfigError as exc:
-        return str(exc)
     except (TypeError, ValueError) as exc:
-        return f"mask.params: {exc}"
-    return None
+        _check(False, f"mask.params: {exc}")
 
 
 def _validate_lora(lora) -> None:
@@ -211,13 +207,12 @@ def _validate_lora(lora) -> None:
                                         "them out (full fine-tuning)")
 
 
-def _spec_error(spec: str) -> str | None:
-    """Why ``reward.function`` is malformed, or None (the file itself is checked when scoring starts)."""
+def _check_function_spec(spec: str) -> None:
+    """``reward.function`` is well formed (the file itself is checked when scoring starts)."""
     try:
         parse_function_spec(spec, check_file=False)
     except ValueError as exc:
-        return str(exc)
-    return None
+        _check(False, str(exc))
 
 
 def _check_tools(tools, tiny) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from stapo.losses.reduce import masked_mean
+
 __all__ = ["mismatch_sums"]
 
 
@@ -28,11 +30,9 @@ def mismatch_sums(sampling_logprobs: torch.Tensor, trainer_logprobs: torch.Tenso
     d = torch.where(mask, trainer_logprobs.float() - sampling_logprobs.float(), zero)  # (B, T)
     abs_d = d.abs()
     rows = mask.any(dim=1)  # (B,)
-    count = mask.sum(dim=1).clamp(min=1).float()  # (B,)
 
     def ppl_sum(logprobs: torch.Tensor) -> torch.Tensor:  # sum over rows of exp(-mean_t log pi)
-        mean = torch.where(mask, logprobs.float(), zero).sum(dim=1) / count
-        return torch.where(rows, (-mean).exp(), zero).sum()
+        return torch.where(rows, (-masked_mean(logprobs.float(), mask, dim=1)).exp(), zero).sum()
 
     return {
         "mismatch_abs_sum": abs_d.sum(),
