@@ -17,20 +17,8 @@ import torch
 #: pass kinds of the trainer: the no-grad stats (and token-record) passes, the update, the KL reference
 NO_GRAD, UPDATE, REFERENCE = "no_grad", "update", "reference"
 
-_TRACES: "weakref.WeakKeyDictionary[torch.nn.Module, PassTraces]" = weakref.WeakKeyDictionary()
-
-
-class PassTraces:
-    """The coordinators of one ZeRO-3 engine, one per pass kind (created on first use)."""
-
-    def __init__(self, offload) -> None:
-        self.offload = offload
-        self.coordinators: dict[str, object] = {}
-
-    def coordinator(self, kind: str):
-        if kind not in self.coordinators:
-            self.coordinators[kind] = _new_coordinator(self.offload)
-        return self.coordinators[kind]
+#: root module -> (its engine's DeepSpeedZeRoOffload, {pass kind: coordinator, created on first use})
+_TRACES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _new_coordinator(offload):
@@ -71,7 +59,7 @@ def register(engine) -> None:
     """Give the ZeRO-3 ``engine`` one trace per pass kind (no-op below stage 3)."""
     offload = zero3_offload(engine)
     if offload is not None:
-        _TRACES[engine.module] = PassTraces(offload)
+        _TRACES[engine.module] = (offload, {})
 
 
 def unregister(module: torch.nn.Module) -> None:
@@ -83,12 +71,13 @@ def unregister(module: torch.nn.Module) -> None:
 def pass_kind(module: torch.nn.Module, kind: str) -> Iterator[None]:
     """Run the passes of ``module`` (``engine.module``) in the body on the trace kept for ``kind``; a no-op
     for an unregistered module; the innermost scope applies."""
-    traces = _TRACES.get(module)
-    if traces is None:
+    if module not in _TRACES:
         yield
         return
-    offload = traces.offload
-    previous, offload.param_coordinator = offload.param_coordinator, traces.coordinator(kind)
+    offload, coordinators = _TRACES[module]
+    if kind not in coordinators:
+        coordinators[kind] = _new_coordinator(offload)
+    previous, offload.param_coordinator = offload.param_coordinator, coordinators[kind]
     try:
         yield
     finally:
