@@ -174,7 +174,9 @@ def build_engine(
         optimizer = DeepSpeedCPUAdam(params, lr=lr, betas=betas, eps=eps,
                                      weight_decay=weight_decay, adamw_mode=True)
     else:
-        optimizer = _optimizer_class(zero_stage, bf16)(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        # ZeRO-1..3 and bf16 (which DeepSpeed wraps) skip a non-finite step themselves; fp32 stage 0 needs the guard
+        adamw = GuardedAdamW if zero_stage == 0 and not bf16 else torch.optim.AdamW
+        optimizer = adamw(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if isinstance(optimizer, GuardedAdamW):
         optimizer.max_grad_norm, grad_clip = grad_clip, 0.0  # it clips itself, from the pre-clip norm
     schedule = functools.partial(warmup_factor, warmup_steps=warmup_steps)
@@ -232,11 +234,6 @@ class GuardedAdamW(torch.optim.AdamW):
         if self.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
         return super().step(closure)
-
-
-def _optimizer_class(zero_stage: int, bf16: bool) -> type[torch.optim.Optimizer]:
-    """ZeRO-3 (and bf16, which DeepSpeed wraps) check overflow themselves; plain fp32 stage 0 needs the guard."""
-    return GuardedAdamW if zero_stage == 0 and not bf16 else torch.optim.AdamW
 
 
 def current_lr(engine) -> float:

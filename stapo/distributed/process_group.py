@@ -47,10 +47,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def _launched() -> bool:
     """True under a torchrun/deepspeed/accelerate launch; raises on a half-set environment
     (``MASTER_*`` alone do not count: ``accelerate launch --cpu`` sets them for one process)."""
@@ -86,7 +82,7 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
     import deepspeed  # heavy: only the trainer pays for it
 
     launched = _launched()  # validates a half-set launcher environment even when a group exists
-    backend = backend or default_backend()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     use_cuda = backend == "nccl" and torch.cuda.is_available()
     if use_cuda and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before NCCL binds a device
