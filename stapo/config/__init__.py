@@ -1,20 +1,14 @@
 """Run configuration: nested dataclasses, strict YAML loading, dotted ``key=value`` overrides.
 
-Defaults are the paper's (STAPO, Table 6 / App. D): batch 256 prompts, G = 8, mini-batch 64 prompts,
-AdamW lr 1e-6 with 10 warm-up steps, grad clip 1.0, clip range [0.8, 1.28], no KL, temperature 1.0 /
-top-p 1.0, max prompt 1k / response 15k tokens, the S2T mask with tau_p = 2e-3 and tau_h at the
-80% entropy quantile of each mini-batch.
-
-The sections live in :mod:`stapo.config.sections` and :mod:`stapo.config.rollout_sections` (every field
-with its docstring; ``docs/configuration.md`` is generated from them by :mod:`stapo.config.docs`), the value
-checks in :mod:`stapo.config.validation`. Loading is strict: an unknown key is an error that names the closest
-valid key, and values are type-checked and validated.
+Defaults are the paper's (Table 6 / App. D). Sections: :mod:`stapo.config.sections`,
+:mod:`stapo.config.rollout_sections`; value checks: :mod:`stapo.config.validation`; an unknown key is an error
+naming the closest valid one (docs/configuration.md).
 
     cfg = STAPOConfig.from_yaml("examples/recipes/qwen3_8b_stapo.yaml", overrides=["optim.lr=2e-6"])
 
-May import: ``stapo.servers`` (addresses) and ``stapo.rollout`` (the engine registry), for validation;
-``stapo.losses`` (the mask registry), ``stapo.rewards``, ``stapo.data``, ``stapo.tools`` (the tool and parser
-registries), ``stapo.health`` (the monitor registry) and the rest below them (docs/index.md, "Layout").
+May import: ``stapo.servers`` and ``stapo.rollout`` (for validation), the registries of ``stapo.losses``,
+``stapo.rewards``, ``stapo.tools`` and ``stapo.health``, ``stapo.data``, and the rest below them
+(docs/index.md, "Layout").
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Which settings make a run a different experiment, for resuming (docs/distributed.md, "Resuming").
 
-A checkpoint records the resolved config it was trained with. Resuming it with other values of the
-settings below would continue one experiment under another's name (an ablation with ``mask.name=none``
-on a recipe whose ``output_dir`` already holds the STAPO run, LoRA switched on, other batch sizes): the
-trainer refuses, naming the keys. Every other key is a run setting (how fast, how often, where the
-numbers go: micro-batch budgets, ZeRO buckets, eval cadence, logging, servers) and may change; so may
-``trainer.total_steps``, as long as it does not end before the checkpoint's step.
+Resuming a checkpoint with another value of an experiment key would continue one experiment under another's
+name, so the trainer refuses, naming the keys; run settings (speed, cadence, logging, servers) and a later
+``trainer.total_steps`` may change.
 """
 
 from __future__ import annotations

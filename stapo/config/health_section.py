@@ -15,15 +15,11 @@ ON_ALARM = ("warn", "stop", "rollback")
 @dataclass
 class HealthConfig:
     on_alarm: str = "warn"
-    """What an alarm does: ``warn`` logs one line naming the monitor, its value and threshold; ``stop``
-    saves a checkpoint and exits with status 3 (running the same command resumes); ``rollback`` restores
-    the newest checkpoint saved before the anomaly's onset, multiplies the lr by ``rollback_lr_scale``,
-    skips the data batches of the failed stretch and continues, at most ``max_rollbacks`` times (then
-    alarms warn). Every alarm and action is an ``event`` row in metrics.jsonl and a console line."""
+    """What an alarm does: ``warn`` logs it; ``stop`` checkpoints and exits with status 3 (the same command
+    resumes); ``rollback`` restores a checkpoint from before the onset with a lower lr (docs/health.md)."""
     monitors: list = field(default_factory=lambda: list(BUILTIN_MONITORS))
-    """Active monitors, by registered name (``--import FILE`` registers your own; docs/health.md lists the
-    built-ins). A monitor whose metrics the run does not log (the tool ones without ``rollout.tools``)
-    stays silent; ``[]`` turns monitoring off."""
+    """Active monitors, by registered name (docs/health.md; ``--import FILE`` registers your own); ``[]`` turns
+    monitoring off."""
     params: dict = field(default_factory=dict)
     """Monitor parameters over their defaults, by monitor, e.g. ``{grad_norm: {z: 8}}``."""
     window: int = 50

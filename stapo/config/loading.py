@@ -1,10 +1,8 @@
 """Strict construction of nested config dataclasses from plain dicts (YAML) and dotted overrides.
 
-An unknown key is an error naming the closest valid key; values are coerced to the field's type
-(YAML reads ``1e-6`` as a string, so numbers are accepted from strings) or rejected with the field
-named. YAML is read strictly too: a key given twice in one mapping (a section written twice, whose
-first half PyYAML would drop) is an error with both line numbers, and every YAML error keeps its
-file, line, column and cause. Used by :class:`stapo.config.STAPOConfig`.
+An unknown key is an error naming the closest valid key; values are coerced to the field's type (YAML reads
+``1e-6`` as a string) or rejected with the field named; a key given twice in one mapping is an error with
+both line numbers, and YAML errors keep their file, line and column.
 """
 
 from __future__ import annotations

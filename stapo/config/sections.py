@@ -1,8 +1,5 @@
-"""The sections of :class:`stapo.config.STAPOConfig`: one dataclass per pipeline stage.
-
-Every field carries a docstring (the string right below it): ``docs/configuration.md`` is generated
-from them (``python -m stapo.config.docs``). Defaults are the paper's (Table 6 / App. D) except
-where a docstring says otherwise.
+"""The sections of :class:`stapo.config.STAPOConfig`, one dataclass per pipeline stage; the docstring under
+each field feeds ``docs/configuration.md``. Defaults are the paper's (Table 6 / App. D) unless it says otherwise.
 """
 
 from __future__ import annotations
@@ -17,17 +14,14 @@ from stapo.losses.ops import DEFAULT_CHUNK_SIZE
 @dataclass
 class LoraConfig:
     enabled: bool = False
-    """Train LoRA adapters (PEFT) instead of every weight: base weights stay frozen, the optimizer holds
-    state for the adapters only, the KL reference is the policy with adapters disabled, and the rollout
-    engine receives merged weights (docs/lora.md). Needs ``pip install 'stapo[lora]'``."""
+    """Train LoRA adapters (PEFT) instead of every weight (docs/lora.md). Needs ``pip install 'stapo[lora]'``."""
     rank: int = 16
     """r: rank of each adapter ``B A`` (``A``: r x in, ``B``: out x r)."""
     alpha: float = 32.0
     """lora_alpha: the update is scaled by ``alpha / rank`` (2 at the defaults)."""
     dropout: float = 0.0
-    """Dropout on the adapters' input during training. 0 keeps the policy deterministic: with dropout the
-    update's forward differs from the no-grad pass that gave theta_old's logprobs, so the ratio is not 1
-    at the first step and the clip sees noise."""
+    """Dropout on the adapters' input during training. 0 keeps the ratio exactly 1 at the first update
+    (with dropout the clip sees noise)."""
     target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                           "gate_proj", "up_proj", "down_proj"])
     """Module names (suffixes) that get adapters; the default is every projection of a Qwen3 decoder
@@ -45,21 +39,16 @@ class ModelConfig:
     dtype: str = "auto"
     """Training dtype: ``auto`` (bf16 on GPU, fp32 on CPU), ``bf16`` or ``fp32``."""
     gradient_checkpointing: bool = False
-    """Per-layer activation checkpointing: keep only each decoder layer's input and recompute the layer in
-    backward (about a third more compute for the activation memory of one layer instead of all; on in the
-    1.7B/8B/14B recipes; docs/benchmarks.md, "Memory knobs")."""
+    """Recompute each decoder layer in backward (about a third more compute for one layer's activation memory
+    instead of all; docs/benchmarks.md, "Memory knobs")."""
     compile_layers: bool = False
     """``torch.compile`` each decoder layer of the policy (the first micro-batches of a run pay the compilation;
     needs a C++ compiler on CPU). Exact to float rounding; measured in docs/benchmarks.md, "Memory knobs"."""
     trust_remote_code: bool = False
     """Passed to transformers when loading the model and tokenizer."""
     attn_implementation: str = "auto"
-    """Attention kernel of the policy (transformers' ``attn_implementation``). ``auto``: flash-attention's
-    varlen kernel where it is installed and runs (CUDA, bf16; ``flash_attention_3`` on Hopper), else
-    ``flex_attention`` on CUDA, else ``sdpa`` (CPU). flash and flex follow the packed sequences (a
-    micro-batch is packed into one row); sdpa needs a dense block-diagonal mask over each row. Also
-    ``sdpa``, ``eager``, ``flex_attention`` (CUDA only: no backward on CPU), ``flash_attention_2``/``_3``.
-    Packed rows are exact with every one of them (docs/gpu.md, "Attention over packed rows")."""
+    """Attention kernel: ``auto`` (the best that runs here), ``sdpa``, ``eager``, ``flex_attention`` (CUDA only),
+    ``flash_attention_2``/``_3`` (docs/gpu.md, "Attention over packed rows")."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (off by default: full fine-tuning, as in the paper)."""
 
@@ -79,9 +68,8 @@ class TinyConfig:
     """Fraction of warm-start examples whose target is the bare answer (``\\boxed{17}``) instead of
     the worked solution; RL then learns which form earns the reward (docs/demo.md)."""
     task: str = "arithmetic"
-    """The tiny demo's task: ``arithmetic`` (the default demo, docs/demo.md) or ``tir`` (products that the
-    tiny model cannot work out in its head, with a calculator it can call: its own tokenizer, model and
-    warm start; ``builtin:arithmetic`` data then draws these problems; docs/tir.md)."""
+    """The tiny demo's task: ``arithmetic`` (docs/demo.md) or ``tir`` (products it cannot work out in its head,
+    with a calculator to call: its own tokenizer, model, warm start and problems; docs/tir.md)."""
     warm_start_tool_fraction: float = 0.4
     """``task: tir``: fraction of the warm-start examples whose prompt offers the calculator that call it
     (half the examples offer it); the rest answer directly."""
@@ -152,14 +140,11 @@ class RewardConfig:
 @dataclass
 class MaskConfig:
     name: str = "stapo"
-    """Token mask from the registry (``stapo masks`` lists them): ``stapo``, ``none``, ``entropy_top``,
-    ``prob_only``, ``high_entropy_low_prob``, the token-weighting ``stare`` and ``clip_cov``, or a
-    user-registered one."""
+    """Token mask from the registry (``stapo masks`` lists them), e.g. ``stapo``, ``none``, the token-weighting
+    ``stare`` and ``clip_cov``, or a user-registered one."""
     params: dict = field(default_factory=dict)
-    """Keyword parameters of the mask, e.g. ``{tau_p: 0.002, entropy_quantile: 0.8}``; the mask's own
-    defaults apply to the ones left out. The paper's "tau_h = 20%" is ``entropy_quantile: 0.8``
-    (tau_h% = 1 - entropy_quantile). An override of ``mask.name`` to another mask drops the recipe's
-    params (logged) unless the overrides set them again (docs/custom_masks.md)."""
+    """Keyword parameters of the mask, e.g. ``{tau_p: 0.002, entropy_quantile: 0.8}`` (the paper's "tau_h = 20%");
+    overriding ``mask.name`` drops the recipe's params unless set again (docs/custom_masks.md)."""
     stats_source: str = "fresh"
     """Stats the mask sees for mini-batches after the first: ``fresh`` (a no-grad pass of the current
     policy, exact per Algorithm 1 line 8) or ``old`` (reuse the rollout-time pass; cheaper approximation)."""
@@ -184,38 +169,28 @@ class LossConfig:
     advantage_eps: float = 1e-6
     """Added to the group std in Eq. 2."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to a frozen reference policy (the initial weights, partitioned like
-    the policy under ZeRO-3; its logprobs come from the no-grad pass). 0 builds no reference model
-    (the paper: no KL). Logged as ``kl``."""
+    """Weight of the k3 KL penalty to the frozen initial policy (logged as ``kl``); 0 builds no reference model
+    (the paper: no KL)."""
     log_ratio_clamp: float = 20.0
     """|log rho| is clamped to this before exponentiation (numerical safety only)."""
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    """Response tokens per chunk of the logprob/entropy op: peak extra memory is one
-    ``(chunk_size, vocab)`` fp32 buffer; the default is tuned in ``bench/token_stats.py``
-    (docs/losses.md)."""
+    """Response tokens per chunk of the logprob/entropy op (one ``(chunk_size, vocab)`` fp32 buffer; tuned in
+    ``bench/token_stats.py``, docs/losses.md)."""
     rollout_is: Union[str, None] = "auto"
-    """Off-policy importance weights ``pi_old / pi_sampler`` on each token's surrogate (verl's
-    ``rollout_is``; docs/losses.md, "Off-policy corrections"): ``token`` (one ratio per token),
-    ``sequence`` (the product over the response, on all its tokens), null (off), or ``auto``: ``token``
-    when ``rollout.max_staleness >= 1`` (asynchronous rows come from an older policy), off in lock-step
-    (the paper). ``stapo train --dry-run`` prints what ``auto`` resolved to."""
+    """Importance weights ``pi_old / pi_sampler`` (verl's ``rollout_is``; docs/losses.md, "Off-policy corrections"):
+    ``token``, ``sequence``, null, or ``auto`` (``token`` when ``rollout.max_staleness >= 1``, else off)."""
     rollout_is_threshold: Union[float, str] = 2.0
-    """A number ``C``: weights are truncated, ``min(w, C)`` (TIS; verl's default 2). ``"lo_hi"`` (e.g.
-    ``"0.5_2.0"``, quoted or with a decimal point on both ends): weights outside ``[lo, hi]`` are zeroed,
-    the others kept as they are (IcePop); a zeroed token stays in the loss normalizer."""
+    """A number ``C``: weights truncated at ``min(w, C)`` (TIS); ``"lo_hi"`` (e.g. ``"0.5_2.0"``): weights outside
+    ``[lo, hi]`` zeroed, still in the normalizer (IcePop)."""
     rollout_is_batch_normalize: bool = False
     """Divide the IS weights by their mean over the mini-batch on all ranks (valid tokens for ``token``,
     responses for ``sequence``), after the threshold (verl's ``rollout_is_batch_normalize``)."""
     rollout_rs: Union[str, None] = None
-    """Rejection by divergence statistics of ``log r = log pi_old - log pi_sampler`` (verl's
-    ``rollout_rs``), comma-separated: ``token_k1..3``, ``seq_sum_k1..3``, ``seq_mean_k1..3``,
-    ``seq_max_k2..3`` (k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r). A rejected token (a whole
-    response for ``seq_*``) leaves the loss and its normalizer; counted as ``rejected_frac`` /
-    ``rejected_seq_frac``. null: off."""
+    """Rejection by divergences of ``log pi_old - log pi_sampler`` (verl's ``rollout_rs``), comma-separated:
+    ``token_k1..3``, ``seq_sum_k1..3``, ``seq_mean_k1..3``, ``seq_max_k2..3``; null: off (docs/losses.md)."""
     rollout_rs_threshold: Union[float, str, None] = None
-    """Bounds of ``rollout_rs``, one per option (comma-separated) or one for all: k2/k3 statistics pass
-    at or below an upper bound; k1 ones take a ratio band ``"lo_hi"`` on ``exp(k1) = pi_sampler / pi_old``
-    (a single number ``hi`` means ``[1/hi, hi]``). Needed with ``rollout_rs``."""
+    """Bounds of ``rollout_rs``, one per option or one for all: an upper bound for k2/k3, a ratio band ``"lo_hi"``
+    for k1 (a single ``hi``: ``[1/hi, hi]``)."""
     mask_truncated: bool = False
     """DAPO's overlong filtering: responses cut at ``rollout.max_response_length`` (finish reason
     ``length``) leave the loss and its normalizer."""
@@ -257,20 +232,17 @@ class TrainerConfig:
     """Sequences per forward/backward on one rank (gradient accumulation; paper: 1); used when
     ``max_tokens_per_micro_batch`` is 0."""
     packing: bool = True
-    """Pack each micro-batch's sequences into one padding-free row (per-sequence positions, attention
-    that never crosses sequences) for the no-grad stats pass and the update; exact (equal to the
-    padded path up to float rounding). ``false``: pad rows to the longest."""
+    """Pack each micro-batch's sequences into padding-free rows (equal to the padded path up to float rounding);
+    ``false``: pad rows to the longest."""
     max_tokens_per_micro_batch: int = 0
-    """Token budget (prompt + response tokens) of one update micro-batch on one rank; rows are placed
-    by length so micro-batches are balanced and every rank runs the same number. 0: count rows with
-    ``micro_batch_size`` instead."""
+    """Token budget (prompt + response) of one update micro-batch on one rank, balanced by length; 0: count
+    rows with ``micro_batch_size`` instead."""
     max_tokens_per_stats_micro_batch: int = 0
     """Token budget of the no-grad stats pass (it holds no activations for backward, so it can take
     more); 0: twice ``max_tokens_per_micro_batch`` (or ``micro_batch_size`` rows when that is 0)."""
     zero_stage: int = 3
-    """DeepSpeed ZeRO stage: 3 shards across ranks; 1 on one GPU (it partitions nothing there and keeps
-    bf16 gradient accumulation in fp32); 0 only with fp32 weights (with bf16 it would accumulate in
-    bf16, so it is refused)."""
+    """DeepSpeed ZeRO stage: 3 shards across ranks; 1 on one GPU (bf16 gradients accumulate in fp32); 0 only
+    with fp32 weights."""
     offload: bool = False
     """Offload the optimizer state (and its step, DeepSpeedCPUAdam) to CPU (ZeRO-Offload); parameters
     stay on the accelerator."""
@@ -279,11 +251,8 @@ class TrainerConfig:
     keep_last: int = 3
     """Number of complete checkpoints kept."""
     resume: str = "auto"
-    """``auto`` (continue the last checkpoint in output_dir), ``never``, ``force``, or a checkpoint path.
-    ``auto`` refuses a checkpoint trained as another experiment (a different mask, loss, model or LoRA, batch
-    sizes, seed, data: the keys are named; docs/distributed.md, "Resuming"); ``force`` and a named path continue
-    it anyway, with a warning. Other changes (more steps, eval cadence, logging) are logged. A run that starts
-    from scratch moves an earlier run's files to ``output_dir/previous_runs/``."""
+    """``auto`` (continue the last checkpoint of the same experiment in output_dir), ``never``, ``force``, or a
+    checkpoint path (docs/distributed.md, "Resuming")."""
     max_consecutive_skips: int = 5
     """Abort after this many consecutive steps skipped for a non-finite loss or grad norm."""
     eval_every: int = 0
@@ -291,41 +260,30 @@ class TrainerConfig:
     export_hf: bool = True
     """Write the final policy as a plain HF directory ``output_dir/final``."""
     collective_timeout_minutes: int = 120
-    """How long a collective waits for the slowest rank before the run fails (DeepSpeed's default is 10
-    minutes). Ranks generate different shares of up-to-15k-token responses, and the next collective
-    (dynamic-sampling gather, micro-batch count, first ZeRO-3 gather) waits for the last one; a real
-    hang is reported after this long."""
+    """How long a collective waits for the slowest rank before the run fails (DeepSpeed's 10 minutes is short
+    when ranks generate uneven shares of long responses)."""
 
 
 @dataclass
 class ZeroConfig:
-    """DeepSpeed ZeRO communication settings, tuned for one node (docs/distributed.md, "ZeRO-3 on one
-    node"). DeepSpeed's own defaults are in parentheses; stage-3 keys apply only when
-    ``trainer.zero_stage`` is 3, the bucket/overlap keys at stages 1-3."""
+    """DeepSpeed ZeRO communication settings, tuned for one node (docs/distributed.md, "ZeRO-3 on one node";
+    DeepSpeed's defaults in parentheses); stage-3 keys apply only at ``trainer.zero_stage`` 3."""
 
     param_persistence_threshold: int = 1_000_000
-    """Parameters with fewer elements stay whole on every rank (DeepSpeed: 1e5). Below ~1M elements
-    (2 MB in bf16) an all-gather is latency-bound: launch and hook time, not bandwidth, and it would be
-    paid twice per micro-batch (forward and backward). 1M keeps every norm and bias of every Qwen3 size
-    whole (their replicas are < 0.1% of the weights) and still partitions every projection matrix
-    (the smallest, Qwen3-0.6B's k/v, has 1,048,576)."""
+    """Parameters with fewer elements stay whole on every rank (DeepSpeed: 1e5): their gathers would be
+    latency-bound; 1M keeps every Qwen3 norm and bias whole and partitions every projection."""
     prefetch_bucket_size: int = 200_000_000
-    """Elements all-gathered ahead of use (DeepSpeed: 5e7). 2e8 (400 MB in bf16) is about two decoder
-    layers of Qwen3-4B, one of Qwen3-8B, four of Qwen3-1.7B: the next layer's gather overlaps the current
-    layer's compute. 0 disables prefetching."""
+    """Elements all-gathered ahead of use (DeepSpeed: 5e7): about two decoder layers of Qwen3-4B, so the next
+    layer's gather overlaps this one's compute. 0 disables prefetching."""
     max_live_parameters: int = 1_000_000_000
-    """Gathered elements a rank may hold before it releases some (DeepSpeed: 1e9, 2 GB in bf16): well
-    above the prefetch bucket so prefetching never stalls on releases; lower it only when activations
-    run out of memory. Must be >= ``prefetch_bucket_size``."""
+    """Gathered elements a rank may hold before it releases some (DeepSpeed: 1e9); must be >=
+    ``prefetch_bucket_size``."""
     max_reuse_distance: int = 1_000_000_000
-    """A parameter used again within this many elements is kept instead of released and re-gathered
-    (DeepSpeed: 1e9): the backward starts with the layers the forward just used, so with this default the
-    last layers are not gathered twice at the forward/backward turn."""
+    """A parameter used again within this many elements is kept, not re-gathered (DeepSpeed: 1e9): the last
+    layers are not gathered twice at the forward/backward turn."""
     reduce_bucket_size: int = 100_000_000
-    """Gradient elements reduce-scattered together (DeepSpeed: 5e8). 1e8 (200 MB in bf16) is still far
-    above the ~10 MB where an NVLink collective becomes bandwidth-bound, while the first bucket is ready
-    after about two layers of Qwen3-1.7B's backward (DeepSpeed's 5e8 waits for half of its backward), so
-    with ``overlap_comm`` the reduction runs under the remaining backward."""
+    """Gradient elements reduce-scattered together (DeepSpeed: 5e8): bandwidth-bound on NVLink, yet the first
+    reduction starts early in the backward."""
     overlap_comm: bool = True
     """Reduce gradients on a side stream while the backward continues (DeepSpeed: true at stage 3, false
     at stages 1-2)."""
@@ -354,5 +312,5 @@ class InspectConfig:
     """Record per-token statistics of the first mini-batch every N iterations for ``stapo inspect``
     (0: off)."""
     record_minibatches: str = "first"
-    """Which mini-batches of a recorded iteration: ``first`` or ``all`` (every token the mask saw in
-    that iteration; one record file per mini-batch, for rare classes such as the ~0.01% S2T tokens)."""
+    """Which mini-batches of a recorded iteration: ``first`` or ``all`` (one record file each; for rare
+    classes such as the ~0.01% S2T tokens)."""

@@ -6,18 +6,25 @@ values and their relations (batch sizes that divide, the registries' names, ...)
 
 from __future__ import annotations
 
+import functools
 import math
+
 from stapo.config.health_section import ON_ALARM
 from stapo.config.loading import ConfigError, coerce_params
+from stapo.losses.surrogate import AGG_MODES
 from stapo.rewards.modes import REWARD_MODES
 from stapo.rewards.user_function import parse_function_spec
 
 _CHOICES = {
     "model.dtype": ("auto", "bf16", "fp32"),
+    "model.attn_implementation": ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"),
+    "tiny.task": ("arithmetic", "tir"),
+    "rollout.mode": ("colocated", "server"),
+    "rollout.server.sync": ("full", "delta"),
     "mask.stats_source": ("fresh", "old"),
     "inspect.record_minibatches": ("first", "all"),
     "reward.mode": REWARD_MODES,  # the registry itself: modes registered later are valid too
-    "loss.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "loss.agg": AGG_MODES,
     "loss.advantage_scale": ("group", "none"),
     "trainer.zero_stage": (0, 1, 2, 3),
     "health.on_alarm": ON_ALARM,
@@ -32,8 +39,7 @@ def _check(ok: bool, message: str) -> None:
 def validate(cfg) -> None:
     """Value checks of ``cfg`` (a ``STAPOConfig``) with messages that name the field (docs/configuration.md)."""
     for dotted, choices in _CHOICES.items():
-        section, name = dotted.split(".")
-        value = getattr(getattr(cfg, section), name)
+        value = functools.reduce(getattr, dotted.split("."), cfg)
         _check(value in choices, f"{dotted} must be one of {list(choices)}, got {value!r}")
     r, t, lo, op = cfg.rollout, cfg.trainer, cfg.loss, cfg.optim
     _check(r.group_size >= 2, f"rollout.group_size (G) must be >= 2 for group advantages, got {r.group_size}")
@@ -63,10 +69,6 @@ def validate(cfg) -> None:
            "use trainer.zero_stage 1 (fp32 accumulation; on one GPU it partitions nothing) or model.dtype fp32")
     for name in ("max_tokens_per_micro_batch", "max_tokens_per_stats_micro_batch"):
         _check(getattr(t, name) >= 0, f"trainer.{name} must be >= 0 (0: count rows), got {getattr(t, name)}")
-    _check(cfg.model.attn_implementation in ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2",
-                                             "flash_attention_3"),
-           f"model.attn_implementation must be auto, sdpa, eager, flex_attention, flash_attention_2 or "
-           f"flash_attention_3, got {cfg.model.attn_implementation!r}")
     _check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
     _check(t.save_every >= 0, "trainer.save_every must be >= 0")
     _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips must be >= 1")
@@ -112,11 +114,10 @@ def validate(cfg) -> None:
            "reward.mode 'function' needs reward.function ('pkg.module:callable' or 'path/to/file.py:callable')")
     _check(not rw.function or rw.mode in ("math", "function"),
            f"reward.function replaces the verifier: leave reward.mode at 'math' or set 'function', got {rw.mode!r}")
-    spec_error = _spec_error(rw.function) if rw.function else None
-    _check(spec_error is None, str(spec_error))
+    if rw.function:
+        _check_function_spec(rw.function)
     _check(math.isfinite(lo.entropy_coef), f"loss.entropy_coef must be finite, got {lo.entropy_coef}")
-    mask_error = _mask_error(cfg.mask)
-    _check(mask_error is None, str(mask_error))
+    _check_mask(cfg.mask)
     _validate_lora(cfg.model.lora)
     _check_data(cfg.data)
     _check_health(cfg)
@@ -177,21 +178,18 @@ def _check_health(cfg) -> None:
                "generated ahead by the failing policy would be trained after the rollback; use warn or stop")
 
 
-def _mask_error(mask) -> str | None:
-    """Why ``mask.name`` / ``mask.params`` do not build a mask from the live registry, or None; the params
-    are coerced to the mask's field types first (``mask.params.tau_p=2e-3`` arrives as a string)."""
+def _check_mask(mask) -> None:
+    """``mask.name`` / ``mask.params`` build a mask from the live registry; the params are coerced to the
+    mask's field types first (``mask.params.tau_p=2e-3`` arrives as a string)."""
     from stapo.losses.masks import available_masks, build_mask, mask_class  # user masks registered by now count
 
-    if mask.name not in available_masks():
-        return f"mask.name: unknown mask {mask.name!r}; available: {', '.join(available_masks())}"
+    _check(mask.name in available_masks(),
+           f"mask.name: unknown mask {mask.name!r}; available: {', '.join(available_masks())}")
+    mask.params = coerce_params(mask_class(mask.name), mask.params, "mask.params")  # a ConfigError names the key
     try:
-        mask.params = coerce_params(mask_class(mask.name), mask.params, "mask.params")
         build_mask(mask.name, **mask.params)
-    except ConfigError as exc:
-        return str(exc)
     except (TypeError, ValueError) as exc:
-        return f"mask.params: {exc}"
-    return None
+        _check(False, f"mask.params: {exc}")
 
 
 def _validate_lora(lora) -> None:
@@ -209,18 +207,16 @@ def _validate_lora(lora) -> None:
                                         "them out (full fine-tuning)")
 
 
-def _spec_error(spec: str) -> str | None:
-    """Why ``reward.function`` is malformed, or None (the file itself is checked when scoring starts)."""
+def _check_function_spec(spec: str) -> None:
+    """``reward.function`` is well formed (the file itself is checked when scoring starts)."""
     try:
         parse_function_spec(spec, check_file=False)
     except ValueError as exc:
-        return str(exc)
-    return None
+        _check(False, str(exc))
 
 
 def _check_tools(tools, tiny) -> None:
     """``rollout.tools`` (docs/tir.md) and the tiny TIR demo's knobs."""
-    _check(tiny.task in ("arithmetic", "tir"), f"tiny.task must be one of ['arithmetic', 'tir'], got {tiny.task!r}")
     _check(0.0 <= tiny.warm_start_tool_fraction <= 1.0,
            f"tiny.warm_start_tool_fraction must be in [0, 1], got {tiny.warm_start_tool_fraction}")
     _check(tools.max_turns >= 1, f"rollout.tools.max_turns must be >= 1, got {tools.max_turns}")
@@ -273,7 +269,6 @@ def _check_rollout_servers(r) -> None:
     from stapo.servers.client import parse_address
     from stapo.sync.weight_group import MAX_JOIN_TIMEOUT_S
 
-    _check(r.mode in ("colocated", "server"), f"rollout.mode must be one of ['colocated', 'server'], got {r.mode!r}")
     s = r.server
     _check(isinstance(s.addresses, list), f"rollout.server.addresses must be a list of host:port, got {s.addresses!r}")
     if r.mode == "server":
@@ -299,7 +294,6 @@ def _check_rollout_servers(r) -> None:
     _check(s.sync_join_timeout_s <= MAX_JOIN_TIMEOUT_S,
            f"rollout.server.sync_join_timeout_s must be <= {MAX_JOIN_TIMEOUT_S:g}, got {s.sync_join_timeout_s}: a "
            "server waits no longer for the trainer's go")
-    _check(s.sync in ("full", "delta"), f"rollout.server.sync must be one of ['full', 'delta'], got {s.sync!r}")
     _check(s.sync == "full" or r.mode == "server",
            "rollout.server.sync=delta needs rollout.mode=server: a colocated engine loads the weights from the "
            "trainer's own memory, nothing crosses a network")

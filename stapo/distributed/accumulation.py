@@ -1,17 +1,8 @@
-"""Exact gradient accumulation over a mini-batch's micro-batches on a DeepSpeed engine.
+"""Exact gradient accumulation: the step sees ``Σ_ranks Σ_micro ∇loss`` (docs/distributed.md).
 
-The trainer's per-micro-batch losses are already normalized by a GLOBAL count (kept tokens of the
-whole mini-batch on all ranks), so the gradient we want is the plain sum ``Σ_ranks Σ_micro ∇loss``.
-DeepSpeed by default divides each backward by ``gradient_accumulation_steps`` and ZeRO's
-reduce-scatter *averages* over data-parallel ranks; :func:`backward_sum` undoes both. The number of
-micro-batches may differ from one mini-batch to the next (token budgets): the accumulation boundary
-is set by hand (DeepSpeed's ``set_gradient_accumulation_boundary``) and counted here, not on the
-engine.
-
-    acc = GradientAccumulation(engine, len(micro_batches))
-    for micro in micro_batches:
-        acc.backward(loss_fn(micro))
-    result = acc.step()   # StepResult(applied, grad_norm)
+The per-micro-batch losses are already normalized by the GLOBAL kept-token count (Eq. 1), so DeepSpeed's
+``1/gradient_accumulation_steps`` and ZeRO's data-parallel averaging are undone here; a mini-batch may have
+any number of micro-batches (token budgets), so the boundary is set by hand.
 """
 
 from __future__ import annotations
@@ -37,15 +28,8 @@ def _dp_world_size(engine) -> int:
 
 
 def backward_sum(engine, loss: torch.Tensor, *, last: bool) -> None:
-    """Accumulate ``∇loss`` so that the step sees exactly ``Σ_ranks Σ_micro ∇loss``.
-
-    ``loss * dp_world_size`` cancels ZeRO's data-parallel averaging; ``scale_wrt_gas=False``
-    cancels the ``1/gradient_accumulation_steps`` factor. ``last`` marks the accumulation boundary
-    (DeepSpeed's manual boundary), so a mini-batch may have any number of micro-batches (token
-    budgets). Between micro-batches ``engine.step()`` only advances the micro-step counter; the
-    update itself is :func:`optimizer_step` after the last one. Prefer :class:`GradientAccumulation`,
-    which also checks the count.
-    """
+    """Accumulate ``∇loss`` unscaled: ``loss * dp_world_size`` cancels ZeRO's averaging over ranks,
+    ``scale_wrt_gas=False`` the ``1/gradient_accumulation_steps``; ``last`` marks the boundary."""
     if loss.dim() != 0:
         raise ValueError(f"backward_sum expects a scalar loss, got shape {tuple(loss.shape)}")
     if not loss.requires_grad:
@@ -54,11 +38,9 @@ def backward_sum(engine, loss: torch.Tensor, *, last: bool) -> None:
                          "(e.g. 0 * surrogate for an empty keep-set) so every rank runs backward")
     engine.set_gradient_accumulation_boundary(last)
     engine.backward(loss * _dp_world_size(engine), scale_wrt_gas=False)
-    # ZeRO-3 switches from copying to ACCUMULATING micro-batch gradients when its micro_step_id
-    # advances, which DeepSpeed does at the start of ``engine.forward``. The update runs its forward
-    # through the engine (stapo.distributed.policy.head_on_targets), but a loss computed by calling the
-    # module directly would skip it, so advance it here too (a second call is a no-op); without it
-    # only the last micro-batch's gradient survives (tests/trainer/test_exactness.py).
+    # ZeRO-3 accumulates (rather than copies) micro-batch gradients once its micro_step_id advances, which
+    # engine.forward does; a loss from calling the module directly skips that, so advance it here (a second
+    # call is a no-op). Without it only the last micro-batch's gradient survives (tests/trainer/test_exactness.py).
     if hasattr(engine.optimizer, "clear_backward_seen_flag"):
         engine.optimizer.clear_backward_seen_flag()
     if not last:
@@ -66,11 +48,7 @@ def backward_sum(engine, loss: torch.Tensor, *, last: bool) -> None:
 
 
 def optimizer_step(engine) -> StepResult:
-    """Clip the global grad norm, step AdamW and the lr schedule; skip on non-finite grads.
-
-    Must follow the ``backward_sum(..., last=True)`` of a mini-batch. A skipped step leaves
-    weights, optimizer moments and the lr schedule unchanged and clears the gradients.
-    """
+    """Clip, step AdamW and the lr schedule; a non-finite grad norm skips all three (and clears the grads)."""
     skipped_before = engine.skipped_steps
     engine.step()
     applied = engine.skipped_steps == skipped_before
@@ -80,15 +58,7 @@ def optimizer_step(engine) -> StepResult:
 
 
 class GradientAccumulation:
-    """One optimizer step over exactly ``num_micro_batches`` backwards (the mini-batch's plan).
-
-    Holds the count itself, so nothing is parked on the DeepSpeed engine::
-
-        acc = GradientAccumulation(engine, len(plan))
-        for micro in plan:
-            acc.backward(loss_of(micro))
-        result = acc.step()   # StepResult(applied, grad_norm)
-    """
+    """One optimizer step over exactly ``num_micro_batches`` backwards; holds the count, not the engine."""
 
     def __init__(self, engine, num_micro_batches: int) -> None:
         if num_micro_batches < 1:

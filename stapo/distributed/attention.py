@@ -1,23 +1,10 @@
-"""Attention over packed rows: which kernel runs it (``model.attn_implementation: auto``) and what it gets.
+"""Attention over packed rows: the kernel ``model.attn_implementation: auto`` picks and its per-micro-batch
+arguments (docs/gpu.md, "Attention over packed rows").
 
-A packed row holds several sequences (:class:`stapo.distributed.policy.PackedInputs`); the FLOPs that
-count are each sequence's causal attention, not the row's. sdpa can only be told that with a dense
-``(S x S)`` block-diagonal mask, so its cost and memory grow with the square of the ROW: on a GPU a
-32k-token row then held 53 GiB against 17 GiB padded (docs/benchmarks.md). Two kernels follow the real
-sequences instead, and the trainer then packs a whole micro-batch into one row:
-
-* flash-attention's varlen kernel takes ``cu_seqlens`` (sequence starts in the flattened row);
-* PyTorch's ``flex_attention`` takes a ``BlockMask``: per 128 x 128 tile, skipped, computed whole, or
-  computed with the mask function ``same document and causal``.
-
-:func:`packed_attention_kwargs` builds either ONCE per micro-batch from the position ids (they restart
-at 0 at every sequence) and the decoder hands the same objects to every layer (transformers passes a
-prepared 4-D ``BlockMask`` and flash's ``cu_seq_lens_*`` keyword arguments through unchanged). The
-block table is computed from the document boundaries, tile by tile, never from an ``S x S`` mask.
-
-:func:`choose_attention` resolves ``auto``: flash-attention where it is installed and runs (CUDA, half
-precision; FA3 on Hopper), else flex_attention on CUDA, else sdpa — sdpa's dense mask only where
-nothing better runs, on CPU in practice (PyTorch's CPU flex_attention has no backward).
+sdpa needs a dense ``S x S`` block-diagonal mask (cost grows with the square of the ROW); flash-attention's
+varlen ``cu_seqlens`` and flex_attention's ``BlockMask`` follow the real sequences, so with them a
+micro-batch is packed into one row. Both are built once per micro-batch from the position ids, the block
+table tile by tile, never from an ``S x S`` mask.
 """
 
 from __future__ import annotations
@@ -55,14 +42,8 @@ def choose_attention(requested: str, *, dtype: torch.dtype, cuda: bool | None = 
                      capability: tuple[int, int] | None = None,
                      installed: Callable[[str], bool] = _installed,
                      flex_on_cuda: Callable[[], bool] = _flex_runs_on_cuda) -> str:
-    """The ``attn_implementation`` to load the policy with: ``requested`` unless it is ``auto``.
-
-    ``auto``: ``flash_attention_3`` (the ``flash-attn-3`` package, a Hopper GPU), else
-    ``flash_attention_2`` (``flash-attn``, Ampere or newer), both only in bf16/fp16; else
-    ``flex_attention`` on CUDA; else ``sdpa``. ``cuda``/``capability`` default to this machine's first
-    GPU; ``installed``/``flex_on_cuda`` are the availability probes (tests replace them).
-    An explicit ``flex_attention`` without CUDA is refused: PyTorch's CPU flex_attention has no backward.
-    """
+    """``requested``, or for ``auto`` the best kernel that runs here (the table in docs/gpu.md); the probes
+    ``installed``/``flex_on_cuda`` and ``cuda``/``capability`` are parameters so tests can replace them."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if requested == "flex_attention" and not cuda:
         raise ValueError("model.attn_implementation=flex_attention needs a CUDA GPU (PyTorch's CPU flex_attention "
@@ -87,8 +68,7 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict:
-    """flash-attention's varlen arguments for the rows flattened into one token stream (how transformers
-    calls ``flash_attn_varlen_func`` when it is given ``cu_seq_lens_*``): sequence starts and the longest."""
+    """flash-attention's varlen arguments (sequence starts, the longest) for the rows flattened into one stream."""
     flat = position_ids.reshape(-1)
     starts = (flat == 0).nonzero().view(-1)
     cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)  # (sequences + 1,)
@@ -97,13 +77,9 @@ def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict:
 
 
 def _tile_tables(doc: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(partial, full)`` bool ``(R, 1, n, n)`` over ``block``-token tiles of a document-causal mask.
-
-    A (query tile, key tile) pair has some allowed entry iff the key tile is not after the query tile
-    and its last document reaches the query tile's first one (documents are contiguous and increasing);
-    every entry is allowed iff the key tile is strictly before and both tiles lie in ONE document
-    (the row's ragged last tile is never called full: the kernel applies the mask function there).
-    """
+    """``(partial, full)`` bool ``(R, 1, n, n)`` over ``block``-token tiles of a document-causal mask: some
+    entry allowed iff the key tile is not after the query tile and reaches its first document; all allowed
+    iff strictly before and both tiles in ONE document (a ragged last tile is never full)."""
     rows, length = doc.shape
     n = -(-length // block)
     padded = torch.nn.functional.pad(doc, (0, n * block - length), value=-1).view(rows, n, block)
@@ -124,9 +100,7 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def document_causal_block_mask(doc: torch.Tensor, block: int = FLEX_BLOCK):
-    """flex_attention's ``BlockMask`` for rows of packed sequences ``doc`` (:func:`document_ids`): a token
-    attends to the earlier tokens of its own sequence. Built tile by tile (:func:`_tile_tables`),
-    ``O((S / block)^2)``, with no ``S x S`` mask and no compilation."""
+    """flex_attention's ``BlockMask``: a token attends to the earlier tokens of its own sequence; ``O((S/block)^2)``."""
     from torch.nn.attention.flex_attention import BlockMask
 
     length = doc.shape[1]
@@ -141,9 +115,8 @@ def document_causal_block_mask(doc: torch.Tensor, block: int = FLEX_BLOCK):
 
 
 def packed_attention_kwargs(attn_implementation: str, position_ids: torch.Tensor) -> dict:
-    """The decoder keyword arguments that keep each packed sequence to itself under ``attn_implementation``,
-    built once per micro-batch: a ``BlockMask`` for flex, ``cu_seq_lens_*`` for flash; for sdpa and
-    eager none (transformers derives the dense block-diagonal mask from the position ids)."""
+    """The decoder kwargs that keep each packed sequence to itself (sdpa/eager: transformers derives the mask
+    from the position ids)."""
     if attn_implementation == "flex_attention":
         return {"attention_mask": document_causal_block_mask(document_ids(position_ids))}
     if attn_implementation.startswith("flash_attention"):

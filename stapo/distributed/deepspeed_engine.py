@@ -1,17 +1,7 @@
-"""DeepSpeed engine: AdamW, warm-up-then-constant lr, global-norm clipping (ZeRO 0-3, one node tuned).
+"""DeepSpeed engine: AdamW, warm-up-then-constant lr, global-norm clipping (ZeRO 0-3; docs/distributed.md).
 
-Gradients are accumulated exactly (a plain sum over micro-batches and ranks, as Eq. 1's global
-normalizer requires) by :mod:`stapo.distributed.accumulation`; the frozen reference policy of the KL
-term is :func:`build_reference`.
-
-Non-finite gradients: ZeRO-3 computes the global grad norm over the partitioned fp32 grads
-(one all-reduce) before stepping; an inf/NaN norm marks the step as overflow in bf16 and fp32
-too (not only fp16), zeroes the grads and skips the optimizer *and* the lr scheduler. We read that
-as ``StepResult.applied=False`` (:mod:`stapo.distributed.accumulation`; see
-``tests/trainer/test_distributed_engine.py``).
-
-Launch: ``deepspeed --num_gpus N train.py`` / ``torchrun`` / ``accelerate launch`` (see
-:mod:`stapo.distributed.process_group`).
+A non-finite grad norm makes DeepSpeed skip the optimizer and the lr schedule, in bf16 and fp32 too;
+:mod:`stapo.distributed.accumulation` reads that as ``StepResult.applied=False``.
 """
 
 from __future__ import annotations
@@ -24,16 +14,12 @@ from typing import Any
 import torch
 
 from stapo.distributed import zero3_trace
-from stapo.distributed.process_group import get_world_size
+from stapo.distributed.process_group import comm_device, get_world_size
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
-    """lr multiplier for 0-based optimizer step ``step``: linear warm-up, then constant.
-
-    The first step already gets ``1/warmup_steps`` of the lr (a zero-lr first step is a wasted
-    rollout in RL), and step ``warmup_steps - 1`` reaches the full lr; paper Table 6 uses 10.
-    E.g. ``warmup_steps=4``: 0.25, 0.5, 0.75, 1.0, 1.0, ...
-    """
+    """lr factor of 0-based step ``step``: ``(step + 1) / warmup_steps`` up to 1 (paper Table 6: 10 steps); the
+    first step is not zero-lr, which in RL would waste a rollout. ``warmup_steps=4``: 0.25, 0.5, 0.75, 1, 1, ..."""
     if warmup_steps <= 0:
         return 1.0
     return min(1.0, (step + 1) / warmup_steps)
@@ -106,14 +92,7 @@ def deepspeed_config(
     return config
 
 
-# Why bf16 needs ZeRO stage >= 1 (docs/distributed.md, "bf16 gradients accumulate in fp32"). A step sums
-# the gradients of a variable number of micro-batches (token budgets: often dozens). DeepSpeed adds
-# them in ``data_types.grad_accum_dtype``, which defaults to the model's dtype: in bf16 every addition
-# rounds to 8 mantissa bits. With ``fp32`` ZeRO-1 hands each micro-batch's bf16 gradient to its bf16
-# optimizer's fp32 buffer (no partitioning on one GPU) and all-reduces the sum once per step, in fp32
-# (DeepSpeed would cast it to bf16 for that: one more rounding of the whole step's gradient); ZeRO-2/3
-# reduce-scatter each micro-batch's bf16 gradient and accumulate their fp32 partitions. Stage 0
-# (DeepSpeed's DDP-bf16 path) refuses fp32 accumulation (NotImplementedError).
+# docs/distributed.md, "bf16 gradients accumulate in fp32": DeepSpeed's stage 0 cannot accumulate in fp32.
 BF16_NEEDS_STAGE = ("bf16 weights need trainer.zero_stage >= 1: DeepSpeed's stage 0 adds the micro-batch "
                     "gradients of a step in bf16; stage 1 accumulates them in fp32 (on one GPU it partitions "
                     "nothing)")
@@ -139,16 +118,14 @@ def _check_args(lr: float, warmup_steps: int, grad_accum_steps: int, micro_batch
 
 
 def _check_same_weights(model: torch.nn.Module) -> None:
-    """Fail fast if ranks hold different initial weights (ZeRO-3 partitions each rank's local copy,
-    so a per-rank seed would silently train a mixture). Two all-reduces of per-tensor sums."""
+    """Fail fast if ranks hold different initial weights: ZeRO-3 partitions each rank's local copy, so a
+    per-rank seed would silently train a mixture."""
     import torch.distributed as dist
 
     named = [(n, p) for n, p in model.named_parameters() if not hasattr(p, "ds_id")]
     if get_world_size() == 1 or not named:
         return
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    sums = torch.stack([p.detach().double().sum() for _, p in named]).to(device)  # (P,)
+    sums = torch.stack([p.detach().double().sum() for _, p in named]).to(comm_device())  # (P,)
     low, high = sums.clone(), sums.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
@@ -177,14 +154,10 @@ def build_engine(
     offload: bool = False,
     zero_tuning: ZeroTuning | None = None,
 ):
-    """Wrap ``model`` in a DeepSpeed engine (ZeRO-``zero_stage``) with AdamW and the lr schedule.
+    """``model`` in a DeepSpeed engine with AdamW and the lr schedule; every rank passes identical weights.
 
-    The process group must exist (:func:`~stapo.distributed.process_group.init_distributed`). Every
-    rank must pass a model with identical weights (same seed or same checkpoint). The optimizer
-    is ``torch.optim.AdamW`` (deterministic, no JIT build); with ``offload=True`` DeepSpeed's
-    ``DeepSpeedCPUAdam`` in AdamW mode, which ZeRO-Offload requires. ``zero_tuning``: ZeRO bucket,
-    persistence and overlap settings (None: DeepSpeed's defaults). ``gradient_checkpointing`` recomputes each
-    decoder layer in backward; ``compile_layers`` runs each decoder layer through ``torch.compile``.
+    ``torch.optim.AdamW`` (deterministic, no JIT build), or with ``offload`` ``DeepSpeedCPUAdam`` in AdamW
+    mode, which ZeRO-Offload requires.
     """
     import deepspeed
 
@@ -201,7 +174,9 @@ def build_engine(
         optimizer = DeepSpeedCPUAdam(params, lr=lr, betas=betas, eps=eps,
                                      weight_decay=weight_decay, adamw_mode=True)
     else:
-        optimizer = _optimizer_class(zero_stage, bf16)(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        # ZeRO-1..3 and bf16 (which DeepSpeed wraps) skip a non-finite step themselves; fp32 stage 0 needs the guard
+        adamw = GuardedAdamW if zero_stage == 0 and not bf16 else torch.optim.AdamW
+        optimizer = adamw(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if isinstance(optimizer, GuardedAdamW):
         optimizer.max_grad_norm, grad_clip = grad_clip, 0.0  # it clips itself, from the pre-clip norm
     schedule = functools.partial(warmup_factor, warmup_steps=warmup_steps)
@@ -220,10 +195,8 @@ def build_engine(
 
 def build_reference(model: torch.nn.Module, *, zero_stage: int, bf16: bool,
                     zero_tuning: ZeroTuning | None = None) -> torch.nn.Module:
-    """A frozen reference policy for the k3 KL term (``loss.kl_coef > 0``): the initial weights,
-    partitioned like the policy under ZeRO-3 (a DeepSpeed inference engine without optimizer, with the
-    policy's persistence and prefetch settings ``zero_tuning``), a plain module on the policy's device
-    otherwise. Returns the module to run forwards on."""
+    """The frozen initial policy for the k3 KL term, partitioned like the policy under ZeRO-3 (an inference
+    engine), a plain module on the policy's device otherwise; returns the module to run forwards on."""
     model.requires_grad_(False).eval()
     if zero_stage != 3:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -239,15 +212,11 @@ def build_reference(model: torch.nn.Module, *, zero_stage: int, bf16: bool,
 
 
 class GuardedAdamW(torch.optim.AdamW):
-    """AdamW that clips the global grad norm itself and skips a non-finite step, for ZeRO stage 0.
+    """AdamW that clips the global grad norm itself and skips a non-finite step, for fp32 ZeRO stage 0.
 
-    ZeRO-3 detects inf/NaN gradient norms and skips the step; at stage 0 with fp32, DeepSpeed hands
-    the step to the bare torch optimizer and would apply NaNs. This optimizer exposes the same two
-    attributes DeepSpeed's engine reads from its ZeRO optimizers: ``overflow`` (the engine then
-    counts a skipped step and holds the lr schedule) and ``_global_grad_norm`` (the norm before
-    clipping). A skipped step leaves weights and AdamW moments untouched; the grads are cleared by
-    the engine as after any step. Under data parallelism the gradients are already all-reduced when
-    ``step`` runs, so the norm is global.
+    There DeepSpeed hands the step to the bare optimizer, which would apply NaNs; this one sets the two
+    attributes DeepSpeed reads from its ZeRO optimizers: ``overflow`` (a skipped step, lr schedule held) and
+    ``_global_grad_norm`` (before clipping; the grads are already all-reduced, so it is global).
     """
 
     max_grad_norm: float = 0.0
@@ -267,11 +236,6 @@ class GuardedAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def _optimizer_class(zero_stage: int, bf16: bool) -> type[torch.optim.Optimizer]:
-    """ZeRO-3 (and bf16, which DeepSpeed wraps) check overflow themselves; plain fp32 stage 0 needs the guard."""
-    return GuardedAdamW if zero_stage == 0 and not bf16 else torch.optim.AdamW
-
-
 def current_lr(engine) -> float:
     """lr of the first param group, as used by the *next* step."""
     return float(engine.get_lr()[0])
@@ -283,8 +247,7 @@ def base_lrs(engine) -> list[float]:
 
 
 def set_base_lrs(engine, lrs: list[float]) -> None:
-    """New base lrs from the next step on, warm-up included: the scheduler's (saved in checkpoints, so a
-    resume keeps them) and each group's current lr, rescaled by the same factor."""
+    """New base lrs from the next step on, warm-up included (the scheduler's are checkpointed)."""
     scheduler = engine.lr_scheduler
     for group, old, new in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, lrs):
         group["lr"] *= new / old
@@ -292,8 +255,7 @@ def set_base_lrs(engine, lrs: list[float]) -> None:
 
 
 def _enable_activation_checkpointing(model) -> None:
-    """transformers >= 5.2x names it ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
-    is its deprecated alias); older releases have only the alias. A PeftModel forwards either."""
+    """``activation_checkpointing_enable`` (transformers >= 5.2x), else its older alias."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -305,11 +267,8 @@ def _enable_activation_checkpointing(model) -> None:
 
 
 def compile_decoder_layers(model) -> int:
-    """``torch.compile`` every decoder layer (transformers' ``GradientCheckpointingLayer``: Qwen3's, Llama's, ...),
-    in place (``Module.compile``: parameter names and hooks unchanged), for any sequence length; returns how many.
-    The layers share their compiled graphs (parameters are graph inputs); the embedding, the head and the root
-    stay eager. Under ZeRO-3 DeepSpeed's gather hooks, which run eagerly, split each layer's graph at every
-    projection."""
+    """``torch.compile`` every decoder layer in place (names and hooks unchanged, any length); returns how many.
+    The embedding, the head and the root stay eager."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]

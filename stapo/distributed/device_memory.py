@@ -8,9 +8,8 @@ __all__ = ["release_cached_memory"]
 
 
 def release_cached_memory() -> None:
-    """Return the blocks PyTorch's caching allocator holds but does not use (freed gathers, activations,
-    offloaded training state) to the GPU, so a colocated vLLM can map them when it starts or wakes
-    (vLLM empties that cache only when it sleeps). No-op without CUDA."""
+    """Hand the caching allocator's unused blocks back to the GPU for a colocated vLLM (it empties that cache
+    only when it sleeps)."""
     if torch.cuda.is_available():
         import gc
 

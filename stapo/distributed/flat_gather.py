@@ -1,19 +1,20 @@
-"""One all-gather for a bucket of ZeRO-3 partitioned parameters (used by ``weight_sync``).
+"""One all-gather for a bucket of ZeRO-3 partitioned parameters (the weight sync).
 
-Each rank packs its local partitions (``param.ds_tensor``) into one flat byte row, ONE
-``all_gather`` stacks the rows into a ``(world, row)`` buffer, and each parameter is rebuilt as
-the concatenation over ranks of its slice, cut to ``ds_numel`` and viewed as ``ds_shape``.
-DeepSpeed 0.19's layout (``partition_parameters.py``, ``_partition_param``): rank ``r`` holds
-elements ``[r*P, (r+1)*P)`` with ``P = ceil(ds_numel / world)``, padded on the last rank. Slots
-start at 16-byte offsets so every dtype view of the row is aligned.
+Each rank packs its partitions into one flat byte row at 16-byte aligned slots; one ``all_gather`` stacks
+the rows, and each parameter is the concatenation of its rank slices cut to ``ds_numel``. DeepSpeed 0.19's
+layout (``_partition_param``): rank ``r`` holds ``[r*P, (r+1)*P)``, ``P = ceil(ds_numel / world)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+
+from stapo.distributed.process_group import comm_device
 
 _ALIGN = 16  # bytes: every dtype view of a slot in the flat row starts aligned
 
@@ -42,8 +43,7 @@ def flat_layout(params: list[torch.nn.Parameter]) -> tuple[list[PartitionSlot], 
 
 def pack_partitions(parts: list[torch.Tensor], slots: list[PartitionSlot],
                     row: torch.Tensor) -> torch.Tensor:
-    """Fill this rank's flat byte ``row`` (row_bytes,) uint8: partition ``i`` goes to
-    ``slots[i].offset``; alignment gaps are left as they are (never read back)."""
+    """This rank's flat byte ``row``: partition ``i`` at ``slots[i].offset`` (gaps never read back)."""
     for part, slot in zip(parts, slots):
         nbytes = slot.part_numel * part.element_size()
         dest = row[slot.offset:slot.offset + nbytes].view(slot.dtype)  # (P,)
@@ -52,9 +52,7 @@ def pack_partitions(parts: list[torch.Tensor], slots: list[PartitionSlot],
 
 
 def unpack_partitions(rows: torch.Tensor, slots: list[PartitionSlot]) -> list[torch.Tensor]:
-    """Full tensors from gathered rows ``(world, row_bytes)`` uint8: rank slices concatenated,
-    cut to ``numel`` (drops the last rank's padding), viewed as ``shape``. Each owns its storage
-    (per-tensor allocations: CPU malloc and the CUDA caching allocator recycle them cheaply)."""
+    """Full tensors (each owning its storage) from gathered rows ``(world, row_bytes)`` uint8."""
     world = rows.shape[0]
     out = []
     for slot in slots:
@@ -67,8 +65,7 @@ def unpack_partitions(rows: torch.Tensor, slots: list[PartitionSlot]) -> list[to
 
 
 class GatherBuffers:
-    """Send/receive byte buffers reused by the buckets of one iteration: allocated (on CPU,
-    page-faulted) once for the largest multi-tensor bucket, not once per bucket."""
+    """Send/receive byte buffers reused by the buckets of one sync, allocated once for the largest."""
 
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
@@ -102,10 +99,8 @@ def _all_gather_rows(row: torch.Tensor, flat: torch.Tensor, group) -> torch.Tens
 
 def gather_partitioned(params: list[torch.nn.Parameter],
                        buffers: GatherBuffers | None = None) -> list[torch.Tensor]:
-    """Full tensors (owning their storage) of partitioned ZeRO-3 ``params`` of one process
-    group with ONE all-gather. ``buffers`` lets consecutive calls reuse the gather buffers.
-    Collective: all ranks pass the same params in the same order.
-    """
+    """Full tensors of ZeRO-3 ``params`` of one process group with ONE all-gather; collective (same params,
+    same order on every rank)."""
     if not params:
         return []
     group = params[0].ds_process_group
@@ -118,7 +113,8 @@ def gather_partitioned(params: list[torch.nn.Parameter],
             raise ValueError(f"gather_partitioned: parameter ds_id={param.ds_id} has partitions of "
                              f"{slot.part_numel} elements ({param.ds_tensor.numel()} stored) on "
                              f"{world} ranks for {slot.numel} elements: not DeepSpeed's layout")
-    device = _comm_device(params[0].ds_tensor.device, group)
+    device = params[0].ds_tensor.device
+    device = comm_device(group) if device.type == "cpu" else device  # offloaded partitions: NCCL needs CUDA
     if len(params) == 1:  # no packing: gather straight into the full tensor, as DeepSpeed does
         slot, part = slots[0], params[0].ds_tensor.reshape(-1)[:slots[0].part_numel].to(device)
         full = torch.empty(world * slot.part_numel, dtype=slot.dtype, device=device)
@@ -131,8 +127,10 @@ def gather_partitioned(params: list[torch.nn.Parameter],
     return unpack_partitions(rows, slots)
 
 
-def _comm_device(device: torch.device, group) -> torch.device:
-    """NCCL needs accelerator tensors even when partitions are offloaded to CPU."""
-    if device.type == "cpu" and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+def gathered(params: list[torch.nn.Parameter]):
+    """All-gather ZeRO-3 ``params`` for the ``with`` body (read-only, DeepSpeed's gather); no-op for plain ones."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

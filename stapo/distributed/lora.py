@@ -1,22 +1,8 @@
 """LoRA adapters on the policy (PEFT): the one module that imports ``peft`` (docs/lora.md).
 
-LoRA changes nothing in the algorithm: the same surrogate, masks and statistics, computed by the
-same forwards, only the trainable set shrinks to the adapters ``A`` (r x in) and ``B`` (out x r) of
-each target projection, so ``W_eff = W + (alpha / r) B A``. Three things follow for the trainer:
-
-* **Policy.** :func:`wrap_with_lora` wraps the transformers model in a PEFT ``PeftModel`` BEFORE
-  DeepSpeed sees it: ``deepspeed.initialize`` then partitions base weights and adapters alike under
-  ZeRO-3 and builds optimizer state (fp32 master + Adam moments) for the ``requires_grad`` adapters
-  only. Base weights stay frozen and bit-identical.
-* **Reference.** With ``loss.kl_coef > 0`` the reference policy is the initial policy, which for
-  LoRA is the base model: :class:`DisabledAdapters` runs the policy inside PEFT's
-  ``disable_adapter()`` context, so no second copy of the weights exists.
-* **Sync and export.** A rollout engine loads plain base-model tensors (``model.layers.0.self_attn.
-  q_proj.weight``). :class:`AdapterMerge` tells :func:`stapo.sync.buckets.iter_weight_buckets`
-  which parameters to gather together (a base weight with its ``A`` and ``B``, one collective per
-  bucket as before) and turns each gathered bucket into merged tensors under the base names; no
-  ``lora_A``/``lora_B`` name and no PEFT prefix reaches the engine. :func:`adapter_state` gathers
-  the adapters alone, which ``stapo.trainer.checkpoint.export_final`` writes as a PEFT adapter.
+The algorithm is unchanged; only the trainable set shrinks to the adapters. The policy is wrapped before
+DeepSpeed sees it; the KL reference is the policy with its adapters off (:class:`DisabledAdapters`); the
+weight sync merges ``W + scaling * B @ A`` under base-model names (:class:`AdapterMerge`).
 """
 
 from __future__ import annotations
@@ -27,6 +13,7 @@ from typing import Iterator
 
 import torch
 
+from stapo.distributed.flat_gather import gathered
 from stapo.distributed.names import hf_name
 
 #: Qwen3's attention and MLP projections: every linear layer of a decoder block.
@@ -48,13 +35,8 @@ def require_peft():
 
 def wrap_with_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float,
                    target_modules: tuple[str, ...] | list[str], seed: int):
-    """``model`` with LoRA adapters on ``target_modules`` (a ``PeftModel``); only the adapters train.
-
-    ``B`` starts at zero (PEFT's default), so the wrapped policy computes exactly what the base model
-    does until the first update. ``A``'s random init is drawn under ``seed`` in a forked RNG: every
-    rank builds identical adapters (``build_engine`` checks) and the caller's RNG streams are left
-    untouched. Adapters keep the base model's dtype (DeepSpeed holds their fp32 master copy).
-    """
+    """``model`` with LoRA adapters on ``target_modules``; ``A`` is drawn under ``seed`` in a forked RNG, so
+    every rank builds identical adapters and the caller's RNG streams are untouched."""
     problem = lora_target_problem(model, target_modules)
     if problem is not None:
         raise ValueError(problem)
@@ -87,23 +69,19 @@ def is_peft_model(model) -> bool:
 
 
 def plain_model(model) -> torch.nn.Module:
-    """The transformers model inside a ``PeftModel`` (its ``save_pretrained`` writes a full model);
-    ``model`` itself otherwise."""
+    """The transformers model inside a ``PeftModel``, ``model`` itself otherwise."""
     return model.get_base_model() if is_peft_model(model) else model
 
 
 def base_name(name: str) -> str:
-    """A PEFT parameter name as the base model names it:
-    ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight``
-    → ``model.layers.0.self_attn.q_proj.weight``."""
+    """``base_model.model.model.layers.0.q_proj.base_layer.weight`` → ``model.layers.0.q_proj.weight``."""
     if name.startswith(PEFT_PREFIX):
         name = name[len(PEFT_PREFIX):]
     return name.replace(BASE_LAYER, ".")
 
 
 class DisabledAdapters:
-    """The reference policy of a LoRA run: the policy itself inside ``disable_adapter()`` (the base
-    model, i.e. the initial policy, since the base weights never change)."""
+    """The reference policy of a LoRA run: the policy inside ``disable_adapter()`` (the frozen base model)."""
 
     def __init__(self, model) -> None:
         if not is_peft_model(model):
@@ -117,8 +95,7 @@ class DisabledAdapters:
 
 
 def reference_scope(reference) -> contextlib.AbstractContextManager:
-    """``with reference_scope(ref) as module:`` the module to run the reference forward on: a separate
-    frozen model as it is, or the LoRA policy with its adapters off for the ``with`` body."""
+    """``with reference_scope(ref) as module:`` the module to run the reference forward on."""
     return reference.active() if isinstance(reference, DisabledAdapters) else contextlib.nullcontext(reference)
 
 
@@ -132,13 +109,8 @@ class AdapterPair:
 
 
 class AdapterMerge:
-    """How the sync of a LoRA policy groups and rewrites (name, tensor) pairs.
-
-    ``pairs`` maps a base weight's parameter name (wrapper prefixes stripped, as
-    ``stapo.distributed.names.hf_name`` gives it) to its adapter. :meth:`units` keeps a base weight and its
-    adapter in one bucket (so ZeRO-3 gathers them in the same collective); calling the object on a
-    gathered bucket returns merged tensors under base-model names, adapters dropped.
-    """
+    """How the sync of a LoRA policy groups (a base weight with its adapter, in one gather) and merges
+    (name, tensor) pairs; ``pairs``: base weight name (``hf_name``) -> its adapter."""
 
     def __init__(self, pairs: dict[str, AdapterPair]) -> None:
         self.pairs = pairs
@@ -146,8 +118,7 @@ class AdapterMerge:
 
     @classmethod
     def of(cls, model: torch.nn.Module, name_fn) -> "AdapterMerge | None":
-        """The merge plan of ``model`` (a PEFT model, or a DeepSpeed engine around one), None without
-        LoRA layers. ``name_fn`` maps a raw parameter name to the sync's name (``hf_name``)."""
+        """The merge plan of ``model``, None without LoRA layers; ``name_fn``: raw name -> the sync's name."""
         pairs = {}
         for prefix, module in model.named_modules():
             if not (hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "scaling")):
@@ -167,8 +138,7 @@ class AdapterMerge:
         return cls(pairs) if pairs else None
 
     def units(self, names: list[str]) -> list[list[int]]:
-        """Indices of ``names`` grouped so each base weight travels with its ``A`` and ``B``; order kept
-        (a unit sits where its first member is)."""
+        """Indices of ``names`` grouped so each base weight travels with its ``A`` and ``B``; order kept."""
         index = {n: i for i, n in enumerate(names)}
         missing = [n for p in self.pairs.values() for n in (p.lora_a, p.lora_b) if n not in index]
         if missing:
@@ -198,18 +168,8 @@ class AdapterMerge:
 
 
 def adapter_state(model) -> dict[str, torch.Tensor]:
-    """The adapters' tensors on the CPU under PEFT's names (what ``save_pretrained`` of a PeftModel
-    writes as ``adapter_model.safetensors``). Collective under ZeRO-3 (the adapters are gathered)."""
+    """The adapters' tensors on the CPU under PEFT's names; collective under ZeRO-3."""
     module = getattr(model, "module", model)
     named = [(n, p) for n, p in module.named_parameters() if ".lora_" in n]
-    with _gathered(p for _, p in named):
+    with gathered([p for _, p in named]):
         return {hf_name(n): p.detach().to("cpu", copy=True) for n, p in named}
-
-
-def _gathered(params):
-    params = list(params)
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

@@ -1,9 +1,5 @@
-"""Parameter names as the Hugging Face checkpoint names them, whatever wraps the module.
-
-DeepSpeed's engine (and DDP) prefix ``module.``, ``torch.compile`` prefixes ``_orig_mod.``; the
-weight sync (``stapo.sync``) and the LoRA adapter export (``stapo.distributed.lora``) both need the
-plain name, so the helper lives here, below both of them.
-"""
+"""Parameter names as the Hugging Face checkpoint names them, whatever wraps the module (used by the
+weight sync and the LoRA export, so it lives below both)."""
 
 from __future__ import annotations
 

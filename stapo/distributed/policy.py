@@ -1,28 +1,10 @@
-"""Teacher-forced token statistics of the policy over rollout responses (Algorithm 1 line 8).
+"""Teacher-forced token statistics of the policy over rollout responses (Algorithm 1 line 8; docs/losses.md).
 
-For every response token ``y_t`` we need ``log pi(y_t | x, y_<t)`` and the entropy of that
-next-token distribution, at the sampling temperature, in fp32. They are computed from the decoder's
-hidden states with :func:`stapo.losses.token_logprobs_and_entropy`, which works in token chunks and
-recomputes each chunk in backward, so a micro-batch never materializes ``(tokens x vocab)`` logits
-(docs/losses.md: Qwen3's 151,936-token vocabulary makes those tens of GB on long responses).
-
-Under ZeRO-3 the lm_head weight is partitioned. The chunked op is therefore run *as the lm_head
-module's forward*: DeepSpeed's module hooks gather the weight for forward and again for backward,
-exactly as they do for the plain ``nn.Linear`` they replace, and reduce-scatter its gradient.
-
-The whole pass (decoder, then the head at the target positions) in turn runs *as the root module's
-forward* (:func:`head_on_targets`): DeepSpeed's stage-3 parameter coordinator starts a pass of its
-recorded trace only from the root module's forward pre-hook, and without a complete trace it prefetches
-nothing (docs/distributed.md, "ZeRO-3 prefetch").
-
-Rows are fed either padded (:class:`PolicyInputs`) or packed into one padding-free row
-(:class:`PackedInputs`, ``trainer.packing``); both give the same statistics (to float rounding,
-tested to 1e-5 in fp32) and :func:`teacher_forced_inputs` is the one place that builds them.
-
-A multi-turn episode's response interleaves the policy's tokens with context tokens (tool output,
-chat-template tokens; ``context_mask``, docs/tir.md). Context tokens are real INPUTS (attended to,
-positioned, packed, trimmed like any token) but never TARGETS: the head runs only where
-``response_mask`` is True, so they get no logprob, no entropy and no gradient of their own.
+``log pi(y_t)`` and the entropy come from the chunked op (:func:`stapo.losses.token_logprobs_and_entropy`),
+run as the lm_head's forward so ZeRO-3's hooks gather its weight, and the whole pass runs as the root
+module's forward so ZeRO-3 prefetches (docs/distributed.md, "ZeRO-3 prefetch"). Rows are padded or packed
+(``trainer.packing``; equal to 1e-5 in fp32). Context tokens of multi-turn episodes (docs/tir.md) are
+inputs, never targets.
 """
 
 from __future__ import annotations
@@ -82,15 +64,10 @@ class PolicyInputs:
 
 @dataclass
 class PackedInputs:
-    """Padding-free teacher-forced inputs: ``b`` sequences (prompt + response) concatenated in rows.
+    """Padding-free teacher-forced inputs: ``b`` sequences concatenated in rows, position ids restarting at 0.
 
-    Position ids restart at 0 for every sequence, and attention never crosses sequences: sdpa/eager get
-    transformers' dense block-causal mask (derived from the position ids), flex_attention a block mask
-    and flash-attention ``cu_seqlens`` built from them (stapo.distributed.attention).
-    ``row_width=None`` packs everything into ONE row (right for flash/flex attention, whose cost follows
-    the real sequences); a width packs sequences first-fit-decreasing into rows of at most that many
-    tokens (right for sdpa, whose block-diagonal mask is dense: attention then costs ``rows x width^2``,
-    never more than the padded path's). The unused tail of a row is a separate dummy sequence no real token attends to.
+    ``row_width=None``: ONE row (flash/flex, whose cost follows the sequences); a width: first-fit-decreasing
+    rows (sdpa's dense mask then costs no more than padding). A row's unused tail is a dummy sequence.
     """
 
     input_ids: torch.Tensor  # (R, S) long
@@ -134,8 +111,7 @@ class PackedInputs:
                             self.response_ids.to(device), self.response_mask.to(device))
 
     def target_hidden(self, decoder) -> torch.Tensor:
-        """As :meth:`PolicyInputs.target_hidden`; what keeps the sequences apart (a flex ``BlockMask``, flash's
-        ``cu_seqlens``) is built here, once per micro-batch, and every layer reuses it (``attention.py``)."""
+        """As :meth:`PolicyInputs.target_hidden`; the attention arguments are built once per micro-batch."""
         attention = packed_attention_kwargs(decoder.config._attn_implementation, self.position_ids)
         out = decoder(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False, **attention)
         return out.last_hidden_state.flatten(0, 1)[self.target_index]  # (N, H)
@@ -161,9 +137,8 @@ TeacherForcedInputs = Union[PolicyInputs, PackedInputs]
 
 def teacher_forced_inputs(prompt_ids, prompt_mask, response_ids, response_mask, *, packed: bool,
                           one_row: bool = False, context_mask=None) -> TeacherForcedInputs:
-    """THE builder of teacher-forced inputs for the rows given: padded, or packed into rows as wide as
-    the longest sequence (``one_row``: a single row, for block-sparse attention kernels).
-    ``context_mask`` (B, T) bool: context tokens of multi-turn episodes (None: none)."""
+    """THE builder of teacher-forced inputs: padded, or packed into rows as wide as the longest sequence
+    (``one_row``: a single row, for block-sparse attention kernels)."""
     if not packed:
         return PolicyInputs.from_parts(prompt_ids, prompt_mask, response_ids, response_mask, context_mask)
     real = response_mask if context_mask is None else response_mask | context_mask
@@ -182,9 +157,8 @@ def _trim_responses(response_ids, response_mask, context_mask=None):
 
 
 def _run_as_forward(module: torch.nn.Module, fn, *args, caller=None):
-    """Call ``fn(*args)`` as ``module``'s forward, so the hooks registered on ``module`` (ZeRO-3's
-    parameter gathering, release and trace bookkeeping) run around it as around the real forward.
-    ``caller``: what calls ``module`` (e.g. the DeepSpeed engine wrapping it); ``None``: ``module``."""
+    """Call ``fn(*args)`` as ``module``'s forward, so its hooks (ZeRO-3's gathers) run around it;
+    ``caller``: what calls ``module`` (e.g. the DeepSpeed engine wrapping it)."""
     module.forward = fn
     try:
         return (caller or module)(*args)
@@ -193,14 +167,9 @@ def _run_as_forward(module: torch.nn.Module, fn, *args, caller=None):
 
 
 def head_on_targets(model, inputs: TeacherForcedInputs, fn, runner=None):
-    """``fn(hidden, head_weight)`` on the hidden states that predict the valid response tokens.
-
-    One call of the root module ``model``: the decoder runs over the rows, then ``fn`` runs as the
-    lm_head's forward on the ``(N, H)`` target hidden states only (never on prompt positions).
-    ``runner`` is what calls the root module: the DeepSpeed engine wrapping ``model`` for a pass that
-    is backpropagated (its forward registers the backward hooks its optimizer relies on, e.g. the
-    bf16 optimizer's per-micro-batch gradient hand-off); ``None`` calls ``model`` itself.
-    """
+    """``fn(hidden, head_weight)`` on the ``(N, H)`` hidden states that predict valid response tokens, in one
+    call of the root module; ``runner``: the DeepSpeed engine for a pass that is backpropagated (its forward
+    registers the backward hooks its optimizer relies on)."""
     head = model.get_output_embeddings()
 
     def forward():
@@ -212,12 +181,8 @@ def head_on_targets(model, inputs: TeacherForcedInputs, fn, runner=None):
 
 def response_token_stats(model, inputs: TeacherForcedInputs, *, temperature: float, chunk_size: int,
                          entropy_grad: bool = False, runner=None):
-    """``(logprobs, entropy)`` of each response token, ``(b, T)`` fp32, zero on padding.
-
-    ``logprobs`` carries gradients when called with grad enabled; ``entropy`` only with
-    ``entropy_grad`` (the entropy bonus, ``loss.entropy_coef``). ``runner``: the DeepSpeed engine
-    when the result is backpropagated (:func:`head_on_targets`).
-    """
+    """``(logprobs, entropy)`` of each response token, ``(b, T)`` fp32, zero on padding; ``entropy`` carries
+    a gradient only with ``entropy_grad`` (the entropy bonus)."""
     mask = inputs.response_mask
     labels = inputs.response_ids[mask]  # (N,)
 

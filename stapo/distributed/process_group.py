@@ -1,25 +1,10 @@
-"""Process-group setup and the few collectives the trainer needs (docs/distributed.md).
+"""Process-group setup and the few collectives the trainer needs (docs/distributed.md, "Launch").
 
-One code path for every launch mode:
-
-* ``python train.py`` (no launcher): a 1-rank process group on ``127.0.0.1`` with a free port.
-  The only environment change is ``LOCAL_RANK=0`` when it is unset, because DeepSpeed's engine
-  reads it from ``os.environ`` (``DeepSpeedEngine._configure_with_arguments``); the rendezvous
-  itself goes through a ``tcp://`` URL so ``MASTER_*``/``RANK``/``WORLD_SIZE`` stay untouched.
-* ``deepspeed --num_gpus N``, ``torchrun --nproc-per-node N``, ``accelerate launch``: all three
-  export ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``, which
-  ``deepspeed.init_distributed`` reads (``env://``). ``accelerate launch --cpu`` with several
-  processes runs under ``mpirun``; the MPI variables are then discovered by DeepSpeed (mpi4py).
-* Several nodes (``torchrun --nnodes M``, the DeepSpeed launcher with a hostfile): the same variables.
-  ``RANK`` and ``WORLD_SIZE`` are global and decide data shares, seeds, files and collectives;
-  ``LOCAL_RANK`` counts on its node and only picks the device. The run directory must be shared by
-  all nodes (``stapo.distributed.shared_dir``).
-
-Backend: ``nccl`` when CUDA is available, ``gloo`` on CPU (DeepSpeed's CPU accelerator is picked
-automatically without a GPU, or with ``DS_ACCELERATOR=cpu``).
-
-Metrics stay tensors until the end of the step, then :func:`reduce_metrics` does one all-reduce of
-one stacked tensor and one ``.tolist()``.
+One code path for every launch mode: without a launcher a 1-rank group on a free ``127.0.0.1`` port (only
+``LOCAL_RANK=0`` is set, which DeepSpeed's engine reads); under deepspeed/torchrun/accelerate (one node or
+several) the launcher's ``RANK``/``WORLD_SIZE``/``MASTER_*`` (``env://``), under mpirun MPI's. ``RANK`` is
+global and decides data, seeds, files and collectives; ``LOCAL_RANK`` only picks the device. nccl on CUDA,
+gloo on CPU.
 """
 
 from __future__ import annotations
@@ -33,7 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stapo.losses.reduce import distributed_on, world_size
+from stapo.losses.reduce import distributed_on
+from stapo.losses.reduce import rank as get_rank  # noqa: F401  (the one rank / world-size lookup)
+from stapo.losses.reduce import world_size as get_world_size
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _MPI_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -60,16 +47,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def _launched() -> bool:
-    """True under torchrun/deepspeed/accelerate (GPU) launch; raises on a half-set environment.
-
-    ``MASTER_ADDR``/``MASTER_PORT`` alone do not count: ``accelerate launch --cpu`` sets them
-    for a single process.
-    """
+    """True under a torchrun/deepspeed/accelerate launch; raises on a half-set environment
+    (``MASTER_*`` alone do not count: ``accelerate launch --cpu`` sets them for one process)."""
     present = [name for name in _LAUNCHER_ENV if name in os.environ]
     if "RANK" not in present and "WORLD_SIZE" not in present:
         return False
@@ -94,19 +74,15 @@ def launcher_world_size() -> int:
 
 
 def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> DistInfo:
-    """Join (or create) the default process group and return this rank's :class:`DistInfo`.
+    """Join (or create; an existing group is reused) the default process group: this rank's :class:`DistInfo`.
 
-    Idempotent: when a process group already exists it is reused. Under a launcher the
-    environment decides rank and world size; without one a single-rank group is created.
-    ``timeout``: how long a collective waits for the slowest rank before failing (None: DeepSpeed's
-    ``DEEPSPEED_TIMEOUT``, 10 minutes, too short for RL, where ranks generate different shares of long
-    responses and the next collective waits for the last; ``trainer.collective_timeout_minutes``).
-    It is set on an existing group too.
+    ``timeout`` (``trainer.collective_timeout_minutes``; also set on an existing group): how long a collective
+    waits for the slowest rank. DeepSpeed's default, 10 minutes, is short for RL's uneven generation.
     """
     import deepspeed  # heavy: only the trainer pays for it
 
     launched = _launched()  # validates a half-set launcher environment even when a group exists
-    backend = backend or default_backend()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     use_cuda = backend == "nccl" and torch.cuda.is_available()
     if use_cuda and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before NCCL binds a device
@@ -134,35 +110,23 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-_active = distributed_on
-
-
-def get_rank() -> int:
-    return dist.get_rank() if _active() else 0
-
-
-def get_world_size() -> int:
-    return world_size()
-
-
 def barrier() -> None:
     """Wait for every rank (no-op without a process group)."""
-    if _active():
+    if distributed_on():
         dist.barrier()
 
 
 def close_distributed() -> None:
-    """Leave the default process group once every rank is done. A gloo group left to the interpreter's
-    exit can abort the process ("terminate called without an active exception") after its work
-    finished, so scripts that joined a group close it themselves."""
-    if _active():
+    """Leave the default process group once every rank is done: a gloo group left to the interpreter's exit
+    can abort the process after its work finished."""
+    if distributed_on():
         dist.barrier()
         dist.destroy_process_group()
 
 
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, indexed by rank."""
-    if not _active():
+    if not distributed_on():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -170,9 +134,8 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s ``obj`` on every rank (``obj`` itself without a process group): one rank decides
-    what all must agree on, e.g. the checkpoint to resume."""
-    if not _active():
+    """Rank ``src``'s ``obj`` on every rank: one rank decides what all must agree on (the checkpoint to resume)."""
+    if not distributed_on():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -183,33 +146,30 @@ def all_reduce_max(value: float) -> float:
     """The maximum of ``value`` over all ranks (itself without a process group)."""
     if get_world_size() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=_comm_device())
+    t = torch.tensor([value], dtype=torch.float64, device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
-def _comm_device() -> torch.device:
-    if _active() and dist.get_backend() == "nccl":
+def comm_device(group=None) -> torch.device:
+    """Where a collective's tensors must live: NCCL needs accelerator tensors, gloo takes CPU ones."""
+    if distributed_on() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def reduce_metrics(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
-    """Sum each named scalar over all ranks: ONE all-reduce, ONE ``.tolist()``.
-
-    Values are per-rank *sums* (e.g. ``Σ reward`` and a count); divide after reducing to get
-    global means that do not depend on how samples are spread over ranks. Scalars are
-    reduced in float64 so counts of billions of tokens stay exact.
-    """
+    """Sum each named per-rank sum over all ranks in ONE all-reduce, in float64 (billions of tokens stay
+    exact); divide after reducing, so means do not depend on the split."""
     if not sums:
         return {}
     names = list(sums)
-    device = _comm_device()
+    device = comm_device()
     values = [torch.as_tensor(sums[name]).detach() for name in names]
     bad = [name for name, value in zip(names, values) if value.numel() != 1]
     if bad:
         raise ValueError(f"reduce_metrics expects scalars; not scalar: {bad}")
     stacked = torch.stack([v.to(device, torch.float64).reshape(()) for v in values])  # (M,)
-    if _active() and dist.get_world_size() > 1:
+    if distributed_on() and dist.get_world_size() > 1:
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
     return dict(zip(names, stacked.tolist()))

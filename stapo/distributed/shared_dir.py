@@ -1,14 +1,6 @@
 """One run directory that every rank sees, checked before anything is written (docs/distributed.md,
-"Several nodes").
-
-Global rank 0 writes the checkpoints' metadata, renames ``.tmp-step_N`` into place, writes ``latest``,
-``metrics.jsonl`` and the exported model, while every rank writes its own ZeRO shard next to them.
-That is only a checkpoint when all ranks write into the SAME directory: with a node-local
-``output_dir`` each node would keep a fragment, ``latest`` would name shards other nodes never wrote
-and the ranks would resume from different steps. So a multi-rank run starts with a probe: rank 0
-writes a file with a fresh random name, every rank looks for it, and if any rank cannot see it every
-rank stops with the same one-line error (no rank is left waiting in a collective). The name is new
-each time, so an NFS client cannot answer from a cached lookup of an earlier probe.
+"Several nodes"): rank 0 writes a probe file under a fresh name (no cached NFS lookup answers it), every
+rank looks for it, and if one cannot see it every rank stops with the same one-line error.
 """
 
 from __future__ import annotations
@@ -62,13 +54,8 @@ def _sees_probe(root: Path, token: str, wait_s: float) -> str | None:
 
 
 def require_shared_dir(path: str | os.PathLike, *, name: str, wait_s: float = 5.0) -> Path:
-    """Create ``path`` and check that every rank sees the same directory; collective.
-
-    Raises :class:`NotSharedError` on EVERY rank, naming ``name`` (the config key), the path and the
-    ranks that cannot see rank 0's probe. ``wait_s`` bounds how long a rank keeps looking (a slow
-    shared filesystem may show a new file late); a shared directory costs one file write and two
-    small collectives. A single rank returns at once.
-    """
+    """Create ``path`` and check that every rank sees it (collective); :class:`NotSharedError` on EVERY rank
+    otherwise. ``wait_s``: how long a rank keeps looking (a slow shared filesystem shows a new file late)."""
     root = Path(path)
     if get_world_size() == 1:
         try:

@@ -1,22 +1,10 @@
-"""The training side's ZeRO state in host memory while colocated vLLM generates (``rollout.offload_training_state``).
+"""The training side's ZeRO state in host memory while colocated vLLM generates (``rollout.offload_training_state``;
+docs/gpu.md, "Colocated memory").
 
-Colocated, each GPU holds the training side and vLLM at once. vLLM sleeps during the update, but the
-ZeRO state stays on the GPU during the rollout: for 14B on 8 ranks under ZeRO-3 that is ~29.5 GB per
-rank (bf16 parameter and gradient shards 3.7 GB each, fp32 master weights 7.4 GB, AdamW moments
-14.8 GB), and vLLM's KV cache gets what is left (docs/gpu.md, "Colocated memory"). `TrainingOffload`
-moves all of it to pinned host memory before vLLM starts or wakes its KV cache, and back before the
-stats pass; values are copied, never recomputed, so training is bit-identical with and without it.
-
-DeepSpeed 0.19.8's ``engine.offload_states`` moves the shards of ZeRO-1/2 with any optimizer, but
-under ZeRO-3 moves the fp32 master weights and the optimizer state only for its own ``FusedAdam``
-(``deepspeed/runtime/zero/stage3.py``, ``offload_states``: "Offloading is supported only for DeepSpeed
-FusedAdam"). stapo steps with ``torch.optim.AdamW``, whose state per parameter is the same
-``exp_avg`` / ``exp_avg_sq`` pair, so under ZeRO-3 DeepSpeed moves the bf16 shards, gradient
-partitions and reduce buckets, and this module the fp32 partitions and the moments: each tensor's
-``.data`` is pointed at a host buffer allocated (and pinned) once, so every reference the optimizer
-and DeepSpeed hold stays valid and nothing new enters the optimizer's ``state_dict`` (checkpoints are
-unchanged). Under ZeRO-1/2 DeepSpeed pins fresh host buffers for the optimizer state at every move
-(``offload_optimizer_states``); its own buffers for the rest are kept.
+Values are copied, never recomputed: training is bit-identical with and without it. Under ZeRO-3 DeepSpeed's
+``offload_states`` moves the fp32 master weights and moments only for its own FusedAdam, so for torch AdamW
+this module moves those itself, pointing each tensor's ``.data`` at a pinned host buffer allocated once
+(every reference stays valid; checkpoints are unchanged).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """One ZeRO-3 parameter trace per pass kind, so every pass prefetches (docs/distributed.md, "ZeRO-3 prefetch").
 
-DeepSpeed's stage-3 ``PartitionedParameterCoordinator`` (0.19.8) holds ONE trace per engine and
-prefetches only from a complete one; the trainer's stats pass (forward only) and update (forward +
-backward) keep invalidating each other's. :func:`pass_kind` makes a coordinator of the pass's own kind
-the active one for the ``with`` body, through ``DeepSpeedZeRoOffload.get_param_coordinator()``: each kind
-records its trace once and keeps it. The coordinators share the engine's in-flight registry, so gathers
-and releases follow DeepSpeed's own rules; prefetching changes when a parameter is gathered, never its
-value. docs/distributed.md has the measurements and the tests.
+DeepSpeed's stage-3 coordinator (0.19.8) keeps ONE trace per engine and prefetches only from a complete
+one; the stats pass and the update invalidate each other's. :func:`pass_kind` swaps in a coordinator of the
+pass's own kind; they share the in-flight registry, so prefetching changes when a parameter is gathered,
+never its value.
 """
 
 from __future__ import annotations
@@ -20,20 +17,8 @@ import torch
 #: pass kinds of the trainer: the no-grad stats (and token-record) passes, the update, the KL reference
 NO_GRAD, UPDATE, REFERENCE = "no_grad", "update", "reference"
 
-_TRACES: "weakref.WeakKeyDictionary[torch.nn.Module, PassTraces]" = weakref.WeakKeyDictionary()
-
-
-class PassTraces:
-    """The coordinators of one ZeRO-3 engine, one per pass kind (created on first use)."""
-
-    def __init__(self, offload) -> None:
-        self.offload = offload
-        self.coordinators: dict[str, object] = {}
-
-    def coordinator(self, kind: str):
-        if kind not in self.coordinators:
-            self.coordinators[kind] = _new_coordinator(self.offload)
-        return self.coordinators[kind]
+#: root module -> (its engine's DeepSpeedZeRoOffload, {pass kind: coordinator, created on first use})
+_TRACES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _new_coordinator(offload):
@@ -61,8 +46,7 @@ def _new_coordinator(offload):
 
 
 def zero3_offload(engine):
-    """The engine's ``DeepSpeedZeRoOffload`` (stage 3 only; None otherwise): the training engine's
-    optimizer holds it, an optimizer-less (inference) engine's optimizer IS it."""
+    """The engine's ``DeepSpeedZeRoOffload`` (stage 3 only; None otherwise)."""
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
     optimizer = getattr(engine, "optimizer", None)
@@ -75,7 +59,7 @@ def register(engine) -> None:
     """Give the ZeRO-3 ``engine`` one trace per pass kind (no-op below stage 3)."""
     offload = zero3_offload(engine)
     if offload is not None:
-        _TRACES[engine.module] = PassTraces(offload)
+        _TRACES[engine.module] = (offload, {})
 
 
 def unregister(module: torch.nn.Module) -> None:
@@ -85,17 +69,15 @@ def unregister(module: torch.nn.Module) -> None:
 
 @contextlib.contextmanager
 def pass_kind(module: torch.nn.Module, kind: str) -> Iterator[None]:
-    """Run the passes of ``module`` in the body on the ZeRO-3 trace kept for ``kind``.
-
-    ``module``: the root module the passes call (``engine.module``). A no-op for a module that is
-    not a registered ZeRO-3 engine's. Nested scopes: the innermost kind applies in its body.
-    """
-    traces = _TRACES.get(module)
-    if traces is None:
+    """Run the passes of ``module`` (``engine.module``) in the body on the trace kept for ``kind``; a no-op
+    for an unregistered module; the innermost scope applies."""
+    if module not in _TRACES:
         yield
         return
-    offload = traces.offload
-    previous, offload.param_coordinator = offload.param_coordinator, traces.coordinator(kind)
+    offload, coordinators = _TRACES[module]
+    if kind not in coordinators:
+        coordinators[kind] = _new_coordinator(offload)
+    previous, offload.param_coordinator = offload.param_coordinator, coordinators[kind]
     try:
         yield
     finally:

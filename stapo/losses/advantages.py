@@ -1,15 +1,7 @@
-"""Group-relative advantages (paper Eq. 2; docs/losses.md).
+"""Group-relative advantages (paper Eq. 2; docs/losses.md, "Group advantages").
 
-Every response ``y_i`` of a prompt's group of ``G`` samples gets one scalar advantage that all of
-its tokens share:
-
-* ``scale="group"`` (GRPO / STAPO, Eq. 2): ``A_i = (R_i - mean_g R) / (std_g R + eps)`` with the
-  **unbiased** (Bessel-corrected, ``N - 1``) group standard deviation, i.e. ``torch.std``'s
-  default as used by GRPO and verl.
-* ``scale="none"`` (Dr.GRPO): ``A_i = R_i - mean_g R``.
-
-A group whose rewards are all equal carries no learning signal: its advantages are exactly 0
-(never NaN, never ``0 / eps`` amplification of float round-off).
+``scale="group"`` (GRPO / STAPO): ``(R_i - mean_g R) / (std_g R + eps)`` with the unbiased std, as GRPO and
+verl; ``scale="none"`` (Dr.GRPO): ``R_i - mean_g R``. A group of equal rewards gets exactly 0 (never NaN).
 """
 
 from __future__ import annotations
@@ -24,10 +16,7 @@ _SCALES = ("group", "none")
 def group_advantages(
     rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6
 ) -> torch.Tensor:
-    """Advantages ``(N,)`` for rewards ``(N,)`` laid out as consecutive groups of ``group_size``.
-
-    Computed in fp32 (or fp64 if ``rewards`` is fp64) and vectorized over groups.
-    """
+    """Advantages ``(N,)`` (fp32, fp64 for fp64 rewards) for consecutive groups of ``group_size`` rewards."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:

@@ -1,13 +1,8 @@
 """Built-in mask strategies: STAPO's S2T mask, its ablations and the baselines (docs/losses.md).
 
-Each class states what it silences (``p`` = token probability, ``H`` = entropy, ``A`` = advantage)
-and its role in the paper; docs/losses.md has one section per mask.
-
-``tau_p`` is absolute (Remark 3.5) and compared in log space, ``logprob < log(tau_p)``, so no
-``exp`` underflow decides anything. ``tau_h`` is the ``entropy_quantile`` (q) quantile of the
-entropy over all valid tokens of the mini-batch (all ranks when distributed), so with the
-default q = 0.8 "low entropy" is the bottom 80%. The paper counts from the top: its
-"tau_h = 20%" (§5.3) is q = 0.8, i.e. tau_h% = 1 - entropy_quantile.
+``tau_p`` is absolute (Remark 3.5) and compared in log space, so no ``exp`` underflow decides anything.
+``tau_h`` is the ``entropy_quantile`` (q) quantile of the mini-batch's valid-token entropy on all ranks;
+the paper's "tau_h = 20%" (§5.3) is q = 0.8.
 """
 
 from __future__ import annotations
@@ -68,10 +63,7 @@ class _LowProbEntropyMask(TokenMask):
 
 @register_mask("stapo")
 class STAPOMask(_LowProbEntropyMask):
-    """S2T: silence spurious tokens, A > 0 and p < tau_p and H < tau_h (Algorithm 1 line 10).
-
-    ``entropy_quantile`` 0.8 is the paper's tau_h = 20% (tau_h% = 1 - entropy_quantile).
-    """
+    """S2T: silence spurious tokens, A > 0 and p < tau_p and H < tau_h (Algorithm 1 line 10)."""
 
     def silence(self, stats: TokenStats):
         tau_h = _entropy_threshold(stats, self.entropy_quantile)

@@ -1,20 +1,10 @@
-"""Off-policy corrections: importance weights and rejection from the sampler's and theta_old's log-probs.
+"""Off-policy corrections from the sampler's and theta_old's log-probs (docs/losses.md, "Off-policy corrections").
 
-The surrogate (Eq. 1) is an expectation under theta_old, but the rows were sampled by the rollout
-engine: other numerics (vLLM kernels, bf16) and, with ``rollout.max_staleness >= 1``, older weights.
-With ``log r_t = log pi_old(y_t) - log pi_sampler(y_t)`` on the valid tokens of ``mask`` this module
-computes, as pure functions of ``(B, T)`` tensors (docs/losses.md, "Off-policy corrections"; names and
-semantics of verl's rollout correction, ``verl/trainer/ppo/rollout_corr_helper.py``):
-
-importance weights (``rollout_is``: ``token`` or ``sequence``, truncated at ``C`` (TIS) or zeroed
-outside a band ``"lo_hi"`` (IcePop), optionally batch-normalized over ALL ranks) and rejection
-(``rollout_rs``: k1 / k2 / k3 divergences per token or per row). docs/losses.md has the table of
-formulas and thresholds. A weight multiplies its token's surrogate and a zero weight keeps the token in
-the loss normalizer; a rejected token (a whole row for ``seq_*``) leaves the loss AND its normalizer, as
-a silenced one does.
-
-Everything here depends on a row's own tokens, except batch normalization (two all-reduced sums):
-the result never depends on how rows are spread over micro-batches or ranks.
+With ``log r_t = log pi_old(y_t) - log pi_sampler(y_t)``: importance weights (``rollout_is``; TIS cap or
+IcePop band, optionally batch-normalized over ALL ranks) and rejection (``rollout_rs``: k1/k2/k3 per token
+or per row), with the names and semantics of verl's ``rollout_corr_helper.py``. A weight multiplies its
+token's surrogate (a zero keeps it in the normalizer); a rejected token leaves loss AND normalizer.
+Only batch normalization looks beyond a row, so nothing depends on the split.
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ from typing import Union
 
 import torch
 
-from stapo.losses.reduce import all_reduce_sum_
+from stapo.losses.reduce import all_reduce_sum_, masked_mean, masked_sum
 from stapo.registry import Registry
 
 __all__ = ["RS_OPTIONS", "IS_LEVELS", "SAFETY_BOUND", "RejectionBound", "CorrectionResult", "RolloutCorrection",
@@ -50,16 +40,12 @@ def log_ratio(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, mask:
     return torch.where(mask, old_logprobs.detach().float() - sampling_logprobs.detach().float(), zero)
 
 
-def _row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim=1)  # (B,)
-
-
 def raw_weights(lr: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """Untruncated ratios (B, T): ``exp(clamp(log r))`` per token or ``exp(clamp(sum log r))`` per row."""
     if level not in IS_LEVELS:
         raise ValueError(f"rollout_is must be one of {list(IS_LEVELS)} or null, got {level!r}")
     if level == "sequence":
-        lr = _row_sum(lr, mask)[:, None].expand_as(lr)
+        lr = masked_sum(lr, mask, dim=1)[:, None].expand_as(lr)
     return lr.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
 
 
@@ -113,8 +99,8 @@ def _row_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 _register("token", lambda x, mask: x)
-_register("seq_sum", _row_sum)
-_register("seq_mean", lambda x, mask: _row_sum(x, mask) / mask.sum(dim=1).clamp(min=1).float())
+_register("seq_sum", lambda x, mask: masked_sum(x, mask, dim=1))
+_register("seq_mean", lambda x, mask: masked_mean(x, mask, dim=1))
 _register("seq_max", _row_max, kinds=("k2", "k3"))  # k1 = -log r takes both signs: a max would hide a low ratio
 
 

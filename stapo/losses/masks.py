@@ -1,23 +1,9 @@
 """Token masks: which response tokens contribute to the loss (paper §3.3, Algorithm 1 lines 7-10).
 
-One meaning of mask everywhere: ``keep`` is True where a token contributes. A mask strategy is a
-small dataclass (its fields are its parameters) that implements ONE method: either
-``silence(stats)``, returning a bool ``(B, T)`` tensor of tokens to silence, or ``weigh(stats)``,
-returning float ``(B, T)`` token weights (each optionally with a dict of the thresholds it used).
-The base class turns that into ``keep``, ``silenced`` and ``weights`` (float, 0 on padding and on
-silenced tokens, 1 on the kept tokens of a plain mask), so no strategy can ever keep padding. The
-loss multiplies each token's clipped surrogate by its weight and divides by the number of tokens
-with ``weight > 0`` (docs/losses.md, "Token weights"): a plain mask's losses are bit-identical.
-
-A strategy with state across steps (STARE's adaptive weights) overrides ``start_step`` (called once
-per step with the rollout batch's mean entropy) and ``state_dict`` / ``load_state_dict`` (saved in
-the trainer's checkpoint, so a resumed run continues exactly).
-
-The mask registry (``MASKS``, a :class:`stapo.registry.Registry`) makes a strategy available to
-``build_mask``, configs and ``stapo masks``; docs/losses.md, "Your own mask", shows how to add one.
-
-The built-ins (``none``, ``stapo``, ``prob_only``, ``high_entropy_low_prob``, ``entropy_top``)
-live in ``builtin_masks.py``; the weighting ones (``stare``, ``clip_cov``) in ``weighting_masks.py``.
+A strategy is a registered dataclass implementing ``silence(stats)`` (bool tokens to silence) or
+``weigh(stats)`` (float token weights); the base class turns either into ``keep``/``silenced``/``weights``
+intersected with the response mask, so no strategy can keep padding. docs/losses.md, "Token masks" and
+"Your own mask"; stateful strategies (STARE) override ``start_step`` / ``state_dict`` / ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -115,15 +101,9 @@ WeighOutput = SilenceOutput  # float weights instead of a bool tensor
 
 @dataclass
 class TokenMask:
-    """Base class of mask strategies. Subclasses implement ``silence`` OR ``weigh``.
-
-    ``silence(stats)`` returns a bool ``(B, T)`` tensor (or one that broadcasts to it, e.g. a
-    ``(T,)`` positional rule), True = silence this token, or a pair
-    ``(silenced, thresholds)``. ``weigh(stats)`` returns a float tensor of finite weights ``>= 0``
-    that broadcasts to ``(B, T)`` (0 = silence, 1 = as GRPO, 1.1 = up-weight), or a pair
-    ``(weights, thresholds)``. Values on padding do not matter: the base class intersects with
-    ``stats.response_mask``. Quantile thresholds and top-k selections should be global over ranks
-    (``stapo.losses.masked_quantile``) so that the update does not depend on the data split.
+    """Base class of mask strategies: implement ``silence`` (bool, True = silence) OR ``weigh`` (finite
+    float weights ``>= 0``), each broadcastable to ``(B, T)``, optionally paired with a dict of thresholds.
+    Thresholds should be global over ranks (``masked_quantile``) so the update does not depend on the split.
     """
 
     def silence(self, stats: TokenStats) -> SilenceOutput:

@@ -1,26 +1,13 @@
-"""Rollout-trainer mismatch: how far the sampler's token logprobs are from the trainer's.
-
-The rollout engine (vLLM kernels, bf16, its own copy of the weights) and the trainer (ZeRO-3
-module, teacher-forced) compute ``log pi(y_t | ...)`` of the same token under the same weights
-with different numerics; a weight sync that silently failed shows up here first. We log, per
-valid token, ``d = trainer - sampler``:
-
-* ``mismatch_abs_sum`` / ``mismatch_tokens``: mean |d| (``mismatch_logp_abs_mean``);
-* ``mismatch_abs_max``: max |d| (``mismatch_logp_abs_max``; reduce with max, not sum);
-* ``mismatch_k3_sum``: k3 estimator of KL(sampler || trainer) on tokens drawn from the sampler,
-  ``k3 = exp(d) - d - 1 >= 0`` (``mismatch_kl`` = k3_sum / tokens);
-* ``mismatch_k1_sum``: the k1 estimator of the same KL, ``-d`` (``mismatch_kl_k1``; may be negative);
-* ``rollout_ppl_sum`` / ``training_ppl_sum`` / ``mismatch_seqs``: per-row perplexities
-  ``exp(-mean_t log pi)`` of the sampler and of the trainer, summed over rows with a valid token
-  (``rollout_ppl``, ``training_ppl``: verl's batch mean of per-sequence perplexities).
-
-What to do about it (importance weights, IcePop, rejection) is :mod:`stapo.losses.corrections`
-(docs/losses.md, "Off-policy corrections"). Pure tensor functions.
+"""Rollout-trainer mismatch: how far the sampler's token logprobs are from the trainer's (docs/losses.md,
+"Off-policy corrections"): with ``d = trainer - sampler`` per valid token, sums of |d|, k3 and k1 KL
+estimates and per-row perplexities; a weight sync that silently failed shows up here first.
 """
 
 from __future__ import annotations
 
 import torch
+
+from stapo.losses.reduce import masked_mean
 
 __all__ = ["mismatch_sums"]
 
@@ -36,22 +23,16 @@ def _check(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, mask: tor
 @torch.no_grad()
 def mismatch_sums(sampling_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor,
                   mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """0-dim fp32 sums over the valid tokens of ``mask`` (see the module doc); all (B, T).
-
-    Sums add over micro-batches and ranks, except ``mismatch_abs_max`` (take the max). With no
-    valid token every value is 0.
-    """
+    """0-dim fp32 sums over the valid tokens of ``mask`` (0 with none); ``mismatch_abs_max`` reduces with max."""
     _check("sampling_logprobs", sampling_logprobs, "trainer_logprobs", trainer_logprobs, mask)
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     # where BEFORE arithmetic: padding may hold anything (inf, NaN) and must not leak into a sum
     d = torch.where(mask, trainer_logprobs.float() - sampling_logprobs.float(), zero)  # (B, T)
     abs_d = d.abs()
     rows = mask.any(dim=1)  # (B,)
-    count = mask.sum(dim=1).clamp(min=1).float()  # (B,)
 
     def ppl_sum(logprobs: torch.Tensor) -> torch.Tensor:  # sum over rows of exp(-mean_t log pi)
-        mean = torch.where(mask, logprobs.float(), zero).sum(dim=1) / count
-        return torch.where(rows, (-mean).exp(), zero).sum()
+        return torch.where(rows, (-masked_mean(logprobs.float(), mask, dim=1)).exp(), zero).sum()
 
     return {
         "mismatch_abs_sum": abs_d.sum(),

@@ -1,16 +1,9 @@
 """Per-token log-probabilities and entropies without materializing ``(tokens x vocab)`` logits.
 
-Algorithm 1 lines 7-8 need ``p_{i,t}`` (the sampled token's probability) and ``h_{i,t}`` (the
-entropy of the next-token distribution), and Eq. 1 needs ``log pi_theta(y_{i,t})`` with gradients.
-For Qwen3 (V = 151,936) and 15k-token responses the naive full-logits path needs tens of GB, so
-``token_logprobs_and_entropy`` works from the final hidden states in token chunks inside a custom
-``torch.autograd.Function``: the forward keeps only the per-token Jacobian ``d logp_i / d h_i``
-(``(N, H)``) and the log-partition, and the backward recomputes the softmax one vocabulary slice at a
-time for the lm_head's gradient, so nothing ``(N, V)``-sized is held (no grad mode: the forward loop
-alone). docs/losses.md, "Token log-probabilities and entropy", has the formulas, the differentiable
-entropy (``entropy_grad=True``) and the cost notes.
-
-Masked reductions and the distributed quantile live in ``reduce.py``.
+Qwen3's 151,936-token vocabulary makes full logits tens of GB on long responses, so
+``token_logprobs_and_entropy`` works from the hidden states in token chunks inside an autograd Function
+that keeps only the ``(N, H)`` Jacobian and the log-partition, recomputing the softmax in vocabulary
+slices in backward. docs/losses.md, "Token log-probabilities and entropy", has the formulas and costs.
 """
 
 from __future__ import annotations
@@ -78,13 +71,8 @@ def _forward_chunks(hidden, weight, labels, temperature, chunk_size, want_jac, w
 
 
 def _weight_grad(hidden, weight, labels, lse, g, inv_t, chunk_size, g_ent=None, entropy=None):
-    """``grad_W = sum_i (g_i (onehot(y_i) - p_i) - g_ent_i p_i (log p_i + H_i))^T h_i / T``,
-    recomputing p in vocabulary slices (the entropy term only when ``g_ent`` is given).
-
-    Slicing the vocabulary (all N tokens x ``chunk_size * V / N`` ids, the same buffer size as a
-    token chunk) writes every row of the ``(V, H)`` gradient once instead of accumulating into all
-    of it once per token chunk, which saves that memory traffic.
-    """
+    """``grad_W = sum_i (g_i (onehot(y_i) - p_i) - g_ent_i p_i (log p_i + H_i))^T h_i / T``, recomputing p in
+    vocabulary slices: each row of the ``(V, H)`` gradient is written once, not once per token chunk."""
     n_tok, vocab = hidden.shape[0], weight.shape[0]
     w32 = weight.float()
     grad_w = torch.zeros(w32.shape, dtype=torch.float32, device=w32.device)
@@ -172,13 +160,8 @@ def token_logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy)``, both ``(N,)`` fp32, of ``labels`` under ``softmax(hidden @ W.T / T)``.
 
-    ``hidden (N, H)`` in any float dtype, ``lm_head_weight (V, H)``, ``labels (N,)`` long (valid
-    ids). Peak extra memory is one ``(chunk_size, V)`` fp32 buffer (plus, on CPU, MKL's gemm
-    workspace of the same size) and an ``(N, H)`` fp32 Jacobian, instead of several ``(N, V)``.
-    ``logprobs`` is differentiable w.r.t. ``hidden`` and ``lm_head_weight`` (gradients in their
-    own dtypes); ``entropy`` is detached (only masks read it) unless ``entropy_grad=True`` (the
-    entropy bonus, ``loss.entropy_coef``), which costs one more ``(N, H)`` fp32 Jacobian and one
-    more matmul per chunk. Under ZeRO-3 pass the gathered lm_head weight.
+    Peak extra memory: one ``(chunk_size, V)`` fp32 buffer and an ``(N, H)`` Jacobian. ``entropy`` is
+    detached unless ``entropy_grad`` (the entropy bonus: one more Jacobian and matmul per chunk).
     """
     _check_token_inputs(hidden, lm_head_weight, labels, temperature, chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
@@ -191,11 +174,7 @@ def token_logprobs_and_entropy(
 def logprobs_and_entropy_from_logits(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain logits-level version: ``logits (..., V)``, ``labels (...)`` -> two fp32 ``(...)``.
-
-    For callers that already hold logits (small models, tests). ``logprobs`` is differentiable,
-    ``entropy`` detached unless ``entropy_grad=True`` (then plain autograd through ``-(p log p).sum``).
-    """
+    """The same from logits ``(..., V)`` a caller already holds (small models, tests)."""
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] {tuple(logits.shape[:-1])}")
     if not temperature > 0:
@@ -225,11 +204,8 @@ def token_topk(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> TokenTopK:
-    """Chunked, no-grad top-``k`` of ``softmax(hidden @ W.T / T)`` plus ``sum_v pi(v)^2``.
-
-    Feeds the spurious-token inspector: the paper's top-5 tables (Appendix C) and Lemma A.1's
-    exact logit-gradient norm ``|w|^2 (1 - 2 p + sum_v pi(v)^2)`` without a backward pass.
-    """
+    """Chunked top-``k`` of ``softmax(hidden @ W.T / T)`` and ``sum_v pi(v)^2``, for the inspector's top-5
+    tables (Appendix C) and Lemma A.1's logit-gradient norm without a backward pass."""
     if not 1 <= k <= lm_head_weight.shape[0]:
         raise ValueError(f"k must be in [1, V={lm_head_weight.shape[0]}], got {k}")
     dummy = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)

@@ -1,11 +1,7 @@
 """Masked reductions and their distributed versions (docs/losses.md, "Reductions").
 
-``keep``/``mask`` always means "this element counts". Empty masks give well-defined values
-(0 for sums and means, ``+inf`` for quantiles), never NaN, so an all-silenced micro-batch or an
-empty rank cannot poison a step.
-
-Distributed helpers act only when ``torch.distributed`` is initialized with more than one rank
-in ``group``; otherwise they are plain single-process functions.
+Empty masks give 0 for sums and means, ``+inf`` for quantiles, never NaN, so an all-silenced micro-batch
+or an empty rank cannot poison a step.
 """
 
 from __future__ import annotations
@@ -33,37 +29,10 @@ def rank(group=None) -> int:
 
 
 def all_gather_variable(values: torch.Tensor, group=None) -> torch.Tensor:
-    """1-D ``values`` of every rank of ``group`` concatenated in rank order (lengths may differ);
-    ``values`` itself with one rank."""
-    return _gather_variable(values, group) if world_size(group) > 1 else values
-
-
-def all_reduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks of ``group`` in place (no-op with one rank); returns it."""
-    if world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
-
-
-def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Sum of ``x`` where ``mask`` is true (over all dims, or ``dim``).
-
-    Uses ``torch.where`` rather than ``x * mask`` so that inf/NaN in masked-out entries neither
-    leak into the value nor into the gradient.
-    """
-    picked = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    return picked.sum() if dim is None else picked.sum(dim)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Mean of ``x`` over true entries of ``mask``; 0 (not NaN) where nothing is selected."""
-    count = mask.expand_as(x).sum() if dim is None else mask.expand_as(x).sum(dim)
-    return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
-
-
-def _gather_variable(values: torch.Tensor, group=None) -> torch.Tensor:
-    """Concatenate 1-D ``values`` of every rank (lengths may differ, may be 0), in rank order."""
+    """1-D ``values`` of every rank of ``group`` concatenated in rank order (lengths may differ, may be 0)."""
     n = world_size(group)
+    if n == 1:
+        return values
     local_len = torch.tensor([values.numel()], dtype=torch.long, device=values.device)
     lengths = [torch.zeros_like(local_len) for _ in range(n)]
     dist.all_gather(lengths, local_len, group=group)
@@ -78,28 +47,40 @@ def _gather_variable(values: torch.Tensor, group=None) -> torch.Tensor:
     return torch.cat([shard[:size] for shard, size in zip(shards, sizes)])
 
 
+def all_reduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks of ``group`` in place (no-op with one rank); returns it."""
+    if world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Sum of ``x`` where ``mask`` is true; ``torch.where``, not ``x * mask``: inf/NaN outside it leak neither
+    into the value nor into the gradient."""
+    picked = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return picked.sum() if dim is None else picked.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of ``x`` over true entries of ``mask``; 0 (not NaN) where nothing is selected."""
+    count = mask.expand_as(x).sum() if dim is None else mask.expand_as(x).sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
+
+
 def masked_quantile(
     values: torch.Tensor, mask: torch.Tensor, q: float, group=None
 ) -> torch.Tensor:
-    """Exact ``q``-quantile of ``values[mask]`` as a 0-dim tensor (no grad).
+    """Exact ``q``-quantile of ``values[mask]`` over ALL ranks (0-dim, no grad; ``+inf`` without a value).
 
-    Linear interpolation between order statistics, the same definition as ``torch.quantile``'s
-    default, but sort based so it has no 16M-element limit. When torch.distributed is
-    initialized with several ranks the quantile is over the valid values of ALL ranks (gathered
-    with variable lengths), so it does not depend on how the data is sharded (``tau_h`` is a
-    mini-batch-wide quantile; docs/algorithm.md, "Why the update is exact").
-
-    No valid value anywhere -> ``+inf``: "below the threshold" then holds for every (non-existent)
-    value and "at or above" for none, which keeps masks defined without a NaN.
+    ``torch.quantile``'s linear interpolation, sort based (no 16M-element limit); global, so ``tau_h`` does
+    not depend on the split (docs/algorithm.md, "Why the update is exact").
     """
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"q must be in [0, 1], got {q}")
     if mask.shape != values.shape:
         raise ValueError(f"mask shape {tuple(mask.shape)} != values shape {tuple(values.shape)}")
     dtype = values.dtype if values.dtype in (torch.float32, torch.float64) else torch.float32
-    flat = values.detach()[mask].to(dtype)  # (n_valid,)
-    if world_size(group) > 1:
-        flat = _gather_variable(flat, group)
+    flat = all_gather_variable(values.detach()[mask].to(dtype), group)  # (n_valid,) of all ranks
     n = flat.numel()
     if n == 0:
         return torch.tensor(float("inf"), dtype=dtype, device=values.device)

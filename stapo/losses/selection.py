@@ -1,11 +1,8 @@
 """Token selections that are global over the mini-batch on all ranks (docs/losses.md, "Token weights").
 
-A weighting mask picks "the top k tokens" or "k random tokens" of a subset. Made per micro-batch
-or per rank (as the released STARE and Clip-Cov code do) the pick would depend on how the
-mini-batch is split; here it is made over the subset's tokens of the whole mini-batch on all
-ranks, in ONE global order: rank order (ranks hold contiguous row shares), then row-major within
-a rank. Ties in a top-k are broken by that order, so the selection is the same however the rows
-are cut into micro-batches (the mask is computed once per mini-batch) or spread over ranks.
+Top-k and random picks are made in ONE global order (rank order, then row-major), so they do not depend
+on how the mini-batch is split over micro-batches or ranks (the released STARE and Clip-Cov code pick per
+micro-batch and rank).
 """
 
 from __future__ import annotations
@@ -18,9 +15,8 @@ __all__ = ["global_top_k", "global_random_pick", "rank_offset", "top_ratio_count
 
 
 def top_ratio_count(n: int, ratio: float) -> int:
-    """``k = max(1, ceil(ratio * n))`` for ``n > 0`` tokens (0 for none), as STARE's released code
-    computes it: ``int(ratio * n + 0.999999)``, so the float error of ``ratio * n`` does not add a
-    token (0.07 * 100 = 7.000000000000001 gives 7, not 8)."""
+    """``max(1, ceil(ratio * n))`` as STARE's released code computes it, ``int(ratio * n + 0.999999)``: the
+    float error of ``ratio * n`` adds no token (0.07 * 100 gives 7, not 8)."""
     if n <= 0:
         return 0
     return min(n, max(1, int(ratio * n + 0.999999)))

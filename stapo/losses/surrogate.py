@@ -1,4 +1,4 @@
-"""Clipped policy-gradient surrogate and its aggregation (paper Eq. 1; docs/losses.md).
+"""Clipped policy-gradient surrogate and its aggregation (paper Eq. 1; docs/losses.md, "Clipped surrogate").
 
 Per token, with ``rho = exp(clamp(logprobs - old_logprobs, +-log_ratio_clamp))``::
 
@@ -6,12 +6,9 @@ Per token, with ``rho = exp(clamp(logprobs - old_logprobs, +-log_ratio_clamp))``
     l_t = min(l_t, -clip_c A)   if clip_c is set and A < 0              (dual-clip, verl / DAPO)
     l_t = w_t * l_t             if token weights are given              (mask weight x IS weight)
 
-``aggregate_loss`` is the ONE place that normalizes (a second normalizer would silently disagree);
-given the GLOBAL kept-token count of the mini-batch, micro-batch losses add up to the exact mini-batch
-loss. Silenced tokens get EXACTLY zero gradient even when their logprobs are inf/NaN: inputs are
-selected with ``torch.where(keep, x, 0)`` before any arithmetic (never multiplied by the mask).
-docs/losses.md, "Clipped surrogate and aggregation", has the three aggregation modes, how token
-weights count (numerator only) and the entropy bonus.
+``aggregate_loss`` is the ONE place that normalizes; with the GLOBAL kept-token count micro-batch losses
+add up to the mini-batch loss. Inputs are selected with ``torch.where(keep, x, 0)`` before any arithmetic,
+so silenced tokens get exactly zero gradient even with inf/NaN logprobs.
 """
 
 from __future__ import annotations
@@ -96,32 +93,12 @@ def clipped_surrogate_loss(
     entropy_coef: float = 0.0,
     weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Negative clipped surrogate over kept tokens (Eq. 1 with ``agg="token-mean"``).
+    """``(loss, metrics)``: the negative clipped surrogate over kept tokens (Eq. 1 with ``token-mean``).
 
-    ``logprobs``, ``old_logprobs``, ``keep`` (bool), ``ref_logprobs``: ``(B, T)``;
-    ``advantages``: ``(B,)`` or ``(B, T)``. Returns ``(loss, metrics)``; with a keep-all mask and
-    ``token-mean`` it is DAPO's token-mean loss. ``ref_logprobs`` + ``kl_coef`` add
-    ``kl_coef * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1`` aggregated the same way.
-    ``entropy`` ``(B, T)`` + ``entropy_coef`` subtract ``entropy_coef * H`` aggregated the same way
-    (the entropy bonus; ``entropy`` must carry a gradient for it to act).
-
-    ``weights`` ``(B, T)``: each kept token's factor (a mask's weight times its importance weight,
-    module doc), multiplying its surrogate after clipping and the dual-clip cap, before aggregation;
-    constants (detached). The denominator counts kept tokens, unweighted; KL and entropy terms are
-    not reweighted. ``pg_loss_sum`` reports the weighted loss.
-
-    ``metrics`` (0-dim, detached; sums and counts, so they add across micro-batches and ranks):
-
-    * ``pg_loss_sum``    sum of the per-token surrogate loss over kept tokens (fp32)
-    * ``kept_tokens``    number of kept tokens (int64)
-    * ``clip_low_count`` kept tokens with A < 0 and rho < 1 - clip_low (lower clip active, int64)
-    * ``clip_high_count``  kept tokens with A > 0 and rho > 1 + clip_high (upper clip active, int64)
-    * ``dual_clip_count``  kept tokens with A < 0 whose loss was capped at -clip_c A (int64)
-    * ``approx_kl_sum``  sum of k3(old vs new) = exp(old - new) - (old - new) - 1 (fp32)
-    * ``ratio_sum``      sum of rho over kept tokens (fp32)
-    * ``kl_sum``         sum of k3(ref vs new) over kept tokens (fp32; only with ``ref_logprobs``)
-    * ``entropy_bonus_sum``  sum of the entropy over kept tokens (fp32; only with ``entropy``); the
-      bonus subtracted from the loss is ``entropy_coef * entropy_bonus_sum / normalizer`` (token-mean)
+    ``kl_coef`` adds ``kl_coef * k3(ref vs new)``, ``entropy_coef`` subtracts the entropy bonus, both
+    aggregated the same way and not reweighted. ``weights`` (detached) multiply the numerator only: the
+    denominator counts kept tokens. ``metrics``: 0-dim detached sums and counts that add across
+    micro-batches and ranks (listed in docs/losses.md, "Clipped surrogate and aggregation").
     """
     _check_inputs(logprobs, old_logprobs, advantages, keep, ref_logprobs, clip_low, clip_high, clip_c, kl_coef,
                   entropy)

@@ -1,13 +1,8 @@
 """Truncated responses out of the loss (``loss.mask_truncated``; DAPO's overlong filtering, §3.4).
 
-A response that hit ``rollout.max_response_length`` (``finish_reason == "length"``) was cut
-mid-reasoning: its reward says nothing about whether the reasoning was right, so DAPO drops such
-samples from the loss ("overlong filtering"). ``truncated_keep`` is a keep mask in the one
-vocabulary of ``stapo.losses`` (True = the token contributes): AND it into ``keep`` BEFORE the
-loss normalizer is counted, so truncated tokens leave numerator and denominator exactly like
-silenced ones (docs/grpo_options.md).
-
-    keep = mask(stats).keep & truncated_keep(response_mask, truncated_rows(rollout.finish_reason))
+A response cut at ``rollout.max_response_length`` says nothing about its reasoning; AND
+:func:`truncated_keep` into ``keep`` BEFORE the normalizer is counted, so its tokens leave numerator and
+denominator like silenced ones (docs/grpo_options.md).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Weighting strategies next to STAPO: STARE and Clip-Cov (docs/losses.md, "Token weights").
+"""Weighting strategies next to STAPO: STARE and Clip-Cov (docs/losses.md, "Token weights": their formulas,
+parameters and where Clip-Cov differs from verl).
 
-``stare`` (Surprisal-guided Token-level Advantage Reweighting for policy Entropy stability) weights the
-highest-surprisal tokens while the batch entropy is below a target; ``clip_cov`` (verl's Clip-Cov) zeroes
-a random share of the tokens with a large ``cov(A, log p)``. docs/losses.md has their formulas, parameters
-and the one place Clip-Cov differs from verl (a zeroed token also leaves the token-mean's denominator).
-
-Both select over the whole mini-batch on all ranks (means all-reduced, top-k and random picks in
-one global order: :mod:`stapo.losses.selection`), so the update does not depend on the split; the
-released code selects per micro-batch and rank.
+Both select over the whole mini-batch on all ranks (:mod:`stapo.losses.selection`), so the update does not
+depend on the split; the released code selects per micro-batch and rank.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from typing import Iterable, Iterator, Protocol
 
 import torch
 
-from stapo.distributed.flat_gather import GatherBuffers, gather_partitioned
+from stapo.distributed.flat_gather import GatherBuffers, gather_partitioned, gathered
 from stapo.distributed.lora import AdapterMerge
 from stapo.distributed.names import hf_name
 from stapo.sync.weight_delta import TransferStats
@@ -104,15 +104,6 @@ def _route(param: torch.nn.Parameter) -> str:
     return "flat" if plain_partition and param.ds_status.name == "NOT_AVAILABLE" else "deepspeed"
 
 
-def _gathered(params: list[torch.nn.Parameter]):
-    """All-gather ZeRO-3 ``params`` for the ``with`` body (read-only); no-op for plain params."""
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
-
 @contextlib.contextmanager
 def _full_tensors(params: list[torch.nn.Parameter], copy: bool,
                   buffers: GatherBuffers) -> Iterator[list[torch.Tensor]]:
@@ -128,7 +119,7 @@ def _full_tensors(params: list[torch.nn.Parameter], copy: bool,
         group_params = [params[i] for i in indices]
         for i, full in zip(indices, gather_partitioned(group_params, buffers)):
             out[i] = full
-    with _gathered([p for p, r in zip(params, routes) if r == "deepspeed"]):
+    with gathered([p for p, r in zip(params, routes) if r == "deepspeed"]):
         for i, route in enumerate(routes):
             if route != "flat":
                 tensor = params[i].detach()
@@ -180,7 +171,7 @@ def iter_weight_buckets(
 def iter_weights_per_param(model: torch.nn.Module, *, copy: bool = True) -> Iterator[Bucket]:
     """Baseline: one gather (one collective) per parameter, each yielded as a 1-tensor bucket."""
     for name, param in model.named_parameters():
-        with _gathered([param]):
+        with gathered([param]):
             tensor = param.detach()
             yield [(hf_name(name), tensor.clone() if copy else tensor)]
     buffers = _persistent_buffers(model)
