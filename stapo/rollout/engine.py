@@ -19,11 +19,33 @@ import torch
 
 from stapo.rollout.sampling import SamplingParams
 
-__all__ = ["FINISH_REASONS", "RolloutEngine", "Segment", "SegmentRequest"]
+__all__ = ["FINISH_REASONS", "RolloutEngine", "Segment", "SegmentRequest", "eos_token_ids", "pad_token_id"]
 
 #: stop: EOS, a stop id or a stop string; length: the request's token limit; interrupted: cut by
 #: `RolloutEngine.interrupt` (its tokens are kept, the sample goes on later); error: the request was refused
 FINISH_REASONS = ("stop", "length", "interrupted", "error")
+
+
+def eos_token_ids(tokenizer, *configs) -> list[int]:
+    """EOS ids of the tokenizer and of generation / model ``configs`` (each may hold an int or a list)."""
+    ids: set[int] = set()
+    for source in (tokenizer, *configs):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def pad_token_id(tokenizer, *configs) -> int:
+    """The first pad id of the tokenizer and ``configs``, else their first EOS id, else 0."""
+    for source in (tokenizer, *configs):
+        value = getattr(source, "pad_token_id", None)
+        if isinstance(value, int):
+            return value
+    eos = eos_token_ids(tokenizer, *configs)
+    return eos[0] if eos else 0
 
 
 @dataclass(frozen=True)

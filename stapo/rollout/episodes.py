@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from stapo.rollout.engine import Segment
+from stapo.rollout.engine import Segment, eos_token_ids
 from stapo.rollout.sampling import SamplingParams
 from stapo.rollout.tool_turns import ToolTurnRenderer
 from stapo.rollout.trajectory import Trajectory
@@ -39,8 +39,7 @@ class ToolEpisodes:
         self.tokenizer, self.parser, self.tools = tokenizer, parser, dict(tools)
         self.max_turns, self.max_workers = max_turns, max_workers
         self.renderer = ToolTurnRenderer(tokenizer, parser, template_kwargs)
-        eos = tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos_ids = set(eos_token_ids(tokenizer))
         added = tokenizer.get_added_vocab()  # a stop tag that is one added token also stops by id
         self.stop_ids = tuple(added[s] for s in parser.stop if s in added)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from stapo.rollout.batch import left_pad
-from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
+from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest, eos_token_ids, pad_token_id
 from stapo.rollout.sampling import SamplingParams, processed_logprobs, sample_with_uniforms
 
 __all__ = ["HFEngine"]
@@ -62,8 +62,11 @@ class HFEngine(RolloutEngine):
         if isinstance(tokenizer, (str, Path)):
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
         self.tokenizer = tokenizer
-        self.eos_token_ids = _eos_token_ids(tokenizer, getattr(model, "generation_config", None))
-        self.pad_token_id = _pad_token_id(tokenizer, model, self.eos_token_ids)
+        generation_config = getattr(model, "generation_config", None)
+        self.eos_token_ids = eos_token_ids(tokenizer, generation_config)
+        if not self.eos_token_ids:
+            logger.warning("no EOS token id found: rows end only at max_new_tokens or stop_token_ids")
+        self.pad_token_id = pad_token_id(tokenizer, generation_config, model.config)
         self._targets: dict[str, torch.Tensor] | None = None
 
     # ---------------------------------------------------------------- generate
@@ -203,28 +206,6 @@ def _uniforms(seeds: list[int | None], greedy: bool) -> Iterator[torch.Tensor]:
     while True:
         block = torch.stack([torch.rand(_DRAWS, generator=g) for g in generators])  # (B, _DRAWS)
         yield from block.unbind(dim=1)
-
-
-def _eos_token_ids(tokenizer, generation_config) -> list[int]:
-    """EOS ids from the tokenizer and the generation config (either may hold a list)."""
-    ids: set[int] = set()
-    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    if not ids:
-        logger.warning("no EOS token id found: rows end only at max_new_tokens or stop_token_ids")
-    return sorted(ids)
-
-
-def _pad_token_id(tokenizer, model, eos_ids: list[int]) -> int:
-    for value in (getattr(tokenizer, "pad_token_id", None),
-                  getattr(getattr(model, "generation_config", None), "pad_token_id", None),
-                  getattr(model.config, "pad_token_id", None)):
-        if isinstance(value, int):
-            return value
-    return eos_ids[0] if eos_ids else 0
 
 
 def cache_argument(model) -> str:

@@ -96,7 +96,7 @@ class Rollouts:
         """The draw's epoch, and in server mode the staleness of the rows' tokens (max, and mean over response
         tokens), the generation time (max over ranks) and the segments a sync cut (partial rollouts)."""
         sampling = dict(scored.sampling)
-        versions = scored.rollout.token_versions()
+        versions = scored.rollout.token_version
         if self.server and versions is not None and len(versions):
             mask = scored.rollout.response_mask
             lag = (step - versions)[mask].double()
