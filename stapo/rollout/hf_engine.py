@@ -18,6 +18,7 @@ import torch
 from stapo.rollout.batch import left_pad
 from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest, eos_token_ids, pad_token_id
 from stapo.rollout.sampling import SamplingParams, processed_logprobs, sample_with_uniforms
+from stapo.sync.buckets import StateDictConsumer
 
 __all__ = ["HFEngine"]
 
@@ -67,7 +68,6 @@ class HFEngine(RolloutEngine):
         if not self.eos_token_ids:
             logger.warning("no EOS token id found: rows end only at max_new_tokens or stop_token_ids")
         self.pad_token_id = pad_token_id(tokenizer, generation_config, model.config)
-        self._targets: dict[str, torch.Tensor] | None = None
 
     # ---------------------------------------------------------------- generate
     @torch.no_grad()
@@ -150,45 +150,21 @@ class HFEngine(RolloutEngine):
         yield
         self.policy_version = version
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy one bucket of full tensors (HF names) into the model; tied aliases (e.g.
-        `lm_head.weight` ↔ `model.embed_tokens.weight`) share storage, so either name works.
-
-        The whole bucket is checked (names, shapes) before anything is copied."""
-        targets = self._named_targets()
-        bucket = list(weights)
-        unknown = [name for name, _ in bucket if name not in targets]
-        if unknown:
-            raise KeyError(f"HFEngine.load_weights: unknown parameter name(s) {unknown[:5]}"
-                           f"{' ...' if len(unknown) > 5 else ''}; the model has e.g. {list(targets)[:3]}")
-        for name, tensor in bucket:
-            if tuple(tensor.shape) != tuple(targets[name].shape):
-                raise ValueError(f"HFEngine.load_weights: {name} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(targets[name].shape)}")
-        for name, tensor in bucket:
-            targets[name].copy_(tensor.detach().to(device=targets[name].device, dtype=targets[name].dtype))
-
-    def _named_targets(self) -> dict[str, torch.Tensor]:
-        if self._targets is None:
-            named = dict(self.model.named_parameters(remove_duplicate=False))
-            named.update(self.model.named_buffers(remove_duplicate=False))
-            self._targets = {name: t.data for name, t in named.items()}
-        return self._targets
+        """Copy one bucket of full tensors (HF names) into the model, checked whole first (`StateDictConsumer`)."""
+        StateDictConsumer(self.model).load_weights(weights)
 
     # ------------------------------------------------------------ memory
     def sleep(self) -> None:
         """On CUDA, move the weights to CPU and free the cache; no-op on CPU."""
         if self.device.type == "cuda":
             self.model.to("cpu")
-            self._targets = None
             torch.cuda.empty_cache()
 
     def wake(self) -> None:
         """Move the weights back to the engine's device (no-op on CPU)."""
         if self.device.type == "cuda":
             self.model.to(self.device)
-            self._targets = None
 
 
 def _uniforms(seeds: list[int | None], greedy: bool) -> Iterator[torch.Tensor]:

@@ -182,21 +182,30 @@ def sync_weights(
 
 
 class StateDictConsumer:
-    """A ``load_weights`` target that copies into a plain module's parameters and buffers (tests, benchmarks)."""
+    """A ``load_weights`` target that copies into a module's parameters and buffers (a tied alias: either name),
+    checking the whole bucket's names and shapes before it copies anything (`HFEngine`, tests, benchmarks)."""
 
     last_sync = None
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self._targets = dict(model.state_dict(keep_vars=True))
+        self._targets = dict(model.named_parameters(remove_duplicate=False))
+        self._targets.update(model.named_buffers(remove_duplicate=False))
 
     def weight_update(self, version: int | None = None) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in weights:
-            if name not in self._targets:
-                raise KeyError(f"load_weights: {name!r} is not a parameter or buffer of "
-                               f"{type(self.model).__name__}")
+        bucket, model = list(weights), type(self.model).__name__
+        unknown = [name for name, _ in bucket if name not in self._targets]
+        if unknown:
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise KeyError(f"load_weights: {unknown[0]!r}{more} is not a parameter or buffer of {model}; it has e.g. "
+                           f"{list(self._targets)[:3]}")
+        for name, tensor in bucket:
+            if tuple(tensor.shape) != tuple(self._targets[name].shape):
+                raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, {model} expects "
+                                 f"{tuple(self._targets[name].shape)}")
+        for name, tensor in bucket:
             self._targets[name].copy_(tensor)
