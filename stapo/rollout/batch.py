@@ -1,10 +1,8 @@
 """`Rollout`: the typed batch that every driver returns and the trainer consumes (docs/rollout.md, "`Rollout`").
 
-Row i answers prompt i // G, so the groups are consecutive (the group advantages of paper §2.1 rely on that).
-Prompts are LEFT-padded and responses RIGHT-padded, so `cat(prompt_ids, response_ids)` puts every response
-right after its prompt at column Lp (`stapo.distributed.policy.teacher_forced_inputs`). A multi-turn episode is
-ONE row whose context tokens (tool output) are read by the model but never trained (docs/tir.md, "Token
-accounting"): ``response_mask`` marks the policy's tokens, ``context_mask`` the context, ``real_mask`` both.
+Row i answers prompt i // G (the group advantages of paper §2.1 rely on it). Prompts are LEFT-padded and
+responses RIGHT-padded, so every response starts at column Lp of ``cat(prompt_ids, response_ids)``. A tool
+episode is ONE row whose context tokens are read, never trained (docs/tir.md, "Token accounting").
 """
 
 from __future__ import annotations
@@ -174,10 +172,7 @@ class Rollout:
 
     # ------------------------------------------------------------- slicing
     def select(self, rows: slice | torch.Tensor | Sequence[int]) -> Rollout:
-        """Rows `rows` (a slice, index tensor or bool mask) as a new Rollout, e.g. one mini-batch.
-
-        Take whole groups (multiples of G, aligned) if the result feeds group statistics.
-        """
+        """Rows `rows` (a slice, index tensor or bool mask) as a new Rollout; whole groups if it feeds group stats."""
         if isinstance(rows, slice):
             idx = torch.arange(len(self))[rows]
         else:

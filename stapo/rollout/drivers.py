@@ -42,16 +42,9 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> list[list[int]
 
 
 class Generation:
-    """``n`` samples of each prompt under way (row ``p * n + k``: prompt p, sample k), see the module docstring.
-
-    Args:
-        prompt_ids: token ids of each prompt.
-        n: samples per prompt.
-        sampling: the sampling settings; ``max_new_tokens`` is each sample's budget (an episode's policy and
-            context tokens), ``seed`` the call's seed.
-        tools: make every sample a tool episode; None: one turn.
-        seeds: one seed per prompt instead of those derived from ``sampling.seed`` (`stapo eval`'s chunks).
-    """
+    """``n`` samples of each prompt under way (row ``p * n + k``: prompt p, sample k). ``sampling.max_new_tokens``
+    is each sample's budget (an episode's policy and context tokens); ``tools``: tool episodes (None: one turn);
+    ``seeds``: one per prompt instead of those derived from ``sampling.seed`` (`stapo eval`'s chunks)."""
 
     def __init__(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams, *,
                  tools: ToolEpisodes | None = None, seeds: Sequence[int | None] | None = None) -> None:

@@ -1,11 +1,7 @@
 """`RolloutEngine`: what the trainer, the drivers and `stapo eval` need from a generator (paper Algorithm 1,
-lines 1-2). This base class is the whole contract: every member anyone outside the engine uses is listed
-here, with its default; nothing probes an engine for more (CONTRIBUTING.md, "a rollout engine").
-
-The primitive is a **segment**, so that one-turn responses, tool episodes and responses continued after a
-weight sync are all sequences of the same call (docs/rollout.md, "Segments and drivers"). An engine holds its
-OWN copy of the policy weights (never the ZeRO-3-sharded training module), pushed bucket by bucket inside one
-`weight_update` per sync (docs/distributed.md, "Weight sync").
+lines 1-2). This base class is the whole contract: nothing probes an engine for more (CONTRIBUTING.md). Its
+primitive is a segment, so one-turn responses, tool episodes and responses continued after a weight sync are
+sequences of the same call (docs/rollout.md, "Segments and drivers").
 """
 
 from __future__ import annotations
@@ -75,11 +71,8 @@ class Segment:
 
 
 class RolloutEngine(abc.ABC):
-    """A generator of segments that accepts fresh weights (see the module docstring).
-
-    Subclasses set `tokenizer` and `pad_token_id` and implement the three abstract methods; the other
-    members have defaults that fit an engine without the feature.
-    """
+    """A generator of segments that accepts fresh weights. Subclasses set `tokenizer` and `pad_token_id` and
+    implement the three abstract methods; the other members' defaults fit an engine without the feature."""
 
     tokenizer = None  # the policy's tokenizer (None: the engine never decodes here, e.g. rollout servers)
     pad_token_id: int = 0

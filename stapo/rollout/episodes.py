@@ -21,16 +21,8 @@ __all__ = ["ToolEpisodes"]
 
 
 class ToolEpisodes:
-    """The tools of an episode and how its turns are read and answered (see the module docstring).
-
-    Args:
-        tokenizer: the policy's tokenizer (renders tool turns, decodes cut stop strings).
-        parser: the call format (`stapo.tools.build_tool_parser`).
-        tools: the callable tools by name (`stapo.tools.build_tool`).
-        max_turns: policy turns per episode at most.
-        max_workers: tool calls that run at once.
-        template_kwargs: chat-template arguments of the prompts (e.g. ``enable_thinking``).
-    """
+    """The tools of an episode (by name, `stapo.tools.build_tool`), its call format (``parser``) and how its turns
+    are read and answered; ``template_kwargs``: the prompts' chat-template arguments (e.g. ``enable_thinking``)."""
 
     def __init__(self, tokenizer, parser: ToolCallParser, tools: Mapping[str, Tool], *, max_turns: int,
                  max_workers: int = 8, template_kwargs: dict | None = None) -> None:

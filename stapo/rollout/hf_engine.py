@@ -134,10 +134,8 @@ class HFEngine(RolloutEngine):
 
     def _stop_strings_hit(self, response: torch.Tensor, rows: torch.Tensor, step: int,
                           stop: tuple[str, ...]) -> torch.Tensor:
-        """(A,) bool: rows whose decoded text (special tokens skipped, as vLLM checks ``stop``) now holds
-        a stop string. Checked after every token, so the first hit is the token that completed it; the
-        window of recent tokens is wide enough for the longest string (each token adds >= 1 character
-        unless it is special or an incomplete UTF-8 byte)."""
+        """(A,) bool: rows whose decoded text (special tokens skipped, as vLLM checks ``stop``) now holds a stop
+        string; checked after every token, over a window of recent tokens wide enough for the longest string."""
         window = max(len(t) for t in stop) + 4
         tails = response[rows, max(0, step + 1 - window): step + 1].tolist()
         texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)

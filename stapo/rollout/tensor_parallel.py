@@ -1,14 +1,9 @@
 """One vLLM engine per tensor-parallel group of ranks (``rollout.tensor_parallel_size > 1``; docs/gpu.md).
 
-vLLM's in-process executor (``external_launcher``) lays the ranks out as ExternalDP x DP x PP x PCP x TP
-(vllm/distributed/parallel_state.py, ``initialize_model_parallel``): with ``tensor_parallel_size=k``
-ranks ``[0..k)``, ``[k..2k)``, ... each form one engine whose shards run every request together, while
-the groups generate independently. Every rank of a group must therefore submit the SAME requests in
-the same order, though the trainer deals each rank its own prompts. :class:`TensorParallelRollout`
-gathers the group's segment requests, has every rank submit their union (each request carries its own
-seed, so every rank's rows keep their own seeds) and hands each rank its own segments. Weight sync needs
-nothing extra: every rank loads the full tensors a ZeRO-3 gather gives it, and vLLM's weight loaders keep
-the slice of the rank's TP shard.
+vLLM's ``external_launcher`` makes ranks ``[0..k)``, ``[k..2k)``, ... one engine each, whose ranks must submit the
+SAME requests, though the trainer deals each rank its own prompts: `TensorParallelRollout` submits the group's
+union (each request keeps its seed) and hands each rank its own segments. Weight sync needs nothing extra: vLLM's
+loaders keep each rank's shard of the full tensors.
 """
 
 from __future__ import annotations

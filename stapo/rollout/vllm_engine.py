@@ -147,8 +147,6 @@ class VLLMEngine(RolloutEngine):
         enable_sleep_mode: let `sleep()` free GPU memory (ignored where vLLM has no sleep mode: its CPU build).
         sleep_level: 1 keeps a host copy of the weights while asleep, 2 discards them (a sync must then
             push them before generating).
-        dtype: vLLM weight dtype.
-        max_model_len: longest prompt + response.
         seed: the engine's seed (requests without their own seed draw from it); give each rank its own.
         progress: show vLLM's progress bar while generating (`stapo eval`).
         **llm_kwargs: passed to `vllm.LLM` (override any of the above, e.g. `enforce_eager`).

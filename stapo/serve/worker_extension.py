@@ -68,9 +68,7 @@ class StapoWorkerExtension(ServerWorkerMixin):
     def _stapo_load(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         from vllm.config import set_current_vllm_config
 
-        if not getattr(self, "_stapo_updating", False):
-            raise RuntimeError("weights received outside a weight update session")
-        with set_current_vllm_config(self.vllm_config):
+        with set_current_vllm_config(self.vllm_config):  # callers: inside a session (begun, checked)
             self._stapo_model().load_weights(weights)
         return len(weights)
 
