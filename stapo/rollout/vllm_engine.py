@@ -13,7 +13,6 @@ import dataclasses
 import importlib.util
 import os
 import random
-import socket
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from stapo.distributed.device_memory import release_cached_memory
+from stapo.distributed.process_group import free_port
 from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest, pad_token_id
 from stapo.rollout.sampling import SamplingParams, vllm_request_kwargs
 from stapo.serve.launcher import cpu_engine_kwargs
@@ -99,12 +99,6 @@ def _group_facts() -> GroupFacts | None:
     return GroupFacts(dist.get_rank(), dist.get_world_size(), local_rank)
 
 
-def _spare_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _preserved_rngs() -> Iterator[None]:
     """Restore Python's, NumPy's and torch's global RNG states after the block (vLLM's worker reseeds and
@@ -170,7 +164,7 @@ class VLLMEngine(RolloutEngine):
         kwargs.update(cpu_engine_kwargs(max_model_len, os.environ) if current_platform.is_cpu() else {})
         group = _group_facts()
         plan = plan_executor(tensor_parallel_size, os.environ, group,
-                             _spare_port() if group is not None and "MASTER_PORT" not in os.environ else 29500)
+                             free_port() if group is not None and "MASTER_PORT" not in os.environ else 29500)
         if plan.backend is not None:
             kwargs["distributed_executor_backend"] = plan.backend
         kwargs.update(llm_kwargs)

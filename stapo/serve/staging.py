@@ -174,11 +174,10 @@ class ServerWorkerMixin:
     def stapo_abort_weight_update(self, nonce: str = "") -> bool:
         """Drop the open session (with no nonce: whichever is open, for a restarted trainer); the served weights
         stay. Returns whether one was open."""
-        session = self._stapo_open_session()
-        if session is None:
+        if self._stapo_open_session() is None:
             return False
-        if nonce and not hmac.compare_digest(str(nonce).encode(), session.nonce.encode()):
-            raise PermissionError("the abort names another weight update session than the open one")
+        if nonce:
+            self._stapo_session_for(nonce)  # PermissionError: another session's nonce
         self._stapo_session = None
         return True
 

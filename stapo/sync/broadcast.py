@@ -22,12 +22,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from stapo.distributed.process_group import default_backend
 from stapo.sync.bucket_format import pack_bucket_tensor
 from stapo.sync.weight_delta import EncodedBucket, SentWeights, TransferStats, checksum
 from stapo.sync.weight_group import (GroupSpec, call_off, checked_in, exchange_proofs, let_form, listening_store,
                                        namespaced, new_nonce)
 
-__all__ = ["BroadcastSession", "CallFailed", "ServerCalls", "SyncFailed", "transfer_backend"]
+__all__ = ["BroadcastSession", "CallFailed", "ServerCalls", "SyncFailed"]
 
 log = logging.getLogger("stapo.rollout")
 
@@ -69,11 +70,6 @@ def _in_daemon_thread(fn, *args, name: str = "stapo-sync", **kwargs) -> Future:
     return future
 
 
-def transfer_backend() -> str:
-    """``nccl`` where the trainer has a GPU (the servers' workers then receive on theirs), else ``gloo``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 class BroadcastSession:
     """One weight-update session from the trainer into ``servers`` (each: a client and its worker count).
 
@@ -88,7 +84,7 @@ class BroadcastSession:
             raise ValueError("a weight-update session needs at least one server")
         self.servers = list(servers)
         self.sync_host = sync_host
-        self.backend = backend or transfer_backend()
+        self.backend = backend or default_backend()  # nccl: the servers' workers receive on their GPUs
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.timeout_s = timeout_s
         self.join_timeout_s = min(join_timeout_s, timeout_s)
@@ -128,7 +124,7 @@ class BroadcastSession:
             strangers = exchange_proofs(self._group, self.nonce, 0, world, self.device)
         except RuntimeError as err:
             raise SyncFailed(f"the weight group did not form ({err}); {self._failed_calls(joins)}",
-                             self._failed_addresses(joins)) from None
+                             list(self._failures(joins))) from None
         if strangers:
             named = [c.address for (c, workers), o in zip(self.servers, offsets) if any(o <= r < o + workers
                                                                                      for r in strangers)]
@@ -141,7 +137,7 @@ class BroadcastSession:
         server's wait (a slower one is not named, and marked down, with it)."""
         deadline = time.monotonic() + self.join_timeout_s
         while True:
-            failed = {c.address for (c, _), j in zip(self.servers, joins) if j.done() and j.exception() is not None}
+            failed = set(self._failures(joins))
             waiting = {c.address for (c, workers), spec in zip(self.servers, specs)
                        if not checked_in(self._store, self.nonce, spec.rank_offset, workers)}
             if waiting <= failed or time.monotonic() >= deadline:
@@ -234,9 +230,10 @@ class BroadcastSession:
             raise SyncFailed(f"weight sync {step}: " + "; ".join(why for _, why in failed), [a for a, _ in failed])
         return results
 
-    def _failed_calls(self, futures: list) -> str:
-        done = [(c.address, f.exception()) for (c, _), f in zip(self.servers, futures) if f.done()]
-        return "; ".join(f"{a}: {e}" for a, e in done if e is not None) or "no server reported an error"
+    def _failures(self, futures: list) -> dict[str, BaseException]:
+        """The servers whose call has failed so far, with the error."""
+        return {c.address: f.exception() for (c, _), f in zip(self.servers, futures)
+                if f.done() and f.exception() is not None}
 
-    def _failed_addresses(self, futures: list) -> list[str]:
-        return [c.address for (c, _), f in zip(self.servers, futures) if f.done() and f.exception() is not None]
+    def _failed_calls(self, futures: list) -> str:
+        return "; ".join(f"{a}: {e}" for a, e in self._failures(futures).items()) or "no server reported an error"
