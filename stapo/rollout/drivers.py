@@ -1,10 +1,7 @@
-"""The drivers: rollouts as sequences of segments on any `RolloutEngine` (docs/rollout.md, "Drivers").
+"""The drivers: rollouts as sequences of segments on any `RolloutEngine` (docs/rollout.md, "Segments and drivers").
 
-    rollout = generate(engine, prompt_ids, n=8, sampling=SamplingParams(seed=step))            # one turn
-    rollout = generate(engine, prompt_ids, n=8, sampling=..., tools=ToolEpisodes(...))         # tool episodes
-
-`Generation` is the loop under both, one `generate_segments` call per round over every live sample. Tool turns
-and weight syncs (an `interruptible` engine, ``rollout.partial``) both separate a sample's segments, and they
+`Generation` is the loop, one `generate_segments` call per round over every live sample (`generate` runs it to
+the end). Tool turns and weight syncs (an `interruptible` engine) both separate a sample's segments, and they
 compose: a tool episode cut in the middle of a turn goes on exactly as a fresh request from that prefix would.
 """
 

@@ -17,9 +17,8 @@ from stapo.rollout.sampling import SamplingParams
 
 
 def tensor_parallel_group(tensor_parallel_size: int):
-    """This rank's group of ``tensor_parallel_size`` consecutive ranks, as vLLM lays them out.
-    Collective: every rank creates every group (torch's ``new_group`` contract). Gloo: it carries
-    only the requests."""
+    """This rank's gloo group of ``tensor_parallel_size`` consecutive ranks, as vLLM lays them out (collective:
+    every rank creates every group, torch's ``new_group`` contract)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if tensor_parallel_size < 1 or world % tensor_parallel_size:
         raise ValueError(f"rollout.tensor_parallel_size ({tensor_parallel_size}) must divide the number of "
@@ -33,8 +32,8 @@ def tensor_parallel_group(tensor_parallel_size: int):
 
 
 class TensorParallelRollout(RolloutEngine):
-    """A rollout engine shared by the ranks of ``group`` (module doc): segments go through the group's
-    union of requests; weights, memory and the engine's facts are the engine's, on every rank."""
+    """A rollout engine shared by the ranks of ``group``: segments go through the group's union of requests;
+    weights, memory and the engine's facts are the engine's, on every rank."""
 
     def __init__(self, engine: RolloutEngine, group) -> None:
         self.engine, self.group = engine, group

@@ -133,9 +133,8 @@ class VLLMEngine(RolloutEngine):
 
     Args:
         model_path: HF model directory (or hub name) vLLM loads its own copy from.
-        gpu_memory_utilization: fraction of the GPU vLLM may take (weights + KV cache); unused on
-            vLLM's CPU build, where the KV cache gets `CPU_KV_CACHE_BYTES` unless
-            ``kv_cache_memory_bytes`` or ``VLLM_CPU_KVCACHE_SPACE`` says otherwise.
+        gpu_memory_utilization: fraction of the GPU vLLM may take (weights + KV cache); on vLLM's CPU build
+            the KV cache has a fixed size instead (`stapo.serve.launcher.cpu_engine_kwargs`).
         tensor_parallel_size: GPUs per engine; every rank of a TP group must submit the same requests
             (`stapo.rollout.tensor_parallel.TensorParallelRollout`).
         enable_sleep_mode: let `sleep()` free GPU memory (ignored where vLLM has no sleep mode: its CPU build).

@@ -193,18 +193,15 @@ class GroupSpec:
                                   "the trainer that opened the session; left the group, nothing loaded")
         return group
 
-    def connect(self, rank: int, store=None, bind_host: str | None = None):
-        """This process's member of the group over the `namespaced` ``store`` (default: a client of it); gloo's
-        sockets bind ``bind_host`` (default: this machine's address on the route to the store)."""
+    def connect(self, rank: int, store, bind_host: str | None = None):
+        """This process's member of the group over the `namespaced` ``store``; gloo's sockets bind ``bind_host``
+        (default: this machine's address on the route to the store)."""
         import torch.distributed as dist
 
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        if store is None:
-            store = self.store()
         if self.backend == "nccl":
             return dist.ProcessGroupNCCL(store, rank, self.world_size)
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
+        options._timeout = datetime.timedelta(seconds=self.timeout_s)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or route_address(self.host))]
         return dist.ProcessGroupGloo(store, rank, self.world_size, options)
 
