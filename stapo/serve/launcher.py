@@ -99,9 +99,9 @@ def serve_command(model: str, vllm_args: Sequence[str], python: str, env: Mappin
         args += ["--host", LOOPBACK]
     args += ["--middleware", GUARD_MIDDLEWARE]
     defaults = [("--worker-extension-cls", WORKER_EXTENSION), ("--logprobs-mode", "processed_logprobs")]
-    if on_cpu:  # see cpu_engine_kwargs: a partially prefilled seeded request breaks the CPU sampler
-        max_model_len = _value(args, "--max-model-len")
-        batched = max(int(max_model_len), 4096) if max_model_len and max_model_len.isdigit() else 4096
+    if on_cpu:  # the colocated engine's CPU settings: a partially prefilled seeded request breaks the CPU sampler
+        given = _value(args, "--max-model-len")
+        batched = cpu_engine_kwargs(int(given) if given and given.isdigit() else 0, env)["max_num_batched_tokens"]
         defaults.append(("--max-num-batched-tokens", str(batched)))
     for option, value in defaults:
         if not _has(args, option):
