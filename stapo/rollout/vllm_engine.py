@@ -20,26 +20,17 @@ import numpy as np
 import torch
 
 from stapo.distributed.device_memory import release_cached_memory
-from stapo.distributed.process_group import free_port
+from stapo.distributed.process_group import DistInfo, free_port
 from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest, pad_token_id
 from stapo.rollout.sampling import SamplingParams, vllm_request_kwargs
 from stapo.serve.launcher import cpu_engine_kwargs
 from stapo.serve.worker_extension import WORKER_EXTENSION
 from stapo.sync.bucket_format import pack_bucket
 
-__all__ = ["VLLMEngine", "ExecutorPlan", "GroupFacts", "plan_executor", "segment_from_vllm"]
+__all__ = ["VLLMEngine", "ExecutorPlan", "plan_executor", "segment_from_vllm"]
 
 EXTERNAL_LAUNCHER = "external_launcher"
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupFacts:
-    """This process in the live default process group; ``local_rank`` is its CUDA device index."""
-
-    rank: int
-    world_size: int
-    local_rank: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +41,7 @@ class ExecutorPlan:
     env: dict[str, str]  # variables missing from the environment, set while vllm.LLM is built
 
 
-def plan_executor(tensor_parallel_size: int, env: Mapping[str, str], group: GroupFacts | None,
+def plan_executor(tensor_parallel_size: int, env: Mapping[str, str], group: DistInfo | None,
                   spare_port: int = 29500) -> ExecutorPlan:
     """Executor backend and the launcher variables vLLM needs (docs/rollout.md, "`VLLMEngine`"); ``group``:
     None without a process group; ``spare_port`` fills ``MASTER_PORT`` (vLLM joins the group, never uses it)."""
@@ -88,7 +79,8 @@ def _provided_env(extra: Mapping[str, str]) -> Iterator[None]:
             os.environ.pop(name, None)
 
 
-def _group_facts() -> GroupFacts | None:
+def _group_facts() -> DistInfo | None:
+    """This process in the live default process group (``local_rank``: its CUDA device index), or None."""
     from stapo.losses.reduce import distributed_on
 
     dist = torch.distributed
@@ -96,7 +88,8 @@ def _group_facts() -> GroupFacts | None:
         return None
     default = torch.cuda.current_device() if torch.cuda.is_available() else 0
     local_rank = int(os.environ.get("LOCAL_RANK", default))
-    return GroupFacts(dist.get_rank(), dist.get_world_size(), local_rank)
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
 @contextlib.contextmanager
