@@ -73,6 +73,11 @@ def launcher_world_size() -> int:
     return _mpi_world_size()
 
 
+def default_backend() -> str:
+    """NCCL where CUDA is, else gloo: the training group's and the weight broadcast's default."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> DistInfo:
     """Join (or create; an existing group is reused) the default process group: this rank's :class:`DistInfo`.
 
@@ -82,7 +87,7 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
     import deepspeed  # heavy: only the trainer pays for it
 
     launched = _launched()  # validates a half-set launcher environment even when a group exists
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or default_backend()
     use_cuda = backend == "nccl" and torch.cuda.is_available()
     if use_cuda and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before NCCL binds a device

@@ -3,13 +3,6 @@
     from stapo.rollout import HFEngine, SamplingParams, generate
     rollout = generate(HFEngine("path/to/model"), prompt_ids, n=8, sampling=SamplingParams(seed=0))
 
-An engine continues contexts by segments (`RolloutEngine.generate_segments`, the whole contract);
-the drivers (`generate`, `Generation`) make one-turn responses, tool episodes (`ToolEpisodes`) and
-responses continued after a weight sync out of them. `HFEngine` runs a transformers model (CPU or GPU);
-`VLLMEngine` runs vLLM colocated in the training process and imports vllm only when constructed. Every
-engine reports the log-probability of each sampled token under the processed sampling distribution
-(temperature, top-k, top-p).
-
 May import: ``stapo.serve``, ``stapo.sync``, ``stapo.distributed`` and the rest below them (docs/index.md,
 "Layout"); only ``vllm_engine`` and ``stapo.serve.worker_extension`` import vllm, lazily.
 """

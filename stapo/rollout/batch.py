@@ -1,10 +1,8 @@
 """`Rollout`: the typed batch that every driver returns and the trainer consumes (docs/rollout.md, "`Rollout`").
 
-Row i answers prompt i // G, so the groups are consecutive (the group advantages of paper §2.1 rely on that).
-Prompts are LEFT-padded and responses RIGHT-padded, so `cat(prompt_ids, response_ids)` puts every response
-right after its prompt at column Lp (`stapo.distributed.policy.teacher_forced_inputs`). A multi-turn episode is
-ONE row whose context tokens (tool output) are read by the model but never trained (docs/tir.md, "Token
-accounting"): ``response_mask`` marks the policy's tokens, ``context_mask`` the context, ``real_mask`` both.
+Row i answers prompt i // G (the group advantages of paper §2.1 rely on it). Prompts are LEFT-padded and
+responses RIGHT-padded, so every response starts at column Lp of ``cat(prompt_ids, response_ids)``. A tool
+episode is ONE row whose context tokens are read, never trained (docs/tir.md, "Token accounting").
 """
 
 from __future__ import annotations
@@ -86,7 +84,7 @@ class Rollout:
     prompt_text: list[str] = field(default_factory=list)  # B prompts or empty (`with_prompt_text`)
     pad_token_id: int = 0  # what `concat` re-pads with
     policy_version: torch.Tensor | None = None  # (B,) long: the version that sampled a row (its oldest token's)
-    token_version: torch.Tensor | None = None  # (B, T) long, 0 off response_mask; None: a row's version throughout
+    token_version: torch.Tensor | None = None  # (B, T) long, 0 off response_mask; None: filled from policy_version
     context_mask: torch.Tensor | None = None  # (B, T) bool: an episode's context tokens; None: none (all False)
     episodes: EpisodeInfo | None = None  # per row: turns, tool calls and errors, the final turn's text
 
@@ -124,6 +122,9 @@ class Rollout:
         for name in ("ground_truth", "prompt_text"):
             if len(getattr(self, name)) not in (0, b):
                 raise ValueError(f"Rollout.{name} has {len(getattr(self, name))} entries, expected 0 or {b}")
+        if self.token_version is None and self.policy_version is not None:  # every token: its row's version
+            self.token_version = torch.where(self.response_mask, self.policy_version[:, None],
+                                             torch.zeros((), dtype=torch.long))
 
     # ----------------------------------------------------------------- sizes
     def __len__(self) -> int:
@@ -163,14 +164,6 @@ class Rollout:
         return dataclasses.replace(self, policy_version=torch.full((len(self),), int(version), dtype=torch.long),
                                    token_version=None)
 
-    def token_versions(self) -> torch.Tensor | None:
-        """(B, T) long: each response token's policy version (`token_version`, else the row's), or None."""
-        if self.token_version is not None:
-            return self.token_version
-        if self.policy_version is None:
-            return None
-        return torch.where(self.response_mask, self.policy_version[:, None], torch.zeros((), dtype=torch.long))
-
     def _per_row(self, values: Sequence[str], what: str) -> list[str]:
         if len(values) != self.num_prompts or len(self) % self.group_size:
             raise ValueError(f"{what} has {len(values)} entries but the rollout has {self.num_prompts} "
@@ -179,10 +172,7 @@ class Rollout:
 
     # ------------------------------------------------------------- slicing
     def select(self, rows: slice | torch.Tensor | Sequence[int]) -> Rollout:
-        """Rows `rows` (a slice, index tensor or bool mask) as a new Rollout, e.g. one mini-batch.
-
-        Take whole groups (multiples of G, aligned) if the result feeds group statistics.
-        """
+        """Rows `rows` (a slice, index tensor or bool mask) as a new Rollout; whole groups if it feeds group stats."""
         if isinstance(rows, slice):
             idx = torch.arange(len(self))[rows]
         else:
@@ -243,8 +233,8 @@ class Rollout:
             prompt_text=[r for p in parts for r in p.prompt_text], pad_token_id=pad,
             policy_version=None if any(p.policy_version is None for p in parts)
             else torch.cat([p.policy_version for p in parts]),
-            token_version=None if all(p.token_version is None for p in parts) or any(p.policy_version is None for p in parts)
-            else torch.cat([_pad_columns(p.token_versions(), t, 0, False) for p in parts]),
+            token_version=None if any(p.policy_version is None for p in parts)
+            else torch.cat([_pad_columns(p.token_version, t, 0, False) for p in parts]),
             episodes=None if parts[0].episodes is None else EpisodeInfo.concat([p.episodes for p in parts]))
 
 

@@ -1,10 +1,7 @@
-"""The drivers: rollouts as sequences of segments on any `RolloutEngine` (docs/rollout.md, "Drivers").
+"""The drivers: rollouts as sequences of segments on any `RolloutEngine` (docs/rollout.md, "Segments and drivers").
 
-    rollout = generate(engine, prompt_ids, n=8, sampling=SamplingParams(seed=step))            # one turn
-    rollout = generate(engine, prompt_ids, n=8, sampling=..., tools=ToolEpisodes(...))         # tool episodes
-
-`Generation` is the loop under both, one `generate_segments` call per round over every live sample. Tool turns
-and weight syncs (an `interruptible` engine, ``rollout.partial``) both separate a sample's segments, and they
+`Generation` is the loop, one `generate_segments` call per round over every live sample (`generate` runs it to
+the end). Tool turns and weight syncs (an `interruptible` engine) both separate a sample's segments, and they
 compose: a tool episode cut in the middle of a turn goes on exactly as a fresh request from that prefix would.
 """
 
@@ -42,16 +39,9 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> list[list[int]
 
 
 class Generation:
-    """``n`` samples of each prompt under way (row ``p * n + k``: prompt p, sample k), see the module docstring.
-
-    Args:
-        prompt_ids: token ids of each prompt.
-        n: samples per prompt.
-        sampling: the sampling settings; ``max_new_tokens`` is each sample's budget (an episode's policy and
-            context tokens), ``seed`` the call's seed.
-        tools: make every sample a tool episode; None: one turn.
-        seeds: one seed per prompt instead of those derived from ``sampling.seed`` (`stapo eval`'s chunks).
-    """
+    """``n`` samples of each prompt under way (row ``p * n + k``: prompt p, sample k). ``sampling.max_new_tokens``
+    is each sample's budget (an episode's policy and context tokens); ``tools``: tool episodes (None: one turn);
+    ``seeds``: one per prompt instead of those derived from ``sampling.seed`` (`stapo eval`'s chunks)."""
 
     def __init__(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams, *,
                  tools: ToolEpisodes | None = None, seeds: Sequence[int | None] | None = None) -> None:

@@ -1,11 +1,7 @@
 """`RolloutEngine`: what the trainer, the drivers and `stapo eval` need from a generator (paper Algorithm 1,
-lines 1-2). This base class is the whole contract: every member anyone outside the engine uses is listed
-here, with its default; nothing probes an engine for more (CONTRIBUTING.md, "a rollout engine").
-
-The primitive is a **segment**, so that one-turn responses, tool episodes and responses continued after a
-weight sync are all sequences of the same call (docs/rollout.md, "Segments and drivers"). An engine holds its
-OWN copy of the policy weights (never the ZeRO-3-sharded training module), pushed bucket by bucket inside one
-`weight_update` per sync (docs/distributed.md, "Weight sync").
+lines 1-2). This base class is the whole contract: nothing probes an engine for more (CONTRIBUTING.md). Its
+primitive is a segment, so one-turn responses, tool episodes and responses continued after a weight sync are
+sequences of the same call (docs/rollout.md, "Segments and drivers").
 """
 
 from __future__ import annotations
@@ -19,11 +15,33 @@ import torch
 
 from stapo.rollout.sampling import SamplingParams
 
-__all__ = ["FINISH_REASONS", "RolloutEngine", "Segment", "SegmentRequest"]
+__all__ = ["FINISH_REASONS", "RolloutEngine", "Segment", "SegmentRequest", "eos_token_ids", "pad_token_id"]
 
 #: stop: EOS, a stop id or a stop string; length: the request's token limit; interrupted: cut by
 #: `RolloutEngine.interrupt` (its tokens are kept, the sample goes on later); error: the request was refused
 FINISH_REASONS = ("stop", "length", "interrupted", "error")
+
+
+def eos_token_ids(tokenizer, *configs) -> list[int]:
+    """EOS ids of the tokenizer and of generation / model ``configs`` (each may hold an int or a list)."""
+    ids: set[int] = set()
+    for source in (tokenizer, *configs):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def pad_token_id(tokenizer, *configs) -> int:
+    """The first pad id of the tokenizer and ``configs``, else their first EOS id, else 0."""
+    for source in (tokenizer, *configs):
+        value = getattr(source, "pad_token_id", None)
+        if isinstance(value, int):
+            return value
+    eos = eos_token_ids(tokenizer, *configs)
+    return eos[0] if eos else 0
 
 
 @dataclass(frozen=True)
@@ -53,11 +71,8 @@ class Segment:
 
 
 class RolloutEngine(abc.ABC):
-    """A generator of segments that accepts fresh weights (see the module docstring).
-
-    Subclasses set `tokenizer` and `pad_token_id` and implement the three abstract methods; the other
-    members have defaults that fit an engine without the feature.
-    """
+    """A generator of segments that accepts fresh weights. Subclasses set `tokenizer` and `pad_token_id` and
+    implement the three abstract methods; the other members' defaults fit an engine without the feature."""
 
     tokenizer = None  # the policy's tokenizer (None: the engine never decodes here, e.g. rollout servers)
     pad_token_id: int = 0

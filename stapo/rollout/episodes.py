@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from stapo.rollout.engine import Segment
+from stapo.rollout.engine import Segment, eos_token_ids
 from stapo.rollout.sampling import SamplingParams
 from stapo.rollout.tool_turns import ToolTurnRenderer
 from stapo.rollout.trajectory import Trajectory
@@ -21,16 +21,8 @@ __all__ = ["ToolEpisodes"]
 
 
 class ToolEpisodes:
-    """The tools of an episode and how its turns are read and answered (see the module docstring).
-
-    Args:
-        tokenizer: the policy's tokenizer (renders tool turns, decodes cut stop strings).
-        parser: the call format (`stapo.tools.build_tool_parser`).
-        tools: the callable tools by name (`stapo.tools.build_tool`).
-        max_turns: policy turns per episode at most.
-        max_workers: tool calls that run at once.
-        template_kwargs: chat-template arguments of the prompts (e.g. ``enable_thinking``).
-    """
+    """The tools of an episode (by name, `stapo.tools.build_tool`), its call format (``parser``) and how its turns
+    are read and answered; ``template_kwargs``: the prompts' chat-template arguments (e.g. ``enable_thinking``)."""
 
     def __init__(self, tokenizer, parser: ToolCallParser, tools: Mapping[str, Tool], *, max_turns: int,
                  max_workers: int = 8, template_kwargs: dict | None = None) -> None:
@@ -39,8 +31,7 @@ class ToolEpisodes:
         self.tokenizer, self.parser, self.tools = tokenizer, parser, dict(tools)
         self.max_turns, self.max_workers = max_turns, max_workers
         self.renderer = ToolTurnRenderer(tokenizer, parser, template_kwargs)
-        eos = tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos_ids = set(eos_token_ids(tokenizer))
         added = tokenizer.get_added_vocab()  # a stop tag that is one added token also stops by id
         self.stop_ids = tuple(added[s] for s in parser.stop if s in added)
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from stapo.rollout.batch import left_pad
-from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
+from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest, eos_token_ids, pad_token_id
 from stapo.rollout.sampling import SamplingParams, processed_logprobs, sample_with_uniforms
+from stapo.sync.buckets import StateDictConsumer
 
 __all__ = ["HFEngine"]
 
@@ -62,9 +63,11 @@ class HFEngine(RolloutEngine):
         if isinstance(tokenizer, (str, Path)):
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
         self.tokenizer = tokenizer
-        self.eos_token_ids = _eos_token_ids(tokenizer, getattr(model, "generation_config", None))
-        self.pad_token_id = _pad_token_id(tokenizer, model, self.eos_token_ids)
-        self._targets: dict[str, torch.Tensor] | None = None
+        generation_config = getattr(model, "generation_config", None)
+        self.eos_token_ids = eos_token_ids(tokenizer, generation_config)
+        if not self.eos_token_ids:
+            logger.warning("no EOS token id found: rows end only at max_new_tokens or stop_token_ids")
+        self.pad_token_id = pad_token_id(tokenizer, generation_config, model.config)
 
     # ---------------------------------------------------------------- generate
     @torch.no_grad()
@@ -131,10 +134,8 @@ class HFEngine(RolloutEngine):
 
     def _stop_strings_hit(self, response: torch.Tensor, rows: torch.Tensor, step: int,
                           stop: tuple[str, ...]) -> torch.Tensor:
-        """(A,) bool: rows whose decoded text (special tokens skipped, as vLLM checks ``stop``) now holds
-        a stop string. Checked after every token, so the first hit is the token that completed it; the
-        window of recent tokens is wide enough for the longest string (each token adds >= 1 character
-        unless it is special or an incomplete UTF-8 byte)."""
+        """(A,) bool: rows whose decoded text (special tokens skipped, as vLLM checks ``stop``) now holds a stop
+        string; checked after every token, over a window of recent tokens wide enough for the longest string."""
         window = max(len(t) for t in stop) + 4
         tails = response[rows, max(0, step + 1 - window): step + 1].tolist()
         texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
@@ -147,45 +148,21 @@ class HFEngine(RolloutEngine):
         yield
         self.policy_version = version
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy one bucket of full tensors (HF names) into the model; tied aliases (e.g.
-        `lm_head.weight` ↔ `model.embed_tokens.weight`) share storage, so either name works.
-
-        The whole bucket is checked (names, shapes) before anything is copied."""
-        targets = self._named_targets()
-        bucket = list(weights)
-        unknown = [name for name, _ in bucket if name not in targets]
-        if unknown:
-            raise KeyError(f"HFEngine.load_weights: unknown parameter name(s) {unknown[:5]}"
-                           f"{' ...' if len(unknown) > 5 else ''}; the model has e.g. {list(targets)[:3]}")
-        for name, tensor in bucket:
-            if tuple(tensor.shape) != tuple(targets[name].shape):
-                raise ValueError(f"HFEngine.load_weights: {name} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(targets[name].shape)}")
-        for name, tensor in bucket:
-            targets[name].copy_(tensor.detach().to(device=targets[name].device, dtype=targets[name].dtype))
-
-    def _named_targets(self) -> dict[str, torch.Tensor]:
-        if self._targets is None:
-            named = dict(self.model.named_parameters(remove_duplicate=False))
-            named.update(self.model.named_buffers(remove_duplicate=False))
-            self._targets = {name: t.data for name, t in named.items()}
-        return self._targets
+        """Copy one bucket of full tensors (HF names) into the model, checked whole first (`StateDictConsumer`)."""
+        StateDictConsumer(self.model).load_weights(weights)
 
     # ------------------------------------------------------------ memory
     def sleep(self) -> None:
         """On CUDA, move the weights to CPU and free the cache; no-op on CPU."""
         if self.device.type == "cuda":
             self.model.to("cpu")
-            self._targets = None
             torch.cuda.empty_cache()
 
     def wake(self) -> None:
         """Move the weights back to the engine's device (no-op on CPU)."""
         if self.device.type == "cuda":
             self.model.to(self.device)
-            self._targets = None
 
 
 def _uniforms(seeds: list[int | None], greedy: bool) -> Iterator[torch.Tensor]:
@@ -203,28 +180,6 @@ def _uniforms(seeds: list[int | None], greedy: bool) -> Iterator[torch.Tensor]:
     while True:
         block = torch.stack([torch.rand(_DRAWS, generator=g) for g in generators])  # (B, _DRAWS)
         yield from block.unbind(dim=1)
-
-
-def _eos_token_ids(tokenizer, generation_config) -> list[int]:
-    """EOS ids from the tokenizer and the generation config (either may hold a list)."""
-    ids: set[int] = set()
-    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    if not ids:
-        logger.warning("no EOS token id found: rows end only at max_new_tokens or stop_token_ids")
-    return sorted(ids)
-
-
-def _pad_token_id(tokenizer, model, eos_ids: list[int]) -> int:
-    for value in (getattr(tokenizer, "pad_token_id", None),
-                  getattr(getattr(model, "generation_config", None), "pad_token_id", None),
-                  getattr(model.config, "pad_token_id", None)):
-        if isinstance(value, int):
-            return value
-    return eos_ids[0] if eos_ids else 0
 
 
 def cache_argument(model) -> str:

@@ -54,11 +54,8 @@ class SamplingParams:
 
 def processed_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = -1,
                        top_p: float = 1.0) -> torch.Tensor:
-    """Log of the distribution a token is drawn from: temperature, then top-k, then top-p.
-
-    `logits (N, V)` of any float dtype -> `(N, V)` float32 log-probabilities; filtered tokens get
-    -inf. Temperature 0 is treated as 1 (greedy decoding picks the argmax, which no filter moves).
-    """
+    """`logits (N, V)` -> `(N, V)` float32 log of the distribution a token is drawn from: temperature, top-k, top-p
+    (filtered: -inf). Temperature 0 is treated as 1 (greedy picks the argmax, which no filter moves)."""
     scores = logits.float() / (temperature if temperature > 0 else 1.0)  # (N, V)
     vocab = scores.shape[-1]
     if 0 < top_k < vocab:
@@ -76,13 +73,9 @@ def processed_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: in
 
 def sample_with_uniforms(logprobs: torch.Tensor, uniforms: torch.Tensor,
                          greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of `logprobs (N, V)` by inverse CDF: row r takes the first token whose
-    cumulative probability exceeds ``uniforms[r] × total``. Returns `(tokens (N,) long, token_logprobs (N,))`.
-
-    ``uniforms (N,)`` in [0, 1) come from each row's own generator (`HFEngine`: one per request), so a row's
-    draw depends on its seed and position only, not on which rows share the batch. A filtered token
-    (probability 0) is never drawn: the target stays below the total, and the first cumulative sum above it
-    belongs to a token with mass."""
+    """`(tokens (N,), token_logprobs (N,))` drawn by inverse CDF from `logprobs (N, V)`: row r takes the first token
+    whose cumulative probability exceeds ``uniforms[r] × total``. Each row's uniforms come from its own generator,
+    so its draw depends on its seed only; a filtered token (mass 0) is never drawn (the target stays below total)."""
     if greedy:
         tokens = logprobs.argmax(dim=-1)  # (N,)
     else:

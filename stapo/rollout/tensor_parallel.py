@@ -1,14 +1,9 @@
 """One vLLM engine per tensor-parallel group of ranks (``rollout.tensor_parallel_size > 1``; docs/gpu.md).
 
-vLLM's in-process executor (``external_launcher``) lays the ranks out as ExternalDP x DP x PP x PCP x TP
-(vllm/distributed/parallel_state.py, ``initialize_model_parallel``): with ``tensor_parallel_size=k``
-ranks ``[0..k)``, ``[k..2k)``, ... each form one engine whose shards run every request together, while
-the groups generate independently. Every rank of a group must therefore submit the SAME requests in
-the same order, though the trainer deals each rank its own prompts. :class:`TensorParallelRollout`
-gathers the group's segment requests, has every rank submit their union (each request carries its own
-seed, so every rank's rows keep their own seeds) and hands each rank its own segments. Weight sync needs
-nothing extra: every rank loads the full tensors a ZeRO-3 gather gives it, and vLLM's weight loaders keep
-the slice of the rank's TP shard.
+vLLM's ``external_launcher`` makes ranks ``[0..k)``, ``[k..2k)``, ... one engine each, whose ranks must submit the
+SAME requests, though the trainer deals each rank its own prompts: `TensorParallelRollout` submits the group's
+union (each request keeps its seed) and hands each rank its own segments. Weight sync needs nothing extra: vLLM's
+loaders keep each rank's shard of the full tensors.
 """
 
 from __future__ import annotations
@@ -22,9 +17,8 @@ from stapo.rollout.sampling import SamplingParams
 
 
 def tensor_parallel_group(tensor_parallel_size: int):
-    """This rank's group of ``tensor_parallel_size`` consecutive ranks, as vLLM lays them out.
-    Collective: every rank creates every group (torch's ``new_group`` contract). Gloo: it carries
-    only the requests."""
+    """This rank's gloo group of ``tensor_parallel_size`` consecutive ranks, as vLLM lays them out (collective:
+    every rank creates every group, torch's ``new_group`` contract)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if tensor_parallel_size < 1 or world % tensor_parallel_size:
         raise ValueError(f"rollout.tensor_parallel_size ({tensor_parallel_size}) must divide the number of "
@@ -38,8 +32,8 @@ def tensor_parallel_group(tensor_parallel_size: int):
 
 
 class TensorParallelRollout(RolloutEngine):
-    """A rollout engine shared by the ranks of ``group`` (module doc): segments go through the group's
-    union of requests; weights, memory and the engine's facts are the engine's, on every rank."""
+    """A rollout engine shared by the ranks of ``group``: segments go through the group's union of requests;
+    weights, memory and the engine's facts are the engine's, on every rank."""
 
     def __init__(self, engine: RolloutEngine, group) -> None:
         self.engine, self.group = engine, group

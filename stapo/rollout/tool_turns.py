@@ -18,14 +18,8 @@ _MARK = "\x00stapo-turn-end\x00"
 
 
 class ToolTurnRenderer:
-    """Tool results -> the context tokens that follow a policy turn.
-
-    Args:
-        tokenizer: the policy's tokenizer (its chat template renders ``tool`` messages).
-        parser: the call format; one with ``render_results`` writes results inline.
-        template_kwargs: extra arguments of the chat template, the same as the prompts' (e.g.
-            ``enable_thinking``), so the next assistant turn opens as the first one did.
-    """
+    """Tool results -> the context tokens that follow a policy turn. ``template_kwargs``: the prompts' chat-template
+    arguments (e.g. ``enable_thinking``), so the next assistant turn opens as the first one did."""
 
     def __init__(self, tokenizer, parser: ToolCallParser, template_kwargs: dict | None = None) -> None:
         self.tokenizer = tokenizer

@@ -1,11 +1,9 @@
 """`Trajectory`: one sample under way and its seeds (`stapo.rollout.drivers.Generation` assembles the `Rollout`).
 
-A sample is a sequence of segments (`stapo.rollout.engine`): one for a one-turn response, one per policy turn
-of a tool episode, one more each time a weight sync cuts a segment in flight (``rollout.partial``). Between
-segments an episode appends context tokens (tool output): read by the model, never sampled.
-
-**One seed scheme** for every driver and engine (`prompt_seeds`, `segment_seed`; docs/rollout.md, "Seeds"), so
-a seed reproduces a sample given where it was cut, whatever else is in the batch.
+A sample is a sequence of segments: one per turn of an episode, one more each time a weight sync cuts one
+(``rollout.partial``), with context tokens (tool output) between them. One seed scheme for every driver and
+engine (`prompt_seeds`, `segment_seed`; docs/rollout.md, "Segments and drivers") reproduces a sample given
+where it was cut.
 """
 
 from __future__ import annotations

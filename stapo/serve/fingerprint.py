@@ -1,17 +1,9 @@
-"""What a rollout server serves, compared with what the trainer trains (``rollout.mode: server``).
+"""What a rollout server serves, compared with what the trainer trains (docs/rollout.md, "Faults").
 
-A server started with another model (or another size of it), in another dtype, or with another
-tokenizer would take the trainer's weights badly or not at all — or, worse, take them and sample
-through a different vocabulary (the reward reads the server's detokenized text). Both sides compute the
-same description and the trainer compares them at start and whenever a server comes back:
-
-* ``model``: the architecture, the config fields that fix every tensor's shape, the parameter table an
-  HF model of that config has (names and shapes, built on the meta device: no memory), and the dtype
-  the weights are held in (the trainer's policy dtype; the server's ``--dtype``);
-* ``tokenizer``: vocabulary size, a SHA-256 of the whole vocabulary (token → id) and the BOS / EOS ids.
-
-`first_difference` names the first thing that differs, or None. Needs torch and transformers only (the
-server side runs in vLLM's worker, `stapo.serve.staging`).
+A server with another model, dtype or tokenizer would take the weights badly or sample through another
+vocabulary (the reward reads its detokenized text). Both sides compute this description: the architecture,
+the shape fields, the parameter table (built on the meta device) and the weight dtype; the vocabulary's size,
+hash and BOS / EOS ids.
 """
 
 from __future__ import annotations
@@ -29,8 +21,7 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
 
 
 def _parameter_table(config) -> dict[str, list[int]]:
-    """Names and shapes of an HF causal LM built from ``config`` on the meta device ({} if transformers
-    cannot build that architecture: the config fields are compared then)."""
+    """Names and shapes of an HF causal LM of ``config`` ({} when transformers cannot build it)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -42,7 +33,7 @@ def _parameter_table(config) -> dict[str, list[int]]:
 
 
 def model_fingerprint(config, dtype: torch.dtype | str) -> dict:
-    """The model side of a fingerprint from an HF ``PretrainedConfig`` and the dtype weights are held in."""
+    """The model side, from an HF ``PretrainedConfig`` and the dtype the weights are held in."""
     return {
         "architectures": list(getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]),
         "config": {f: getattr(config, f, None) for f in SHAPE_FIELDS},
@@ -52,8 +43,7 @@ def model_fingerprint(config, dtype: torch.dtype | str) -> dict:
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:
-    """The tokenizer side: vocabulary size and hash, BOS / EOS ids (the pad token is left out: the trainer
-    sets one where the tokenizer has none)."""
+    """The tokenizer side (the pad id is left out: the trainer sets one where the tokenizer has none)."""
     vocab = sorted(tokenizer.get_vocab().items())
     digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
     return {"vocab_size": len(vocab), "vocab_sha256": digest,
@@ -61,8 +51,7 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 
 def first_difference(trainer: dict, server: dict) -> str | None:
-    """``"<what>: trainer <a>, server <b>"`` for the first difference of two fingerprints
-    (``{"model": ..., "tokenizer": ...}``), or None when they agree."""
+    """``"<what>: trainer <a>, server <b>"`` for the first difference of two fingerprints, or None."""
     tm, sm = trainer["model"], server["model"]
     if tm["architectures"] != sm["architectures"]:
         return f"architecture: trainer {tm['architectures']}, server {sm['architectures']}"

@@ -1,27 +1,10 @@
 """The closed control plane of ``stapo serve``: an ASGI middleware in front of vLLM's server.
 
-vLLM's OpenAI-compatible server serves, in its development mode (which stapo needs for
-``/collective_rpc`` and ``/reset_prefix_cache``), routes that change what it serves: any worker method
-by name with any string arguments, sleep / wake, weight-transfer engines, LoRA loading. Its own
-``--api-key`` guards only ``/v1`` paths. `stapo serve` therefore installs `ServerGuard`
-(``--middleware``, read in vLLM's ``build_app``: a class is added with ``app.add_middleware``), which
-
-* answers ``/health`` to anyone (liveness carries no information worth a secret);
-* answers every other route only to a request carrying ``Authorization: Bearer <secret>`` (401 otherwise;
-  compared in constant time). The secret is ``STAPO_SERVER_TOKEN`` in the server's environment, which
-  `stapo serve` always sets (`stapo.serve.secret`); a server without a usable one answers 401 to
-  everything but ``/health`` — it fails closed, on loopback too;
-* serves the inference routes (``/v1/...``, ``/tokenize``, ``/detokenize``, ``/version``, ``/load``,
-  ``/metrics``, ``/ping``), ``/reset_prefix_cache`` and ``/collective_rpc`` — the latter only for
-  stapo's own worker methods (`SERVER_RPC_METHODS`) with string arguments and nothing else, and a join of a
-  weight group only at a store on the address the call came from (a server never connects where a caller
-  points it) — and refuses every other route with 403, whatever the credentials (LoRA loading, sleep /
-  wake, pause, vLLM's weight-transfer routes, ``/server_info``, profiling).
-
-Routes are decided on the path vLLM's router matches (``--root-path`` removed, `route_path`). The policy is
-pure (`route_decision`, `rpc_refusal`) and tested without vLLM. What it does not do: encrypt (anyone who
-can read the traffic sees the secret and the weights; keep servers inside the cluster), or limit what an
-authenticated caller may generate. Docs: docs/rollout.md, "Security".
+vLLM's development mode (which stapo needs for ``/collective_rpc`` and ``/reset_prefix_cache``) serves routes
+that change what it serves, and its ``--api-key`` guards ``/v1`` only. `ServerGuard` (installed by
+``--middleware``) answers ``/health`` to anyone, every other route only with the shared secret, serves the
+inference routes and stapo's own worker methods, refuses everything else with 403, and fails closed without a
+usable secret. The policy is pure (`route_decision`, `rpc_refusal`); the table: docs/rollout.md, "Security".
 """
 
 from __future__ import annotations
@@ -115,7 +98,7 @@ def authorized(headers: list[tuple[bytes, bytes]], token: str | None) -> bool:
 
 
 class ServerGuard:
-    """Pure ASGI middleware applying `route_decision`, `authorized` and `rpc_refusal` (module docstring)."""
+    """Pure ASGI middleware applying `route_decision`, `authorized` and `rpc_refusal`."""
 
     def __init__(self, app, token: str | None = None) -> None:
         self.app = app

@@ -1,33 +1,10 @@
-"""``stapo serve MODEL [vLLM server options]``: a vLLM server that stapo can train through.
+"""``stapo serve MODEL [vLLM server options]``: vLLM's own OpenAI-compatible server with what
+``rollout.mode: server`` needs added (docs/rollout.md, "Rollout servers", "Security"): stapo's worker
+extension, processed log-probs, loopback unless ``--host``, the shared secret and its guard, dev mode for
+``/collective_rpc``, a longer engine-step limit for syncs, and the CPU build's settings.
 
-It is vLLM's own OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``, present
-in vLLM 0.26 and in the CPU build 0.32, whose ``vllm`` command cannot find its own version) with
-what ``rollout.mode: server`` needs added, unless the options already say otherwise:
-
-- ``--worker-extension-cls`` stapo's worker extension (the weight-update session, the policy version);
-- ``--logprobs-mode processed_logprobs``: the sampled token's log-prob under the distribution it was
-  drawn from (temperature, top-k, top-p), as the colocated engine reports it;
-- ``--host 127.0.0.1``: loopback only unless ``--host`` says otherwise;
-- ``STAPO_SERVER_TOKEN``: the shared secret, always — the user's, else the one in ``--token-file`` or in the
-  default file, created there when missing (`stapo.serve.secret`; ``stapo serve`` names the file on
-  its first line);
-- ``--middleware`` `stapo.serve.guard.ServerGuard`: every route but ``/health`` needs the
-  secret, ``/collective_rpc`` takes stapo's worker methods only, vLLM's other control routes
-  are refused (docs/rollout.md, "Security"); vLLM's own ``--api-key`` is refused (it guards ``/v1``
-  only, and the secret covers it);
-- ``FORWARDED_ALLOW_IPS=`` unless set: the caller's address the guard sees is the connection's, never one an
-  ``X-Forwarded-For`` header names;
-- ``VLLM_SERVER_DEV_MODE=1``: vLLM serves ``/collective_rpc`` and ``/reset_prefix_cache`` only then;
-- ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=900`` unless set: a worker inside a weight sync's receive waits up to
-  ``rollout.server.sync_timeout_s`` (300 s) for the trainer, and the engine's next step waits behind it; at vLLM's
-  300 s default its watchdog, not the sync, would end a wait for a hung trainer — by killing the engine;
-- on vLLM's CPU build, the colocated engine's CPU settings (`cpu_engine_kwargs`): whole-prompt prefill
-  and a fixed KV cache (``VLLM_CPU_KVCACHE_SPACE``, GiB).
-
-Every other option goes to vLLM unchanged (``--port``, ``--host``, ``--tensor-parallel-size``,
-``--dtype``, ``--max-model-len``, ...). Options are read as vLLM's parser reads them (``--api_key`` is
-``--api-key``; it also takes an unambiguous prefix, so ``--hos`` is ``--host``): an option stapo reads must
-be given once, in full.
+Every other option goes to vLLM unchanged. Options are read as vLLM's parser reads them (``--api_key`` is
+``--api-key``, ``--hos`` is ``--host``): an option stapo reads must be given once, in full.
 """
 
 from __future__ import annotations
@@ -51,16 +28,10 @@ _READ = ("--host", "--api-key", "--max-model-len", "--token-file")
 
 
 def cpu_engine_kwargs(max_model_len: int, env: Mapping[str, str]) -> dict:
-    """`vllm.LLM` settings for vLLM's CPU build, the colocated engine's and (as options) `stapo serve`'s
-    (pure; the CPU build's source, 0.32):
-
-    - ``kv_cache_memory_bytes``: there ``gpu_memory_utilization`` is a fraction of the machine's RAM
-      reserved per engine (so two ranks at 0.5 ask for all of it); a fixed KV cache fits instead,
-      unless ``VLLM_CPU_KVCACHE_SPACE`` (GiB, vLLM's own knob) is set.
-    - ``enable_chunked_prefill=False``: a partially prefilled seeded request makes the CPU model
-      runner rewind its torch.Generator's offset, which CPU generators refuse ("CPU Generator does
-      not use offset"); whole prompts in one step never take that path.
-    """
+    """`vllm.LLM` settings for vLLM's CPU build (0.32), the colocated engine's and `stapo serve`'s: a fixed KV
+    cache unless ``VLLM_CPU_KVCACHE_SPACE`` is set (there ``gpu_memory_utilization`` is a fraction of the RAM
+    per engine: two ranks at 0.5 ask for all of it), and whole-prompt prefill (a partially prefilled seeded
+    request rewinds its generator's offset, which CPU generators refuse)."""
     out = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
     if "VLLM_CPU_KVCACHE_SPACE" not in env:
         out["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
@@ -76,8 +47,7 @@ def _name(arg: str) -> str | None:
 
 
 def _check_options(args: Sequence[str]) -> None:
-    """Every option of `_READ` at most once and in full (vLLM's argparse takes the last of repeated options and
-    expands prefixes)."""
+    """Every option of `_READ` at most once and in full (vLLM's argparse takes the last one, expands prefixes)."""
     names = [n for n in map(_name, args) if n is not None]
     for name in names:
         full = [o for o in _READ if o != name and o.startswith(name) and len(name) > 3]
@@ -114,8 +84,7 @@ def take_token_file(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 def serve_command(model: str, vllm_args: Sequence[str], python: str, env: Mapping[str, str],
                   on_cpu: bool, secret: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """``(argv, environment)`` of the server process (pure: the caller executes it); ``secret``: the shared
-    secret it guards its routes with (`stapo.serve.secret.serve_secret`)."""
+    """``(argv, environment)`` of the server process (pure); ``secret``: the one its guard checks."""
     if not model or model.startswith("-"):
         raise ValueError("stapo serve needs the model first: stapo serve MODEL [vLLM server options]")
     args = list(vllm_args)
@@ -130,9 +99,9 @@ def serve_command(model: str, vllm_args: Sequence[str], python: str, env: Mappin
         args += ["--host", LOOPBACK]
     args += ["--middleware", GUARD_MIDDLEWARE]
     defaults = [("--worker-extension-cls", WORKER_EXTENSION), ("--logprobs-mode", "processed_logprobs")]
-    if on_cpu:  # see cpu_engine_kwargs: a partially prefilled seeded request breaks the CPU sampler
-        max_model_len = _value(args, "--max-model-len")
-        batched = max(int(max_model_len), 4096) if max_model_len and max_model_len.isdigit() else 4096
+    if on_cpu:  # the colocated engine's CPU settings: a partially prefilled seeded request breaks the CPU sampler
+        given = _value(args, "--max-model-len")
+        batched = cpu_engine_kwargs(int(given) if given and given.isdigit() else 0, env)["max_num_batched_tokens"]
         defaults.append(("--max-num-batched-tokens", str(batched)))
     for option, value in defaults:
         if not _has(args, option):

@@ -1,17 +1,7 @@
 """The shared secret of `stapo serve` and the trainer: where each side finds it (docs/rollout.md, "Security").
 
-Every route of a rollout server but ``/health`` needs it, loopback or not: without one every local process
-could choose the weights a server serves. So a server always has one, and neither side ever takes it from a
-command line (``/proc/PID/cmdline`` is readable by every local process):
-
-* `stapo serve`: ``STAPO_SERVER_TOKEN`` from its environment, else the file ``--token-file`` names, else
-  `default_token_file` — read when it exists, created (mode 0600, a fresh random secret) when it does not;
-* the trainer: ``STAPO_SERVER_TOKEN``, else ``rollout.server.token_file``, else the default file when it
-  exists. On one machine the two meet in the default file: the user does nothing.
-
-A file is read only when it is a regular file of this user that nobody else can read: a file someone else
-planted, or one other users can read, would hand the server a secret they know. A secret is printable ASCII
-without spaces (it travels in an HTTP header): a blank one is refused, never used.
+Never from a command line (``/proc/PID/cmdline`` is world-readable); a file only when it is this user's regular
+file that nobody else can read (a planted or shared file would hand the server a secret others know).
 """
 
 from __future__ import annotations
@@ -66,8 +56,8 @@ def read_token_file(path: Path) -> str:
 
 
 def _create_token_file(path: Path) -> tuple[str, bool]:
-    """A fresh secret written to ``path`` (0600), or the one another server wrote there first: ``(secret,
-    created)``. Written to a private temporary file and linked into place, so no reader sees it half-written."""
+    """``(secret, created)``: a fresh secret linked into ``path`` (0600) from a private temporary file, so no reader
+    sees it half-written, or the one another server wrote there first."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".server_token.")  # mode 0600
     try:
@@ -84,8 +74,8 @@ def _create_token_file(path: Path) -> tuple[str, bool]:
 
 
 def serve_secret(env: Mapping[str, str], token_file: str | None, create: bool = True) -> tuple[str | None, str]:
-    """`stapo serve`'s secret and a line saying where it is (module docstring). ``create=False`` (a dry run)
-    writes nothing: the secret is None when the file does not exist yet."""
+    """`stapo serve`'s secret: its environment, else ``token_file``, else the default file (created when missing;
+    not with ``create=False``, a dry run: None then); and a line saying where it is."""
     given = env.get(TOKEN_ENV)
     if given and token_file:
         raise ValueError(f"both {TOKEN_ENV} and --token-file give the shared secret: give one")
@@ -103,7 +93,7 @@ def serve_secret(env: Mapping[str, str], token_file: str | None, create: bool = 
 
 
 def trainer_secret(env: Mapping[str, str], token_file: str | None) -> str | None:
-    """The trainer's secret (module docstring); None when none is given and the default file does not exist."""
+    """The trainer's secret: its environment, else ``token_file``, else the default file; None without one."""
     given = check_secret(env[TOKEN_ENV], TOKEN_ENV) if env.get(TOKEN_ENV) else None
     if token_file:
         from_file = read_token_file(Path(token_file).expanduser())

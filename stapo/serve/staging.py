@@ -1,32 +1,10 @@
-"""A vLLM SERVER's side of a weight sync (``rollout.mode: server``), inside vLLM's worker.
+"""A vLLM SERVER's side of a weight sync, inside vLLM's worker (docs/rollout.md, "Rollout servers", "Delta syncs").
 
-`StapoWorkerExtension` (stapo.serve.worker_extension) mixes this in; the trainer reaches these methods
-through the server's ``/collective_rpc`` route, which `stapo.serve.guard` opens to exactly
-`SERVER_RPC_METHODS` (string arguments only, behind the shared secret). A sync is one session:
-
-1. ``stapo_join_weight_group(spec)``: join the session's process group (`stapo.sync.weight_group`),
-   within this server's own time bounds (`GroupSpec.bounded`), and check that rank 0 proves the session
-   nonce — before a single weight byte;
-2. ``stapo_receive_bucket(layout)`` per bucket: receive its bytes by broadcast and STAGE them on the
-   host; the running model is not touched. Its checksum must match the trainer's (a full sync's bucket as a
-   delta sync's), or the session cannot commit;
-3. ``stapo_commit_weight_update(commit)``: load every staged bucket in ONE layerwise reload (the
-   colocated session: begin / load / finish), record the policy version, leave the group.
-
-``stapo_abort_weight_update`` drops an open session at any point before the commit: the group and the
-staged bytes go, the served weights and the policy version stay what they were. Staging costs host
-memory of one copy of the weights per worker (what a sync sends) and keeps an aborted sync — a server
-or the trainer dying mid-way — from ever leaving a mix of two policies in a server.
-
-Delta syncs (``rollout.server.sync: delta``, `stapo.sync.weight_delta`): each worker keeps a host copy of the
-buckets it last committed (``_stapo_kept``: one more copy of the weights per worker). A bucket may then come
-as its changed words only; the worker applies them to a copy of its kept bucket, checks the checksum of the
-result against the trainer's, and stages only the change. The kept copy changes at the commit and never
-before, so an aborted session leaves it as it was; a session with a checksum that differs cannot commit.
-``stapo_weight_checksums`` reports the checksums of the kept copy and of the served weights.
-
-Every method takes and returns JSON strings or plain values: vLLM's route passes strings only. Needs
-torch (and transformers for the fingerprint) only.
+One session: join the group (`stapo_join_weight_group`), STAGE each bucket on the host
+(`stapo_receive_bucket`), load them all at the commit in one layerwise reload (`stapo_commit_weight_update`),
+or drop them (`stapo_abort_weight_update`). Staging keeps an aborted sync from ever leaving a mix of two policies
+in a server; a delta sync's kept copy changes at the commit only. Reached through ``/collective_rpc``, which
+`stapo.serve.guard` opens to `SERVER_RPC_METHODS` with JSON-string arguments only.
 """
 
 from __future__ import annotations
@@ -47,7 +25,6 @@ from stapo.sync.weight_group import STEP_TIMEOUT_ENV, VLLM_STEP_TIMEOUT_S, Group
 
 __all__ = ["SERVER_RPC_METHODS", "ServerWorkerMixin"]
 
-# The only worker methods a server's /collective_rpc route accepts (stapo.serve.guard).
 SERVER_RPC_METHODS = frozenset({
     "stapo_policy_version", "stapo_server_state", "stapo_fingerprint", "stapo_join_weight_group",
     "stapo_receive_bucket", "stapo_commit_weight_update", "stapo_abort_weight_update", "stapo_weight_checksums",
@@ -66,7 +43,7 @@ class _Session:
 
 
 class ServerWorkerMixin:
-    """The server-side session (module docstring); ``self`` is vLLM's worker."""
+    """The server-side session; ``self`` is vLLM's worker."""
 
     def _stapo_open_session(self) -> _Session | None:
         return getattr(self, "_stapo_session", None)
@@ -80,8 +57,8 @@ class ServerWorkerMixin:
         return session
 
     def stapo_server_state(self) -> str:
-        """JSON: the policy version held, this worker process's instance id (new after a restart), and
-        whether a session is open (a trainer that stopped mid-sync leaves one: the next trainer aborts it)."""
+        """JSON: the policy version held, this worker's instance id (new after a restart), and whether a session
+        is open (a trainer that stopped mid-sync leaves one: the next trainer aborts it)."""
         if not hasattr(self, "_stapo_instance"):
             self._stapo_instance = uuid.uuid4().hex
         session = self._stapo_open_session()
@@ -104,9 +81,8 @@ class ServerWorkerMixin:
         return self._stapo_fingerprint
 
     def stapo_join_weight_group(self, spec: str) -> int:
-        """Join the session's group (``spec``: a `GroupSpec` as JSON; its time limits clamped to this server's) and
-        check rank 0's proof of the nonce; returns this worker's rank in the group. Refused while another session
-        is open (abort it first)."""
+        """Join the session's group (``spec``: a `GroupSpec` as JSON, clamped to this server's time limits), check
+        rank 0's proof of the nonce; returns this worker's rank. Refused while another session is open."""
         if self._stapo_open_session() is not None:
             raise RuntimeError("a weight update session is already open on this server (abort it first)")
         try:
@@ -123,18 +99,15 @@ class ServerWorkerMixin:
         return rank
 
     def stapo_receive_bucket(self, layout: str) -> str:
-        """Receive one bucket by broadcast (its layout, encoding, checksum and the session nonce as JSON) and stage
-        it on the host; returns JSON ``{"tensors": count, "checksum": of the resulting bytes}``."""
+        """Receive one bucket by broadcast (``layout``: JSON with its encoding, checksum and the nonce) and stage it
+        on the host; returns JSON ``{"tensors", "checksum"}`` of the resulting bytes."""
         spec = json.loads(layout)
         session = self._stapo_session_for(spec.get("nonce", ""))
         raw = torch.empty(int(spec.get("payload_nbytes", spec["nbytes"])), dtype=torch.uint8, device=session.device)
         if raw.numel():  # an unchanged bucket of a delta sync sends nothing
             session.group.broadcast(raw, 0).wait()
-        if "encoding" in spec:  # rollout.server.sync: delta
-            session.keep = True
-            result, staged = self._stapo_decode(spec, raw, session.device)
-        else:  # rollout.server.sync: full
-            result, staged = raw, (spec, raw if raw.device.type == "cpu" else raw.cpu(), None)
+        session.keep |= "encoding" in spec  # rollout.server.sync: delta (a full sync's buckets carry none)
+        result, staged = self._stapo_decode(spec, raw, session.device)
         count = len(unpack_tensors(spec, result))  # validates the layout against the bytes
         mine = checksum(result)
         if mine != spec.get("checksum"):
@@ -143,13 +116,14 @@ class ServerWorkerMixin:
         return json.dumps({"tensors": count, "checksum": mine})
 
     def _stapo_decode(self, spec: dict, raw: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, tuple]:
-        """A delta sync's bucket: ``(the resulting bytes on device, what to stage)``; a delta is applied to a
-        COPY of the kept bucket, which stays untouched until the commit."""
-        encoding, word = spec.get("encoding"), int(spec["word"])
+        """``(the bucket's resulting bytes on device, what to stage)``; a delta goes onto a COPY of the kept
+        bucket, which stays untouched until the commit."""
+        encoding = spec.get("encoding", "dense")
         if encoding == "dense":
-            return raw, (spec, raw if raw.device.type == "cpu" else raw.cpu(), None)
+            return raw, (spec, raw.cpu(), None)
         if encoding != "delta":
             raise ValueError(f"unknown bucket encoding {encoding!r}")
+        word = int(spec["word"])
         base = self._stapo_kept_copy().get(layout_key(spec))
         if base is None:
             raise RuntimeError("a delta of a bucket this server holds no copy of (the trainer must send it whole)")
@@ -162,10 +136,9 @@ class ServerWorkerMixin:
         return getattr(self, "_stapo_kept", {})
 
     def stapo_commit_weight_update(self, commit: str) -> int:
-        """Load every staged bucket into the served model in one layerwise reload and record the policy
-        version (``commit``: JSON ``{"nonce", "version"}``); the session ends either way. A failure while
-        loading leaves the version unknown (None), so the trainer syncs this server before it serves again.
-        Refused, the weights kept, when a bucket's checksum differed. Returns the number of tensors loaded."""
+        """Load every staged bucket in one layerwise reload and record the version (``commit``: JSON ``{"nonce",
+        "version"}``); returns the tensors loaded. The session ends either way; a failed load leaves the version
+        None (synced before it serves again); a checksum that differed refuses it, the weights kept."""
         spec = json.loads(commit)
         session = self._stapo_session_for(spec.get("nonce", ""))
         self._stapo_session = None  # the group and the staged bytes go with this call
@@ -185,9 +158,8 @@ class ServerWorkerMixin:
         return loaded
 
     def _stapo_settle(self, session: _Session) -> list[tuple[dict, torch.Tensor]]:
-        """The session's buckets as host bytes, in order. A delta sync's become the kept copy here, at the
-        commit (deltas applied in place, and nowhere else: should a model keep a view of what it loaded, the
-        next change to it comes with the commit that loads it again); a full sync drops the kept copy."""
+        """The session's buckets as host bytes, in order; a delta sync's become the kept copy here, at the commit
+        (deltas applied in place only here), a full sync drops it."""
         kept, new, out = self._stapo_kept_copy(), {}, []
         for layout, host, delta in session.staged:
             if delta is not None:
@@ -200,20 +172,18 @@ class ServerWorkerMixin:
         return out
 
     def stapo_abort_weight_update(self, nonce: str = "") -> bool:
-        """Drop the open session (this session's, or with no nonce whichever is open: a trainer restarted
-        after a crash does not know the old one); the served weights stay. Returns whether one was open."""
-        session = self._stapo_open_session()
-        if session is None:
+        """Drop the open session (with no nonce: whichever is open, for a restarted trainer); the served weights
+        stay. Returns whether one was open."""
+        if self._stapo_open_session() is None:
             return False
-        if nonce and not hmac.compare_digest(str(nonce).encode(), session.nonce.encode()):
-            raise PermissionError("the abort names another weight update session than the open one")
+        if nonce:
+            self._stapo_session_for(nonce)  # PermissionError: another session's nonce
         self._stapo_session = None
         return True
 
     def stapo_weight_checksums(self) -> str:
-        """JSON: this worker's policy version, the checksum of each bucket of its kept copy (delta syncs; by
-        layout key) and one of the weights it serves (every tensor of its model's state dict, in order): two
-        servers serving the same bytes report the same ``served``."""
+        """JSON: the policy version, the checksum of each kept bucket (by layout key) and one of the served state
+        dict: two servers serving the same bytes report the same ``served``."""
         served = hashlib.sha1()
         for name, tensor in self._stapo_model().state_dict().items():
             flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)

@@ -1,31 +1,12 @@
-"""The trainer's side of a weight sync into vLLM servers: one session, buckets by broadcast.
+"""The trainer's side of a weight sync into vLLM servers: one session, buckets by broadcast (docs/rollout.md,
+"Rollout servers").
 
-A session (``rollout.mode: server``; docs/rollout.md, "Rollout servers") carries the colocated engine's
-session — begin, one load per bucket, finish — over the network:
-
-1. ``open``: the trainer (global rank 0) hosts a TCPStore on ``sync_host`` only and asks every server,
-   over its authenticated ``/collective_rpc`` route, to join this session's process group
-   (`stapo.sync.weight_group.GroupSpec`, with a fresh nonce): rank 0 is the trainer, each server's
-   workers follow (a tensor-parallel server's workers each receive the full tensors; vLLM's
-   ``load_weights`` shards them). The group's first collective is the exchange of proofs of the nonce
-   (`stapo.sync.weight_group.exchange_proofs`): no weight byte moves to or from a stranger;
-2. ``send`` per bucket: the layout goes as JSON in an RPC and the bytes by ONE ``broadcast`` from rank 0
-   (NCCL between GPUs, gloo on CPU — the same session, so vLLM's CPU build runs it in CI); the servers
-   stage them (`stapo.serve.staging`) and return the checksum of what they received;
-3. ``close``: every server loads what it staged and records the policy version; then its prefix cache is
-   dropped (its KV entries came from the old weights).
-
-Every bucket carries rank 0's checksum (`stapo.sync.weight_delta.checksum`): a server whose checksum differs
-is not committed (it is aborted and reported as failed; its commit would be refused anyway). With
-``rollout.server.sync: delta`` the session takes rank 0's copy of what the servers hold
-(`stapo.sync.weight_delta.SentWeights`): a bucket may go as its changed words only, and a server that failed a
-checksum gets a full sync next time.
-
-Any failure raises `SyncFailed`; ``abort`` then drops the group (which releases a worker blocked in a
-broadcast) and asks every server the session reached to abort too: each keeps the weights it had.
-
-vLLM's own weight-transfer engines (``/init_weight_transfer_engine``) offer NCCL and CUDA IPC only, which
-a CPU machine cannot run; a group per session also lets a restarted server join the next sync.
+``open``: rank 0 hosts the session's store and every server's workers join its group (`GroupSpec`, a fresh
+nonce, proofs exchanged before any weight byte); ``send``: per bucket, the layout as JSON by RPC and the bytes by
+ONE broadcast (NCCL between GPUs, gloo on CPU, so CI runs it against vLLM's CPU build), staged by each server
+with its checksum; ``close``: commit and drop the prefix caches; ``abort``: every server keeps its weights.
+vLLM's own weight-transfer engines run NCCL and CUDA IPC only, which a CPU machine cannot; a group per session
+also lets a restarted server join the next sync.
 """
 
 from __future__ import annotations
@@ -41,12 +22,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from stapo.distributed.process_group import default_backend
 from stapo.sync.bucket_format import pack_bucket_tensor
-from stapo.sync.weight_delta import SentWeights, TransferStats, checksum
+from stapo.sync.weight_delta import EncodedBucket, SentWeights, TransferStats, checksum
 from stapo.sync.weight_group import (GroupSpec, call_off, checked_in, exchange_proofs, let_form, listening_store,
                                        namespaced, new_nonce)
 
-__all__ = ["BroadcastSession", "CallFailed", "ServerCalls", "SyncFailed", "transfer_backend"]
+__all__ = ["BroadcastSession", "CallFailed", "ServerCalls", "SyncFailed"]
 
 log = logging.getLogger("stapo.rollout")
 
@@ -56,8 +38,7 @@ class CallFailed(RuntimeError):
 
 
 class ServerCalls(Protocol):
-    """What a session needs of one server, and all it knows of it (`stapo.servers.client.ServerClient` is one):
-    its address, an RPC into its workers and a POST, each raising `CallFailed` when the server fails."""
+    """All a session knows of one server (`stapo.servers.client.ServerClient` is one); calls raise `CallFailed`."""
 
     address: str
 
@@ -75,9 +56,8 @@ class SyncFailed(RuntimeError):
 
 
 def _in_daemon_thread(fn, *args, name: str = "stapo-sync", **kwargs) -> Future:
-    """``fn(*args, **kwargs)`` on a daemon thread, as a Future. A session's calls may outlive it (a worker
-    blocked until its timeout after a failure): unlike a ThreadPoolExecutor's, these threads never hold up
-    the interpreter's exit."""
+    """``fn(*args, **kwargs)`` on a daemon thread, as a Future: a call may outlive its session (a worker blocked
+    until its timeout), and unlike a ThreadPoolExecutor's, these threads never hold up the interpreter's exit."""
     future: Future = Future()
 
     def run() -> None:
@@ -90,18 +70,12 @@ def _in_daemon_thread(fn, *args, name: str = "stapo-sync", **kwargs) -> Future:
     return future
 
 
-def transfer_backend() -> str:
-    """``nccl`` where the trainer has a GPU (the servers' workers then receive on theirs), else ``gloo``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 class BroadcastSession:
     """One weight-update session from the trainer into ``servers`` (each: a client and its worker count).
 
-    ``sync_host``: the address the servers reach the trainer at (the store and gloo bind it);
-    ``timeout_s``: the limit of each step (the group's formation, one bucket, the commit); ``sent``: rank 0's
-    copy of the servers' weights (``rollout.server.sync: delta``; None: full syncs as before); ``delta``: buckets may go
-    as their changes (every server holds ``sent``)."""
+    ``sync_host``: where the servers reach the trainer (the store and gloo bind it); ``timeout_s``: the limit of
+    each step; ``sent``: rank 0's copy of the servers' weights (delta syncs; None: full syncs); ``delta``:
+    buckets may go as their changes (every server holds ``sent``)."""
 
     def __init__(self, servers: Sequence[tuple[ServerCalls, int]], sync_host: str, timeout_s: float = 300.0,
                  backend: str | None = None, join_timeout_s: float = 30.0, sent: SentWeights | None = None,
@@ -110,7 +84,7 @@ class BroadcastSession:
             raise ValueError("a weight-update session needs at least one server")
         self.servers = list(servers)
         self.sync_host = sync_host
-        self.backend = backend or transfer_backend()
+        self.backend = backend or default_backend()  # nccl: the servers' workers receive on their GPUs
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.timeout_s = timeout_s
         self.join_timeout_s = min(join_timeout_s, timeout_s)
@@ -122,13 +96,11 @@ class BroadcastSession:
         self._group = self._store = None
 
     def open(self) -> None:
-        """Create this session's group (rank 0 here), check every member's proof, and wait for every server to join.
+        """Form this session's group (rank 0 here) with every server and check every member's proof.
 
-        Two steps, so that a server lost while joining never leaves the others waiting in the group's
-        formation (a collective that no abort can reach): every worker first checks in on the store
-        (`weight_group.check_in`); only when all did within ``join_timeout_s`` does the trainer let them form
-        the group — otherwise it calls the session off, the workers that checked in return at once, and
-        `SyncFailed` names the servers that did not."""
+        Workers first check in on the store, and the group forms only when all did within ``join_timeout_s``
+        (else the session is called off and `SyncFailed` names the missing): a server lost while joining must
+        never leave the others waiting in the formation, a collective no abort can reach."""
         listening = listening_store(self.sync_host, self.timeout_s)
         self._store = namespaced(listening, self.nonce)
         world = 1 + sum(workers for _, workers in self.servers)
@@ -152,7 +124,7 @@ class BroadcastSession:
             strangers = exchange_proofs(self._group, self.nonce, 0, world, self.device)
         except RuntimeError as err:
             raise SyncFailed(f"the weight group did not form ({err}); {self._failed_calls(joins)}",
-                             self._failed_addresses(joins)) from None
+                             list(self._failures(joins))) from None
         if strangers:
             named = [c.address for (c, workers), o in zip(self.servers, offsets) if any(o <= r < o + workers
                                                                                      for r in strangers)]
@@ -161,12 +133,11 @@ class BroadcastSession:
         self._wait(joins, "join")
 
     def _await_check_ins(self, specs: list[GroupSpec], joins: list[Future]) -> list[str]:
-        """Wait until every server's workers checked in or its join call failed (at most ``join_timeout_s``); the
-        servers that did not check in, in their order. A failed join ends no other server's wait: one still on
-        its way is not named with the failed one (and marked down) for being slower."""
+        """The servers that did not check in within ``join_timeout_s``, in order; a failed join ends no other
+        server's wait (a slower one is not named, and marked down, with it)."""
         deadline = time.monotonic() + self.join_timeout_s
         while True:
-            failed = {c.address for (c, _), j in zip(self.servers, joins) if j.done() and j.exception() is not None}
+            failed = set(self._failures(joins))
             waiting = {c.address for (c, workers), spec in zip(self.servers, specs)
                        if not checked_in(self._store, self.nonce, spec.rank_offset, workers)}
             if waiting <= failed or time.monotonic() >= deadline:
@@ -176,14 +147,10 @@ class BroadcastSession:
     def send(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Broadcast one bucket (or its changes) to every server (each stages it)."""
         layout, flat = pack_bucket_tensor(list(bucket))
-        if self.sent is None:
-            header, payload = {"checksum": checksum(flat)}, flat
-            self.stats.sent_bytes += flat.numel()
-            self.stats.dense_bytes += flat.numel()
-        else:
-            encoded = self.sent.encode(layout, flat, self.delta)
-            header, payload = encoded.header, encoded.payload
-            self.stats.add(encoded)
+        encoded = (EncodedBucket({"checksum": checksum(flat)}, flat, flat.numel(), None) if self.sent is None
+                   else self.sent.encode(layout, flat, self.delta))
+        header, payload = encoded.header, encoded.payload
+        self.stats.add(encoded)
         message = json.dumps({**layout, **header, "nonce": self.nonce})
         receives = self._on_every_server("stapo_receive_bucket", [message] * len(self.servers))
         try:
@@ -208,9 +175,8 @@ class BroadcastSession:
                             self.mismatched[client.address])
 
     def close(self, version: int | None) -> list[tuple[ServerCalls, str]]:
-        """Commit on every server (it then holds policy ``version``) and drop their prefix caches; a server
-        whose checksum differed is aborted instead. Returns the servers that failed the commit or the cache
-        reset, or were aborted, with why (the others hold the new weights)."""
+        """Commit ``version`` on every server and drop their prefix caches (a server whose checksum differed is
+        aborted instead); returns the servers that failed or were aborted, with why."""
         commit = json.dumps({"nonce": self.nonce, "version": version})
         committing = [(c, w) for c, w in self.servers if c.address not in self.mismatched]
         futures = [_in_daemon_thread(c.rpc, "stapo_commit_weight_update", commit, timeout_s=self.timeout_s)
@@ -230,8 +196,8 @@ class BroadcastSession:
         return failed
 
     def abort(self) -> list[str]:
-        """Drop the group (a worker blocked in a broadcast gets an error and returns) and abort the session on
-        every server it reached; returns the addresses that did not answer the abort."""
+        """Drop the group (releasing a worker blocked in a broadcast) and abort the session on every server it
+        reached; returns the addresses that did not answer."""
         self._release()
         silent = [client.address for client in self.reached if not self._abort_one(client)]
         self.reached = []
@@ -264,9 +230,10 @@ class BroadcastSession:
             raise SyncFailed(f"weight sync {step}: " + "; ".join(why for _, why in failed), [a for a, _ in failed])
         return results
 
-    def _failed_calls(self, futures: list) -> str:
-        done = [(c.address, f.exception()) for (c, _), f in zip(self.servers, futures) if f.done()]
-        return "; ".join(f"{a}: {e}" for a, e in done if e is not None) or "no server reported an error"
+    def _failures(self, futures: list) -> dict[str, BaseException]:
+        """The servers whose call has failed so far, with the error."""
+        return {c.address: f.exception() for (c, _), f in zip(self.servers, futures)
+                if f.done() and f.exception() is not None}
 
-    def _failed_addresses(self, futures: list) -> list[str]:
-        return [c.address for (c, _), f in zip(self.servers, futures) if f.done() and f.exception() is not None]
+    def _failed_calls(self, futures: list) -> str:
+        return "; ".join(f"{a}: {e}" for a, e in self._failures(futures).items()) or "no server reported an error"

@@ -1,9 +1,6 @@
-"""The byte format of a weight bucket: every tensor of a bucket in ONE flat uint8 buffer plus a JSON layout.
-
-One format for every path a bucket travels (docs/rollout.md): vLLM's msgpack RPC to a worker in another
-process (`pack_bucket`: the bytes as one ``bytes``), and a broadcast into vLLM servers (`pack_bucket_tensor`:
-the layout as JSON over HTTP, the bytes as one tensor over the weight group). Offsets are 16-byte aligned,
-so any dtype can view its slice in place (`unpack_tensors`). Needs torch only.
+"""The byte format of a weight bucket: its tensors in ONE flat uint8 buffer plus a JSON layout, for every path a
+bucket travels (vLLM's msgpack RPC: `pack_bucket`; a broadcast into servers: `pack_bucket_tensor`). Offsets are
+16-byte aligned, so any dtype views its slice in place. Needs torch only.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
-"""Weight sync ZeRO-3 → rollout engine, one all-gather per bucket (Algorithm 1 line 3; docs/distributed.md).
+"""Weight sync ZeRO-3 → rollout engine, one all-gather per bucket (Algorithm 1 line 3; docs/distributed.md,
+"Weight sync").
 
-Under ZeRO-3 each rank holds ``1/world_size`` of every parameter. Gathering one parameter at a
-time (the slow path in TRL and OpenRLHF) pays one collective per tensor — hundreds per model —
-and so does ``deepspeed.zero.GatheredParameters`` over a list (one async all-gather each).
-We group parameters whose full size fits ``bucket_bytes`` and gather a bucket with ONE
-collective (``stapo.distributed.flat_gather``: each rank's partitions packed into one flat byte row,
-rebuilt in DeepSpeed's padded layout after the all-gather). Peak extra memory ≈
-(2 + 1/world) × ``bucket_bytes`` (send row, gather buffer, rebuilt tensors;
-``bench/weight_sync.py`` measures it); a bucket of one tensor is gathered straight into it, as
-DeepSpeed does. Parameters already gathered (``ds_status`` AVAILABLE,
-e.g. ZeRO-3's persistent small tensors after a step) are read in place; anything else
-(quantized or NVMe-swapped partitions) falls back to ``GatheredParameters``.
-
-Names are the Hugging Face ones (``model.layers.0.mlp.up_proj.weight``): DeepSpeed's ``module.``
-wrapper prefix is stripped, so buckets load into a plain ``AutoModelForCausalLM`` or a vLLM
-engine's ``load_weights``. Tied weights appear once, under the name ``named_parameters()`` gives
-them (``model.embed_tokens.weight`` for tied Qwen3), as vLLM expects.
-
-A LoRA policy (PEFT, ``model.lora``) syncs as its merged base model: each base weight is bucketed
-with its adapter and the bucket leaves as ``W + scaling * B @ A`` under the base name
-(:class:`stapo.distributed.lora.AdapterMerge`), so engines load it exactly like a full-fine-tuned policy.
-
-Gathers are collective: every rank must iterate the same buckets in the same order (the plan is
-computed from full sizes, identical on all ranks); each rank feeds its own colocated engine.
-Works unchanged on a plain (non-ZeRO) module: gathering is then a no-op.
+Gathering one parameter at a time (TRL, OpenRLHF, ``GatheredParameters`` over a list) pays one collective per
+tensor; a bucket of parameters up to ``bucket_bytes`` is gathered with ONE (``stapo.distributed.flat_gather``),
+at a peak of about (2 + 1/world) × ``bucket_bytes`` (``bench/weight_sync.py``). Already gathered parameters are
+read in place; quantized or NVMe-swapped ones fall back to ``GatheredParameters``. Names are Hugging Face's (tied
+weights once), and a LoRA policy syncs as its merged base model (`stapo.distributed.lora.AdapterMerge`). Gathers
+are collective: every rank iterates the same buckets; on a plain module gathering is a no-op.
 """
 
 from __future__ import annotations
@@ -57,8 +40,8 @@ class WeightConsumer(Protocol):
 
 @dataclass(frozen=True)
 class SyncStats:
-    """What one :func:`sync_weights` moved: buckets, tensors, bytes (dense) and wall time; ``transfer``: what
-    the engine put on the wire, when it says (rollout servers, on rank 0: `stapo.sync.weight_delta`)."""
+    """What one :func:`sync_weights` moved (dense bytes) and took; ``transfer``: what the engine put on the wire,
+    when it says (rollout servers, on rank 0)."""
 
     num_buckets: int
     num_tensors: int
@@ -73,11 +56,8 @@ def full_numel(param: torch.Tensor) -> int:
 
 
 def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
-    """Greedy, order-preserving grouping of tensor byte sizes into buckets of ≤ ``bucket_bytes``.
-
-    A tensor larger than the budget gets a bucket of its own (it must be gathered anyway).
-    E.g. sizes [4, 4, 8, 2], budget 8 → [[0, 1], [2], [3]].
-    """
+    """Greedy, order-preserving grouping of byte sizes into buckets of ≤ ``bucket_bytes`` (a larger tensor gets
+    its own). E.g. sizes [4, 4, 8, 2], budget 8 → [[0, 1], [2], [3]]."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     buckets: list[list[int]] = []
@@ -141,15 +121,9 @@ def _persistent_buffers(model: torch.nn.Module) -> Bucket:
 def iter_weight_buckets(
     model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, copy: bool = True
 ) -> Iterator[Bucket]:
-    """Yield ``[(hf_name, full_tensor), ...]`` buckets covering every parameter once (a LoRA policy:
-    every base-model tensor once, adapters merged in).
-
-    ``model`` may be a DeepSpeed engine, its ``.module``, or a plain module. With ``copy=True``
-    the tensors are contiguous and own their storage, the caller may keep them; with
-    ``copy=False`` some alias live parameters (plain or already gathered), so they are valid
-    only until the next iteration (what :func:`sync_weights` uses, since
-    ``load_weights`` copies anyway). Collective under ZeRO-3.
-    """
+    """Yield ``[(hf_name, full_tensor), ...]`` buckets covering every parameter once (LoRA: adapters merged);
+    ``model``: a DeepSpeed engine, its ``.module`` or a plain module. ``copy=False``: some tensors alias live
+    parameters, valid only until the next bucket (`sync_weights`: ``load_weights`` copies anyway)."""
     named = list(model.named_parameters())
     names = [hf_name(n) for n, _ in named]
     sizes = [full_numel(p) * p.element_size() for _, p in named]
@@ -183,13 +157,8 @@ def sync_weights(
     model: torch.nn.Module, engine_like: WeightConsumer, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
     version: int | None = None,
 ) -> SyncStats:
-    """Push the current weights into ``engine_like.load_weights``, one bucket per call, all inside
-    ONE ``engine_like.weight_update()`` session (a bucket may end in the middle of a fused layer).
-
-    Call on every rank (the gathers are collective); each rank loads its own engine (rollout servers:
-    rank 0's engine sends, the others' take no part). ``version``: the policy version the engine
-    holds afterwards, for engines that track it (``weight_update(version=...)``, rollout servers).
-    """
+    """Push the current weights into ``engine_like``, one bucket per `load_weights`, inside ONE `weight_update`
+    session (``version``: what the engine holds afterwards). On every rank: the gathers are collective."""
     start = time.perf_counter()
     num_buckets = num_tensors = num_bytes = 0
     with engine_like.weight_update(version):
@@ -204,24 +173,30 @@ def sync_weights(
 
 
 class StateDictConsumer:
-    """A ``load_weights`` target that copies into a plain module's parameters and buffers.
-
-    Reference consumer for tests and benchmarks; also a CPU stand-in for a rollout engine.
-    """
+    """A ``load_weights`` target that copies into a module's parameters and buffers (a tied alias: either name),
+    checking the whole bucket's names and shapes before it copies anything (`HFEngine`, tests, benchmarks)."""
 
     last_sync = None
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self._targets = dict(model.state_dict(keep_vars=True))
+        self._targets = dict(model.named_parameters(remove_duplicate=False))
+        self._targets.update(model.named_buffers(remove_duplicate=False))
 
     def weight_update(self, version: int | None = None) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in weights:
-            if name not in self._targets:
-                raise KeyError(f"load_weights: {name!r} is not a parameter or buffer of "
-                               f"{type(self.model).__name__}")
+        bucket, model = list(weights), type(self.model).__name__
+        unknown = [name for name, _ in bucket if name not in self._targets]
+        if unknown:
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise KeyError(f"load_weights: {unknown[0]!r}{more} is not a parameter or buffer of {model}; it has e.g. "
+                           f"{list(self._targets)[:3]}")
+        for name, tensor in bucket:
+            if tuple(tensor.shape) != tuple(self._targets[name].shape):
+                raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, {model} expects "
+                                 f"{tuple(self._targets[name].shape)}")
+        for name, tensor in bucket:
             self._targets[name].copy_(tensor)

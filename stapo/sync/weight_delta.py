@@ -1,23 +1,11 @@
 """Delta weight syncs into rollout servers (``rollout.server.sync: delta``; docs/rollout.md, "Delta syncs").
 
-At RL learning rates most bf16 weights do not change in a step: an AdamW step of lr 1e-6 moves a weight of
-magnitude 0.02 by 5e-5 of its value, while neighbouring bf16 values lie 0.4-0.8% of a value apart
-(``bench/weight_sync_delta.py`` measures the fraction that changes). So rank 0 keeps a host copy of what the
-servers hold (`SentWeights`) and, per bucket, sends only the elements that changed — their positions and new
-values, in ONE broadcast — when that is smaller than the bucket, else the bucket. A checksum of the resulting
-bytes, computed on both sides, proves every sync bit-exact.
-
-The pieces are functions of flat uint8 buckets (`stapo.sync.bucket_format`) and run on whatever device
-holds the bytes (the same code on a GPU and a CPU); torch only, vLLM's worker imports this module:
-
-* an *element* is a word as wide as the bucket's narrowest dtype (2 bytes for bf16) and is compared as an
-  integer, so "changed" means "other bits" (NaN and -0.0 included);
-* `use_delta`: ``k`` changed of ``n`` words cost ``align16(i * k) + w * k`` bytes as positions (``i`` = 4
-  bytes, 8 beyond 2**31 words) and values, against ``w * n`` for the bucket: a delta wins below a changed
-  fraction of w / (4 + w) — 1/3 for bf16, 1/2 for fp32;
-* `checksum`: the byte count and a 64-bit sum over the bucket's 8-byte words of ``mix(x) * (2 i + 1)`` (``i``
-  the word's position, ``mix`` an odd multiply and an xor-shift, all modulo 2**64) plus its last bytes. Integer
-  arithmetic, so the same value on every device; a change confined to one word always changes it.
+At RL learning rates most bf16 weights do not change in a step, so rank 0 keeps a host copy of what the servers
+hold (`SentWeights`) and sends a bucket's changed words (positions and values, one broadcast) when that is
+smaller. Functions of flat uint8 buckets, on whatever device holds them; torch only (vLLM's worker imports it).
+`checksum` is integer arithmetic (the same value on every device): the byte count and a 64-bit sum over the
+bucket's 8-byte words of ``mix(x) * (2 i + 1)`` (``mix``: an odd multiply and an xor-shift) plus its last
+bytes, so a change confined to one word always changes it.
 """
 
 from __future__ import annotations
@@ -109,7 +97,7 @@ def apply_delta(base: torch.Tensor, positions: torch.Tensor, values: torch.Tenso
 
 
 def checksum(flat: torch.Tensor) -> str:
-    """``"<64-bit hex>-<bytes>"`` of a flat uint8 tensor, computed where it lies (module docstring)."""
+    """``"<64-bit hex>-<bytes>"`` of a flat uint8 tensor, computed where it lies (the sum: module docstring)."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError(f"a checksum is taken of a flat uint8 tensor, got {flat.dtype} {tuple(flat.shape)}")
     whole = flat.numel() // 8
@@ -140,8 +128,7 @@ class EncodedBucket:
 
 @dataclass
 class TransferStats:
-    """One sync's bytes: what it put on the wire against the dense buckets, and the words that changed of
-    those compared with rank 0's copy."""
+    """One sync's bytes on the wire against the dense buckets', and the words that changed of those compared."""
 
     sent_bytes: int = 0
     dense_bytes: int = 0
@@ -162,14 +149,11 @@ class TransferStats:
 
 
 class SentWeights:
-    """Rank 0's host copy of the bytes the servers hold after the last sync, per bucket (keyed by its layout),
-    with the policy ``version`` that sync committed and the worker instance of each server that committed it.
+    """Rank 0's host copy of the bytes the servers hold after the last sync, per bucket (keyed by its layout), with
+    the ``version`` that sync committed and the worker instance of each server that committed it.
 
-    ONE copy for all servers (its size: the policy in the servers' dtype, e.g. 16 GB of host memory for an 8B
-    bf16 policy): a sync is one broadcast, so every server it commits holds the same bytes. A server that does
-    not hold them — restarted (a new worker instance), one that missed or failed a sync or a checksum — makes
-    the next sync a full one for every server (`holds`). The copy is updated bucket by bucket as a sync sends;
-    a sync that commits nowhere leaves it unknown (`invalidate`: the next sync is full)."""
+    ONE copy for all servers: a sync is one broadcast, so every server it commits holds the same bytes; one that
+    does not (restarted, missed or failed a sync) makes the next sync full for all (`holds`)."""
 
     def __init__(self) -> None:
         self.buckets: dict[str, torch.Tensor] = {}  # layout key -> host uint8 bytes of the bucket
@@ -187,8 +171,8 @@ class SentWeights:
                 and all(v == self.version for v in versions))
 
     def encode(self, layout: dict, flat: torch.Tensor, delta: bool) -> EncodedBucket:
-        """What to send for the bucket ``flat`` (its `pack_bucket_tensor` layout): its changed words when
-        ``delta`` and they are fewer bytes, else the bucket; updates the copy to ``flat``."""
+        """What to send for ``flat``: its changed words when ``delta`` and they are fewer bytes, else the bucket;
+        the copy becomes ``flat``."""
         key, word = layout_key(layout), word_bytes(layout["dtypes"])
         num_words, old = flat.numel() // word, self.buckets.get(key)
         changed = positions = None
@@ -210,11 +194,10 @@ class SentWeights:
         return EncodedBucket(header, payload, flat.numel(), changed)
 
     def commit(self, version: int, holders: dict[str, str]) -> None:
-        """The sync committed ``version`` on ``holders`` (address -> instance): the copy is theirs; buckets it
-        did not send are dropped."""
+        """The sync committed ``version`` on ``holders`` (address -> instance); buckets it did not send go."""
         self.buckets = {k: v for k, v in self.buckets.items() if k in self._sent}
         self.version, self.holders, self._sent = version, dict(holders), set()
 
     def invalidate(self) -> None:
-        """No server is known to hold the copy (a sync failed midway): free it; the next sync is full."""
+        """No server is known to hold the copy (a sync committed nowhere): free it; the next sync is full."""
         self.buckets, self.version, self.holders, self._sent = {}, None, {}, set()

@@ -1,25 +1,11 @@
-"""The process group of one weight sync into vLLM servers, and the proofs that keep strangers out of it.
+"""The process group of one weight sync into vLLM servers, and the proofs that keep strangers out of it
+(docs/rollout.md, "Security").
 
-A sync session (``rollout.mode: server``; `stapo.sync.broadcast`) joins the trainer (rank 0,
-the broadcast's source) and every server worker in a group of its own: gloo on CPU, NCCL between GPUs.
-The session's random nonce travels only in the authenticated HTTP call that asks a server to join
-(`GroupSpec.nonce`); everything else is tied to it:
-
-* **where it listens**: the trainer's TCPStore binds ``rollout.server.sync_host`` only (a socket bound to that
-  address, handed to the store); gloo's sockets bind the same address on the trainer's side and, on a
-  server's, its address on the route to the trainer. A server joins only a store at the address its join
-  call came from (`stapo.serve.guard`), within its own time bounds (`GroupSpec.bounded`);
-* **the store**: a TCPStore authenticates nobody and lists its keys to any client (``list_keys``). So every
-  key the join waits for is named by an HMAC of the nonce (`proof`) — a worker's check-in, the trainer's go
-  — and cannot be created by anyone without the nonce before its owner creates it; the go's value is a proof
-  as well. gloo's own rendezvous keys sit under a prefix derived the same way (`namespaced`);
-* **the group**: its first collective is an all-gather of every rank's proof (`exchange_proofs`): the
-  trainer sends no weight byte unless every member proved it holds the nonce, and a worker takes none
-  unless rank 0 did.
-
-A process that knows only the store's port can still delete or overwrite keys it has listed: the session then
-fails within its time limits and is retried — it never admits that process. Traffic is not encrypted: keep
-the weight group inside the cluster (docs/rollout.md, "Security"). Needs torch only (vLLM's worker imports it).
+The session's random nonce travels only in the authenticated call that asks a server to join; the store binds
+``rollout.server.sync_host`` only, a server joins only a store at its caller's address; a TCPStore authenticates
+nobody and lists its keys, so every key a join waits for is an HMAC of the nonce (`proof`, `namespaced`); and the
+group's first collective exchanges proofs of the nonce (`exchange_proofs`) before any weight byte moves. Needs
+torch only (vLLM's worker imports it).
 """
 
 from __future__ import annotations
@@ -42,9 +28,8 @@ __all__ = ["GroupSpec", "MAX_JOIN_TIMEOUT_S", "NONCE_BYTES", "STEP_TIMEOUT_ENV",
            "route_address", "sync_address"]
 
 NONCE_BYTES = 16
-# vLLM's limit on one engine step (its default 300 s; `stapo serve` sets 900 s): a worker inside a sync step
-# holds up the engine's next one, so a server ends every step it takes part in before that limit (30 s before it,
-# or a tenth of it when that is less)
+# vLLM's engine-step limit (default 300 s; `stapo serve` sets 900): a server ends each sync step before it
+# (30 s before, or a tenth of it when that is less), since a worker in a sync step holds up the engine's next
 STEP_TIMEOUT_ENV, VLLM_STEP_TIMEOUT_S, STEP_MARGIN_S = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", 300.0, 30.0
 MAX_JOIN_TIMEOUT_S = 60.0  # a server waits at most this for the trainer's go, whatever a join asks
 
@@ -83,9 +68,8 @@ def is_loopback(host: str) -> bool:
 
 
 def sync_address(addresses: Sequence[str], configured: str | None) -> str:
-    """The trainer's address for the weight group: ``rollout.server.sync_host`` (a name resolved: a server checks the
-    store's address against the one the trainer calls from), else loopback when every server is local, else this
-    machine's address on the route to the servers (one route for all, or ValueError)."""
+    """The trainer's address for the weight group: ``rollout.server.sync_host`` resolved (a server compares it with
+    its caller's), else loopback when every server is local, else the one route to the servers (or ValueError)."""
     if configured:
         try:
             return str(ipaddress.ip_address(configured.strip("[]")))
@@ -105,8 +89,8 @@ def sync_address(addresses: Sequence[str], configured: str | None) -> str:
 
 
 def listening_store(host: str, timeout_s: float):
-    """A TCPStore server listening on ``host`` only (port chosen by the OS): the socket is bound here and
-    handed over, so the store never binds every interface; the store owns (and closes) it."""
+    """A TCPStore server on ``host`` only: the socket is bound here and handed over (the store owns it), so the
+    store never binds every interface."""
     import torch.distributed as dist
 
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -137,12 +121,8 @@ def _finite_positive(value, name: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class GroupSpec:
-    """Where and how a server's workers join the trainer's weight group for one session.
-
-    Rank 0 is the trainer (the broadcast's source, hosting the TCPStore at ``host:port``); a server's
-    workers take ranks ``rank_offset + worker rank``. JSON-able: it crosses vLLM's ``/collective_rpc``.
-    ``nonce``: the session's secret (module docstring; never in a repr).
-    """
+    """Where and how a server's workers join one session's weight group (JSON: it crosses ``/collective_rpc``).
+    Rank 0 is the trainer, hosting the store at ``host:port``; a server's workers take ``rank_offset + rank``."""
 
     host: str
     port: int
@@ -179,15 +159,14 @@ class GroupSpec:
 
     def bounded(self, step_timeout_s: float) -> "GroupSpec":
         """This spec within a server's own bounds, whatever the caller asked: each step ends before vLLM's
-        engine-step limit ``step_timeout_s`` (module constants), the wait for the go within ``MAX_JOIN_TIMEOUT_S``."""
+        ``step_timeout_s``, the wait for the go within ``MAX_JOIN_TIMEOUT_S``."""
         timeout = min(self.timeout_s, step_timeout_s - min(STEP_MARGIN_S, step_timeout_s / 10))
         return dataclasses.replace(self, timeout_s=timeout,
                                    join_timeout_s=min(self.join_timeout_s, timeout, MAX_JOIN_TIMEOUT_S))
 
     def store(self):
-        """A client of the session's store (a worker's side), `namespaced`. It connects within
-        ``join_timeout_s``: a trainer gone before the worker got there must not keep the worker (and its
-        server) waiting longer."""
+        """A worker's client of the session's store, `namespaced`; it connects within ``join_timeout_s`` (a trainer
+        gone meanwhile must not keep the server waiting)."""
         import torch.distributed as dist
 
         client = dist.TCPStore(self.host, self.port, None, False,
@@ -195,9 +174,8 @@ class GroupSpec:
         return namespaced(client, self.nonce)
 
     def join(self, rank: int, device: torch.device):
-        """A worker's side of the session: check in on the store, wait for the trainer's go (PermissionError if
-        it called the session off, or gave none within ``join_timeout_s``), form the group, and prove the
-        nonce both ways (`exchange_proofs`). Returns the group."""
+        """A worker's side: check in, wait for the trainer's go (PermissionError if called off or none came within
+        ``join_timeout_s``), form the group and prove the nonce both ways. Returns the group."""
         if not 1 <= rank < self.world_size:  # rank 0 is the trainer's
             raise ValueError(f"weight-group spec: a server's rank must be in [1, {self.world_size}), got {rank}")
         store = self.store()
@@ -215,19 +193,15 @@ class GroupSpec:
                                   "the trainer that opened the session; left the group, nothing loaded")
         return group
 
-    def connect(self, rank: int, store=None, bind_host: str | None = None):
-        """This process's member of the group (a torch ``ProcessGroupGloo`` / ``ProcessGroupNCCL``) over
-        ``store`` (the `namespaced` one; default: a client of the session's store). gloo's sockets bind
-        ``bind_host`` (default: this machine's address on the route to the store)."""
+    def connect(self, rank: int, store, bind_host: str | None = None):
+        """This process's member of the group over the `namespaced` ``store``; gloo's sockets bind ``bind_host``
+        (default: this machine's address on the route to the store)."""
         import torch.distributed as dist
 
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        if store is None:
-            store = self.store()
         if self.backend == "nccl":
             return dist.ProcessGroupNCCL(store, rank, self.world_size)
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
+        options._timeout = datetime.timedelta(seconds=self.timeout_s)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or route_address(self.host))]
         return dist.ProcessGroupGloo(store, rank, self.world_size, options)
 
@@ -241,8 +215,7 @@ def _go_key(nonce: str) -> str:
 
 
 def checked_in(store, nonce: str, first_rank: int, count: int) -> bool:
-    """The trainer's side (``store``: `namespaced`): have ranks ``first_rank`` .. ``first_rank + count - 1``
-    checked in?"""
+    """The trainer's side: have ranks ``first_rank`` .. ``first_rank + count - 1`` checked in?"""
     return store.check([_ready_key(nonce, r) for r in range(first_rank, first_rank + count)])
 
 
@@ -257,9 +230,8 @@ def call_off(store, nonce: str) -> None:
 
 
 def exchange_proofs(group, nonce: str, rank: int, world_size: int, device) -> list[int]:
-    """The group's first collective: every rank contributes its proof of the nonce and receives all of them.
-    Returns the ranks whose proof is wrong among those this rank checks (rank 0: every member; a worker: rank
-    0); the caller then leaves the group before a weight byte moves."""
+    """The group's first collective, an all-gather of every rank's proof of the nonce; returns the wrong ones among
+    those this rank checks (rank 0: every member; a worker: rank 0)."""
     mine = torch.tensor(list(bytes.fromhex(proof(nonce, f"member {rank}"))), dtype=torch.uint8, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     group.allgather([everyone], [mine]).wait()

@@ -81,7 +81,7 @@ class Rollouts:
                              interrupted: int = 0) -> ScoredRollout:
         """The draw's epoch and, in server mode, the tokens' staleness, generation time and segments a sync cut."""
         sampling = dict(scored.sampling)
-        versions = scored.rollout.token_versions()
+        versions = scored.rollout.token_version
         if self.server and versions is not None and len(versions):
             mask = scored.rollout.response_mask
             lag = (step - versions)[mask].double()

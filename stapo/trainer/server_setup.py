@@ -11,7 +11,7 @@ import os
 import torch
 
 from stapo.config import STAPOConfig
-from stapo.rollout import RolloutEngine
+from stapo.rollout.engine import RolloutEngine, pad_token_id
 from stapo.serve.fingerprint import model_fingerprint, tokenizer_fingerprint
 from stapo.serve.secret import trainer_secret
 from stapo.servers.engine import ServerEngine, ServerLimits
@@ -31,9 +31,8 @@ def build_server_engine(cfg: STAPOConfig, model_path: str, tokenizer, dtype: tor
                                               dtype),
                    "tokenizer": tokenizer_fingerprint(AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust))}
     limits = ServerLimits(**{f.name: getattr(s, f.name) for f in dataclasses.fields(ServerLimits)})
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     log.info("rollout engine: vLLM servers %s", ", ".join(s.addresses))
-    return ServerEngine(s.addresses, pad, sends_weights=dist_rank == 0, limits=limits,
+    return ServerEngine(s.addresses, pad_token_id(tokenizer), sends_weights=dist_rank == 0, limits=limits,
                         token=trainer_secret(os.environ, s.token_file), sync_host=s.sync_host,
                         fingerprint=fingerprint, sync=s.sync, stream=cfg.rollout.partial, tokenizer=tokenizer)
 

@@ -51,7 +51,7 @@ def test_a_finished_batch_is_a_rollout_with_every_tokens_version():
     assert r.sampling_logprobs[0].tolist() == [-1.0, -2.0, -3.0] and r.finish_reason == ["stop", "error"]
     both = Rollout.concat([r, r.select([0]).with_policy_version(9)])
     assert both.token_version.tolist() == [[4, 4, 5], [0, 0, 0], [9, 9, 9]]
-    assert r.select([0]).token_versions().tolist() == [[4, 4, 5]]
+    assert r.select([0]).token_version.tolist() == [[4, 4, 5]]
     refused = Generation([[1]], 1, SamplingParams(max_new_tokens=5))  # no row has a token: each its start
     refused.trajectories[0].add(Segment([], [], "", "error", version=3))
     refused.trajectories[0].finish = "error"

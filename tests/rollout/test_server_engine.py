@@ -148,7 +148,7 @@ def _bucket() -> list[tuple[str, torch.Tensor]]:
 def _receive(rank: int, spec_json: str, out) -> None:
     spec = GroupSpec.from_json(spec_json)
     layout, flat = pack_bucket_tensor(_bucket())
-    group = spec.connect(rank)
+    group = spec.connect(rank, spec.store())
     raw = torch.empty(layout["nbytes"], dtype=torch.uint8)
     group.broadcast(raw, 0).wait()
     received = unpack_tensors(layout, raw)  # compared here: tensors do not cross the queue

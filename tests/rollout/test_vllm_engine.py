@@ -13,9 +13,14 @@ import torch
 
 from stapo.rollout import Generation, SamplingParams, VLLMEngine
 from stapo.rollout.trajectory import prompt_seeds
-from stapo.rollout.vllm_engine import EXTERNAL_LAUNCHER, ExecutorPlan, GroupFacts, plan_executor, segment_from_vllm
+from stapo.distributed.process_group import DistInfo
+from stapo.rollout.vllm_engine import EXTERNAL_LAUNCHER, ExecutorPlan, plan_executor, segment_from_vllm
 from stapo.serve.launcher import CPU_KV_CACHE_BYTES, cpu_engine_kwargs
 from stapo.sync.bucket_format import pack_bucket, unpack_bucket
+
+
+def _group(rank: int, world_size: int, local_rank: int) -> DistInfo:
+    return DistInfo(rank, world_size, local_rank, torch.device("cpu"))
 
 
 def completion(index, token_ids, logprobs, reason="stop", text=""):
@@ -46,29 +51,29 @@ TORCHRUN_ENV = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR"
 def test_plain_process_with_a_group_gets_the_launcher_variables_derived_from_it():
     # `stapo train` in one process: a 1-rank tcp:// group, only LOCAL_RANK=0 set (issue #12's
     # KeyError: 'RANK'); vLLM's external launcher reads RANK and LOCAL_RANK
-    plan = plan_executor(1, {"LOCAL_RANK": "0"}, GroupFacts(rank=0, world_size=1, local_rank=0), spare_port=4321)
+    plan = plan_executor(1, {"LOCAL_RANK": "0"}, _group(0, 1, 0), spare_port=4321)
     assert plan == ExecutorPlan(EXTERNAL_LAUNCHER, {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                                                     "MASTER_PORT": "4321"})
     # no LOCAL_RANK at all: the device index the trainer chose
-    assert plan_executor(1, {}, GroupFacts(0, 1, 3)).env["LOCAL_RANK"] == "3"
+    assert plan_executor(1, {}, _group(0, 1, 3)).env["LOCAL_RANK"] == "3"
 
 
 def test_launched_process_gets_nothing_added():
     for launcher in ("torchrun", "deepspeed", "accelerate"):  # all export the same five variables
-        plan = plan_executor(1, TORCHRUN_ENV, GroupFacts(rank=1, world_size=2, local_rank=1))
+        plan = plan_executor(1, TORCHRUN_ENV, _group(1, 2, 1))
         assert plan == ExecutorPlan(EXTERNAL_LAUNCHER, {}), launcher
     # tensor parallel inside a launched group is the external launcher too
-    assert plan_executor(2, TORCHRUN_ENV, GroupFacts(1, 2, 1)).backend == EXTERNAL_LAUNCHER
+    assert plan_executor(2, TORCHRUN_ENV, _group(1, 2, 1)).backend == EXTERNAL_LAUNCHER
 
 
 def test_partial_environment_is_completed_and_contradictions_are_refused():
     # MPI-style launch: ranks known to the group, MASTER_* set, RANK/WORLD_SIZE not exported
-    plan = plan_executor(1, {"MASTER_ADDR": "h", "MASTER_PORT": "1"}, GroupFacts(2, 4, 0))
+    plan = plan_executor(1, {"MASTER_ADDR": "h", "MASTER_PORT": "1"}, _group(2, 4, 0))
     assert plan.env == {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}
     with pytest.raises(ValueError, match="RANK=1 in the environment"):
-        plan_executor(1, TORCHRUN_ENV, GroupFacts(rank=0, world_size=2, local_rank=0))
+        plan_executor(1, TORCHRUN_ENV, _group(0, 2, 0))
     with pytest.raises(ValueError, match="must divide"):
-        plan_executor(2, TORCHRUN_ENV | {"WORLD_SIZE": "3"}, GroupFacts(1, 3, 1))
+        plan_executor(2, TORCHRUN_ENV | {"WORLD_SIZE": "3"}, _group(1, 3, 1))
 
 
 def test_no_group_standalone_or_launched():

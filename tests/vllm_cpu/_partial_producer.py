@@ -51,7 +51,7 @@ def main(server: str, model_dir: str) -> None:
         produced = rollouts.producer.take(step)
         r = produced.rollout
         batches.append({"interrupted": produced.interrupted, "policy_version": produced.policy_version,
-                        "versions": [row[m].tolist() for row, m in zip(r.token_versions(), r.response_mask)],
+                        "versions": [row[m].tolist() for row, m in zip(r.token_version, r.response_mask)],
                         "finish": r.finish_reason})
         time.sleep(1.0)  # the update
         with torch.no_grad():
