@@ -75,6 +75,12 @@ def write_text_atomic(path: Path, text: str, tmp: Path | None = None) -> None:
     os.replace(tmp, path)
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name if it has none): what a one-line error quotes."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def restore_nonfinite(record: dict[str, Any]) -> dict[str, Any]:
     """The strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (how metrics.jsonl stores them) as floats."""
     return {k: (NONFINITE[v] if isinstance(v, str) and v in NONFINITE else v)

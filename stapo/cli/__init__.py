@@ -20,6 +20,7 @@ from stapo.cli.common import UserError, builtin_recipe
 from stapo.cli.runs import add_run_parsers
 from stapo.cli.train import add_train_parser
 from stapo.config import ConfigError
+from stapo.run_dir import first_line
 
 __all__ = ["UserError", "build_parser", "builtin_recipe", "main"]
 
@@ -140,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ConfigError, FileNotFoundError, ValueError, NoRolloutServers) as exc:
         if os.environ.get("STAPO_TRACEBACK"):
             raise
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"stapo {args.command}: error: {message}  (STAPO_TRACEBACK=1 shows the traceback)",
+        print(f"stapo {args.command}: error: {first_line(exc)}  (STAPO_TRACEBACK=1 shows the traceback)",
               file=sys.stderr)
         return 2
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stapo.data import PAPER_INSTRUCTION, PromptDataset, load_prompt_dataset
+from stapo.run_dir import first_line
 
 logger = logging.getLogger("stapo.evaluation")
 
@@ -124,9 +125,9 @@ def load_benchmark(preset: BenchmarkPreset, tokenizer, *, instruction: str | Non
         raise ValueError(f"{preset.name} ({preset.hf_name}): {err}") from None
     except Exception as err:  # network, hub, or file-format errors from `datasets`
         if preset.is_local:
-            raise ValueError(f"{preset.name}: could not read {preset.hf_name}: {_first_line(err)}") from None
+            raise ValueError(f"{preset.name}: could not read {preset.hf_name}: {first_line(err)[:200]}") from None
         raise ValueError(f"could not load {preset.hf_name} (offline?): pass a local file with "
-                         f"--data {preset.name}=FILE  [{type(err).__name__}: {_first_line(err)}]") from None
+                         f"--data {preset.name}=FILE  [{type(err).__name__}: {first_line(err)[:200]}]") from None
     if not len(dataset):
         raise ValueError(f"{preset.name} ({preset.hf_name}): no problems in split {preset.split!r}")
     if preset.list_answer:
@@ -144,8 +145,3 @@ def _join_list_answer(text: str) -> str:
     if isinstance(value, (list, tuple)):
         return ", ".join(str(v).strip().strip("$").strip() for v in value)
     return text
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:200] if text else ""

@@ -10,8 +10,21 @@ import statistics
 from stapo.health.monitors import MIN_HISTORY, Window, register_monitor, robust_z
 
 
-def _abs(z: float | None) -> float | None:
-    return None if z is None else abs(z)
+def _robust_z_monitor(name: str, key: str, *, doc: str, floor: float = 0.0, abs_floor: float = 0.0,
+                      two_sided: bool = False) -> None:
+    """Register monitor ``name``: the robust z of ``key`` (|z| if ``two_sided``), its threshold ``z``; its
+    scale floor, relative (``floor``) or absolute (``abs_floor``), is the parameter it is given."""
+    def statistic(z: float | None) -> float | None:
+        return abs(z) if two_sided and z is not None else z
+
+    if floor:
+        def monitor(window: Window, z: float = 6.0, floor: float = floor) -> float | None:
+            return statistic(robust_z(window, key, rel_floor=floor))
+    else:
+        def monitor(window: Window, z: float = 6.0, abs_floor: float = abs_floor) -> float | None:
+            return statistic(robust_z(window, key, abs_floor=abs_floor))
+    monitor.__doc__, monitor.__name__, monitor.__qualname__ = doc, name, name
+    register_monitor(name, reads=(key,), threshold="z", fires="above")(monitor)
 
 
 @register_monitor("entropy_collapse", reads=("entropy_mean",), threshold="ratio", fires="below")
@@ -24,22 +37,12 @@ def entropy_collapse(window: Window, ratio: float = 0.5) -> float | None:
     return x / baseline if baseline > 0 else None
 
 
-@register_monitor("entropy_blowup", reads=("entropy_mean",), threshold="z", fires="above")
-def entropy_blowup(window: Window, z: float = 6.0, floor: float = 0.1) -> float | None:
-    """Entropy exploding: robust z of ``entropy_mean``; the policy turning to noise."""
-    return robust_z(window, "entropy_mean", rel_floor=floor)
-
-
-@register_monitor("spurious_tokens", reads=("spurious_frac",), threshold="z", fires="above")
-def spurious_tokens(window: Window, z: float = 6.0, abs_floor: float = 1e-4) -> float | None:
-    """More tokens meeting STAPO's S2T criterion: robust z of ``spurious_frac`` (their share is the signal)."""
-    return robust_z(window, "spurious_frac", abs_floor=abs_floor)
-
-
-@register_monitor("ratio_tail", reads=("mismatch_logp_abs_max",), threshold="z", fires="above")
-def ratio_tail(window: Window, z: float = 6.0, abs_floor: float = 0.5) -> float | None:
-    """The importance ratios' tail: robust z of ``mismatch_logp_abs_max`` (sampler vs trainer, nats)."""
-    return robust_z(window, "mismatch_logp_abs_max", abs_floor=abs_floor)
+_robust_z_monitor("entropy_blowup", "entropy_mean", floor=0.1,
+    doc="Entropy exploding: robust z of ``entropy_mean``; the policy turning to noise.")
+_robust_z_monitor("spurious_tokens", "spurious_frac", abs_floor=1e-4,
+    doc="More tokens meeting STAPO's S2T criterion: robust z of ``spurious_frac`` (their share is the signal).")
+_robust_z_monitor("ratio_tail", "mismatch_logp_abs_max", abs_floor=0.5,
+    doc="The importance ratios' tail: robust z of ``mismatch_logp_abs_max`` (sampler vs trainer, nats).")
 
 
 @register_monitor("is_ess", reads=("rollout_is_eff_sample_size",), threshold="level", fires="below")
@@ -48,22 +51,12 @@ def is_ess(window: Window, level: float = 0.5) -> float | None:
     return window.current("rollout_is_eff_sample_size")
 
 
-@register_monitor("mismatch_kl", reads=("mismatch_kl",), threshold="z", fires="above")
-def mismatch_kl(window: Window, z: float = 6.0, abs_floor: float = 2e-4) -> float | None:
-    """The rollout-trainer mismatch jumping: robust z of ``mismatch_kl`` (k3 KL(sampler || trainer))."""
-    return robust_z(window, "mismatch_kl", abs_floor=abs_floor)
-
-
-@register_monitor("grad_norm", reads=("grad_norm",), threshold="z", fires="above")
-def grad_norm(window: Window, z: float = 6.0, floor: float = 0.1) -> float | None:
-    """Gradient-norm spike: robust z of ``grad_norm`` (pre-clip, mean over the step's updates)."""
-    return robust_z(window, "grad_norm", rel_floor=floor)
-
-
-@register_monitor("update_kl", reads=("approx_kl",), threshold="z", fires="above")
-def update_kl(window: Window, z: float = 6.0, abs_floor: float = 1e-3) -> float | None:
-    """Updates growing: robust z of ``approx_kl`` (PPO's early-stop signal)."""
-    return robust_z(window, "approx_kl", abs_floor=abs_floor)
+_robust_z_monitor("mismatch_kl", "mismatch_kl", abs_floor=2e-4,
+    doc="The rollout-trainer mismatch jumping: robust z of ``mismatch_kl`` (k3 KL(sampler || trainer)).")
+_robust_z_monitor("grad_norm", "grad_norm", floor=0.1,
+    doc="Gradient-norm spike: robust z of ``grad_norm`` (pre-clip, mean over the step's updates).")
+_robust_z_monitor("update_kl", "approx_kl", abs_floor=1e-3,
+    doc="Updates growing: robust z of ``approx_kl`` (PPO's early-stop signal).")
 
 
 @register_monitor("reward_drop", reads=("accuracy",), threshold="drop", fires="above")
@@ -85,49 +78,19 @@ def clip_frac(window: Window, z: float = 6.0, abs_floor: float = 0.005) -> float
     return robust_z(Window(both), "clip", abs_floor=abs_floor)
 
 
-@register_monitor("zero_std_groups", reads=("zero_std_group_frac",), threshold="z", fires="above")
-def zero_std_groups(window: Window, z: float = 6.0, abs_floor: float = 0.05) -> float | None:
-    """Groups with no learning signal piling up: robust z of ``zero_std_group_frac``."""
-    return robust_z(window, "zero_std_group_frac", abs_floor=abs_floor)
-
-
-@register_monitor("response_length", reads=("response_length_mean",), threshold="z", fires="above")
-def response_length(window: Window, z: float = 6.0, floor: float = 0.05) -> float | None:
-    """Responses collapsing or running away: |robust z| of ``response_length_mean``."""
-    return _abs(robust_z(window, "response_length_mean", rel_floor=floor))
-
-
-@register_monitor("truncation", reads=("response_clip_ratio",), threshold="z", fires="above")
-def truncation(window: Window, z: float = 6.0, abs_floor: float = 0.02) -> float | None:
-    """More responses cut at ``rollout.max_response_length``: robust z of ``response_clip_ratio``."""
-    return robust_z(window, "response_clip_ratio", abs_floor=abs_floor)
-
-
-@register_monitor("repetition", reads=("repetition_frac",), threshold="z", fires="above")
-def repetition(window: Window, z: float = 6.0, abs_floor: float = 0.02) -> float | None:
-    """Responses looping: robust z of ``repetition_frac`` (tokens closing a repeated 4-gram)."""
-    return robust_z(window, "repetition_frac", abs_floor=abs_floor)
-
-
-@register_monitor("tool_errors", reads=("tool_error_frac",), threshold="z", fires="above")
-def tool_errors(window: Window, z: float = 6.0, abs_floor: float = 0.05) -> float | None:
-    """Tool episodes: robust z of ``tool_error_frac`` (failed calls per call)."""
-    return robust_z(window, "tool_error_frac", abs_floor=abs_floor)
-
-
-@register_monitor("tool_calls", reads=("tool_calls_mean",), threshold="z", fires="above")
-def tool_calls(window: Window, z: float = 6.0, floor: float = 0.1) -> float | None:
-    """Tool episodes: calls per episode collapsing or running away: |robust z| of ``tool_calls_mean``."""
-    return _abs(robust_z(window, "tool_calls_mean", rel_floor=floor))
-
-
-@register_monitor("control_tokens", reads=("control_token_frac",), threshold="z", fires="above")
-def control_tokens(window: Window, z: float = 6.0, floor: float = 0.1) -> float | None:
-    """Tool episodes: the format's control tokens emitted more or less often: |robust z| of ``control_token_frac``."""
-    return _abs(robust_z(window, "control_token_frac", rel_floor=floor))
-
-
-@register_monitor("control_token_prob", reads=("control_token_prob",), threshold="z", fires="above")
-def control_token_prob(window: Window, z: float = 6.0, abs_floor: float = 0.02) -> float | None:
-    """Tool episodes: the probability of the emitted control tokens moving: |robust z| of ``control_token_prob``."""
-    return _abs(robust_z(window, "control_token_prob", abs_floor=abs_floor))
+_robust_z_monitor("zero_std_groups", "zero_std_group_frac", abs_floor=0.05,
+    doc="Groups with no learning signal piling up: robust z of ``zero_std_group_frac``.")
+_robust_z_monitor("response_length", "response_length_mean", floor=0.05, two_sided=True,
+    doc="Responses collapsing or running away: |robust z| of ``response_length_mean``.")
+_robust_z_monitor("truncation", "response_clip_ratio", abs_floor=0.02,
+    doc="More responses cut at ``rollout.max_response_length``: robust z of ``response_clip_ratio``.")
+_robust_z_monitor("repetition", "repetition_frac", abs_floor=0.02,
+    doc="Responses looping: robust z of ``repetition_frac`` (tokens closing a repeated 4-gram).")
+_robust_z_monitor("tool_errors", "tool_error_frac", abs_floor=0.05,
+    doc="Tool episodes: robust z of ``tool_error_frac`` (failed calls per call).")
+_robust_z_monitor("tool_calls", "tool_calls_mean", floor=0.1, two_sided=True,
+    doc="Tool episodes: calls per episode collapsing or running away: |robust z| of ``tool_calls_mean``.")
+_robust_z_monitor("control_tokens", "control_token_frac", floor=0.1, two_sided=True,
+    doc="Tool episodes: the format's control tokens emitted more or less often: |robust z| of ``control_token_frac``.")
+_robust_z_monitor("control_token_prob", "control_token_prob", abs_floor=0.02, two_sided=True,
+    doc="Tool episodes: the probability of the emitted control tokens moving: |robust z| of ``control_token_prob``.")

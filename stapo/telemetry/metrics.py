@@ -46,10 +46,8 @@ OPTIONAL_METRIC_KEYS: tuple[str, ...] = ("eval_accuracy", "eval_reward_mean", "e
                                          "rollout_is_clipped_frac", "control_token_frac", "control_token_prob")
 #: Metrics measured from wall time: they differ between two runs of the same training.
 TIMING_METRIC_KEYS: tuple[str, ...] = (
-    "time_rollout", "time_reward", "time_stats", "time_update", "time_sync", "time_step",
-    "time_rollout_max", "time_rollout_min",
-    "tokens_per_s_rollout", "tokens_per_s_stats", "tokens_per_s_update", "tokens_per_s", "mfu_stats", "mfu_update",
-    "generation_s", "time_tools",
+    *(k for k in STEP_METRIC_KEYS if k.startswith(("time_", "tokens_per_s"))),
+    "mfu_stats", "mfu_update", "generation_s", "time_tools",
 )
 
 

@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from stapo.run_dir import (CHECKPOINT_DIR, CLIENT_FILE, LATEST, MERGED_DIR, PREVIOUS_RUNS_DIR, RUN_ARTIFACTS,
-                           checkpoint_name, complete_checkpoints, latest_checkpoint, write_text_atomic)
+                           checkpoint_name, complete_checkpoints, first_line, latest_checkpoint, write_text_atomic)
 from stapo.distributed.process_group import all_gather_object, barrier, get_rank, get_world_size
 from stapo.distributed.lora import adapter_state, is_peft_model, plain_model
 from stapo.sync.buckets import DEFAULT_BUCKET_BYTES, iter_weight_buckets
-from stapo.trainer.resume import DS_TAG, CheckpointUnreadable, first_line
+from stapo.trainer.resume import DS_TAG, CheckpointUnreadable
 
 TMP_PREFIX = ".tmp-"
 

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from stapo.run_dir import first_line
+
 BUILTIN_MODEL = "builtin:tiny"
 
 BUILTIN, LOCAL, CACHED, HUB = "builtin", "local", "cached", "hub"
@@ -86,7 +88,6 @@ def require_model(path: str) -> ModelSource:
     try:
         hf_hub_download(path, "config.json")
     except Exception as exc:  # connection, auth, unknown repo: all end the same way for the user
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"model.path {path!r} is not a local directory and could not be fetched from the "
-                         f"Hugging Face hub ({reason}): {_how_to_fix(path)}") from None
+                         f"Hugging Face hub ({first_line(exc)}): {_how_to_fix(path)}") from None
     return source

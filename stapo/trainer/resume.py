@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from stapo.config.experiment import ConfigChanges, config_changes
-from stapo.run_dir import CHECKPOINT_DIR, CLIENT_FILE, LATEST, complete_checkpoints, step_of
+from stapo.run_dir import CHECKPOINT_DIR, CLIENT_FILE, LATEST, complete_checkpoints, first_line, step_of
 
 __all__ = ["CheckpointUnreadable", "ExperimentChanged", "ResumeChoice", "checkpoint_problem", "choose_checkpoint",
            "log_changes", "resume_changes"]
@@ -82,11 +82,6 @@ def _zip_problem(file: Path) -> str | None:
     except (zipfile.BadZipFile, OSError) as exc:
         return f"is truncated or damaged ({first_line(exc)})"
     return None
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def choose_checkpoint(output_dir: str | Path, how: str, world_size: int) -> ResumeChoice:

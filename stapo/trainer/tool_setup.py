@@ -47,18 +47,15 @@ def tool_episodes(cfg: STAPOConfig, tokenizer):
                         max_turns=t.max_turns, max_workers=t.max_workers)
 
 
-def control_token_ids(cfg: STAPOConfig, tokenizer):
-    """The call format's tags that are single tokens of ``tokenizer`` (``<tool_call>``), counted for the health
-    monitors (docs/health.md); None without tools or such tags."""
+def control_token_ids(episodes):
+    """The call format's tags that are single tokens of the episodes' tokenizer (``<tool_call>``), counted for
+    the health monitors (docs/health.md); None without tool episodes or such tags."""
+    if episodes is None:
+        return None
     import torch
 
-    from stapo.tools import build_tool_parser
-
-    t = cfg.rollout.tools
-    if not t.enabled:
-        return None
-    added = tokenizer.get_added_vocab()
-    ids = [added[tag] for tag in build_tool_parser(t.parser, tools=tuple(t.names)).control if tag in added]
+    added = episodes.tokenizer.get_added_vocab()
+    ids = [added[tag] for tag in episodes.parser.control if tag in added]
     return torch.tensor(ids, dtype=torch.long) if ids else None
 
 

@@ -30,7 +30,6 @@ from stapo.distributed.lora import reference_scope
 from stapo.distributed.zero3_trace import REFERENCE
 from stapo.trainer.rollouts import Rollouts
 from stapo.trainer.server_setup import prompt_length_limit
-from stapo.trainer.tool_setup import tool_episodes
 from stapo.telemetry.mfu import device_peak_flops
 from stapo.telemetry.step_metrics import (PhaseTimer, StepSums, evaluation_metrics, mask_sums, sample_completions,
                                         skipped_updates, stats_counts, step_metrics, token_counts)
@@ -73,7 +72,8 @@ class STAPOTrainer:
         self.mask = mask if mask is not None else build_mask(cfg.mask.name, **cfg.mask.params)
         self.spurious_probe = spurious_probe(self.mask)  # S2T criterion as a diagnostic, whatever the mask
         self.reward_terms = build.build_reward_terms(cfg)  # added to the scores: overlong, tool shaping
-        self.control_ids = tool_setup.control_token_ids(cfg, self.tokenizer)  # tool format's tags (health)
+        episodes = tool_setup.tool_episodes(cfg, self.tokenizer)  # None unless rollout.tools
+        self.control_ids = tool_setup.control_token_ids(episodes)  # tool format's tags (health)
         longest_prompt = prompt_length_limit(cfg, self.rollout_engine)  # servers may hold fewer tokens
         self.train_data, self.eval_data = build.main_rank_first(  # rank 0 fills the datasets cache first
             self.dist, lambda: build.build_datasets(cfg, self.tokenizer, train_dataset, eval_dataset, longest_prompt))
@@ -96,7 +96,7 @@ class STAPOTrainer:
                                       all_minibatches=cfg.inspect.record_minibatches == "all")
         self.rollouts = Rollouts(cfg, self.dist, self.rollout_engine, self.model, self.sampler, self.train_data,
                                  self.score, self.reward_terms, training_offload=self.training_offload,
-                                 tools=tool_episodes(cfg, self.tokenizer))  # lines 3-5: prompts, generation, rewards, sync
+                                 tools=episodes)  # lines 3-5: prompts, generation, rewards, sync
         self.health = Recovery(self, build.build_health(cfg))  # monitors and health.on_alarm (docs/health.md)
         self.step_count = 0
         self.skipped_steps = 0
