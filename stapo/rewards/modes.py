@@ -18,9 +18,7 @@ ScorerBuilder = Callable[..., Scorer]
 REWARD_MODES: Registry = Registry("reward mode")
 
 
-def register_reward_mode(name: str) -> Callable[[ScorerBuilder], ScorerBuilder]:
-    """Decorator: make ``builder(**options) -> Scorer`` available as ``reward.mode: name``."""
-    return REWARD_MODES.register(name)
+register_reward_mode = REWARD_MODES.register  # decorator: ``builder(**options) -> Scorer`` as ``reward.mode: name``
 
 
 def available_reward_modes() -> list[str]:

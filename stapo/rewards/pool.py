@@ -60,8 +60,9 @@ class WorkerPool:
     with ``function``, ``run_tasks`` calls that user reward function (``batched``: its batch form).
     ``startup_error`` holds the message of a worker that could not load the function."""
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, memory_mb: int = 1024,
+    def __init__(self, num_workers: Optional[int] = None, timeout_s: float = 5.0, memory_mb: int = 1024,
                  startup_timeout_s: float = 120.0, function: Optional[str] = None, batched: bool = False):
+        num_workers = num_workers if num_workers is not None else max(1, min(4, os.cpu_count() or 1))
         if num_workers < 1 or timeout_s <= 0:
             raise ValueError(f"need num_workers >= 1 and timeout_s > 0, got {num_workers}, {timeout_s}")
         self.num_workers, self.timeout_s, self.memory_mb = num_workers, timeout_s, memory_mb

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Optional, Protocol
 
@@ -55,8 +54,7 @@ class FunctionScorer:
         if not math.isfinite(failure_value):
             raise ValueError(f"reward.failure_value must be finite, got {failure_value}")
         self.spec, self.batched, self.failure_value, self.failures = spec, batched, float(failure_value), 0
-        workers = 1 if batched else (num_workers or max(1, min(4, os.cpu_count() or 1)))
-        self.pool = WorkerPool(num_workers=workers, timeout_s=timeout_s, memory_mb=memory_mb,
+        self.pool = WorkerPool(num_workers=1 if batched else num_workers, timeout_s=timeout_s, memory_mb=memory_mb,
                                startup_timeout_s=startup_timeout_s, function=spec, batched=batched)
         self.pool.warmup()
         if self.pool.startup_error is not None or not self.pool.pids():

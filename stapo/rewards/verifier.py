@@ -7,7 +7,6 @@ sympy workers, a batch's concurrently. ``dapo`` / ``dapo_boxed`` are DAPO's veri
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Optional, Sequence
 
@@ -49,8 +48,7 @@ class MathVerifier:
         if tail_chars is not None and tail_chars <= 0:
             raise ValueError(f"tail_chars must be positive, got {tail_chars}")
         self.tail_chars = tail_chars
-        workers = num_workers if num_workers is not None else max(1, min(4, os.cpu_count() or 1))
-        self.pool = WorkerPool(num_workers=workers, timeout_s=timeout_s, memory_mb=memory_mb)
+        self.pool = WorkerPool(num_workers=num_workers, timeout_s=timeout_s, memory_mb=memory_mb)
         self.failures = 0  # symbolic items of the last call that timed out or crashed (scored -1)
 
     def __enter__(self) -> "MathVerifier":

@@ -103,7 +103,6 @@ class Calculator(Tool):
                   "required": ["expression"], "additionalProperties": False}
 
     timeout_s: float = 5.0
-    max_output_chars: int = 2000
     max_digits: int = 1000  # digits of any value's numerator or denominator
     max_chars: int = 1000  # length of the expression
 
