@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from stapo.losses.reduce import check_like_logprobs
 from stapo.registry import Registry
 
 __all__ = [
@@ -50,21 +51,14 @@ class TokenStats:
         if self.logprobs.dim() != 2:
             raise ValueError(f"TokenStats.logprobs must be (B, T), got {tuple(self.logprobs.shape)}")
         shape = self.logprobs.shape
-        for name in ("entropy", "response_mask"):
-            if getattr(self, name).shape != shape:
-                raise ValueError(
-                    f"TokenStats.{name} shape {tuple(getattr(self, name).shape)} != logprobs shape {tuple(shape)}"
-                )
+        check_like_logprobs(shape, "TokenStats.", entropy=self.entropy, response_mask=self.response_mask,
+                            old_logprobs=self.old_logprobs)
         if self.response_mask.dtype != torch.bool:
             raise ValueError(f"TokenStats.response_mask must be torch.bool, got {self.response_mask.dtype}")
         if self.advantages.shape not in (shape[:1], shape):
             raise ValueError(
                 f"TokenStats.advantages must be (B,) = ({shape[0]},) or (B, T) = {tuple(shape)}, "
                 f"got {tuple(self.advantages.shape)}"
-            )
-        if self.old_logprobs is not None and self.old_logprobs.shape != shape:
-            raise ValueError(
-                f"TokenStats.old_logprobs shape {tuple(self.old_logprobs.shape)} != logprobs shape {tuple(shape)}"
             )
 
     @property
