@@ -138,7 +138,6 @@ def tir_warm_start(model_dir: Path, problems, *, tool_fraction: float, steps: in
                    batch_size: int = 32, progress: bool = True) -> Path:
     """The TIR demo's supervised warm start (cached like `stapo.tiny.warm_start`)."""
     problems = list(problems)
-    blob = json.dumps([[p.question, p.answer] for p in problems] + [tool_fraction, "tir", TIR_CHOICE_SEED])
-    digest = hashlib.sha256(blob.encode()).hexdigest()
+    data = [[p.question, p.answer] for p in problems] + [tool_fraction, "tir", TIR_CHOICE_SEED]
     return train_sft(Path(model_dir), lambda tokenizer: encode_tir_examples(tokenizer, problems, tool_fraction),
-                     digest, steps=steps, lr=lr, batch_size=batch_size, seed=seed, weight_decay=0.0, progress=progress)
+                     data, steps=steps, lr=lr, batch_size=batch_size, seed=seed, weight_decay=0.0, progress=progress)
