@@ -6,7 +6,6 @@ the four tool tags as whole tokens, and the warm start's examples (half offer no
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from pathlib import Path
@@ -95,8 +94,8 @@ def build_tir_tokenizer(out_dir: Path | None = None) -> Path:
     def write(tmp: Path) -> None:
         _write_tokenizer(tmp, _train_tokenizer(corpus, TIR_VOCAB_SIZE, TOOL_TAGS), TIR_CHAT_TEMPLATE)
 
-    digest = hashlib.sha256("\x00".join([*corpus, TIR_CHAT_TEMPLATE, *TOOL_TAGS]).encode()).hexdigest()
-    return build_cached(out_dir, "tokenizer", {"vocab_size": TIR_VOCAB_SIZE, "variant": "tir", "text": digest}, write)
+    payload = {"vocab_size": TIR_VOCAB_SIZE, "variant": "tir", "text": [*corpus, TIR_CHAT_TEMPLATE, *TOOL_TAGS]}
+    return build_cached(out_dir, "tokenizer", payload, write)
 
 
 def _tool_episode(tokenizer, problem: ArithmeticProblem, prompt_text: str) -> SFTExample:
