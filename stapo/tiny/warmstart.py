@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from stapo.data import format_problem
+from stapo.data import format_problem, render_chat
 from stapo.tiny.cache import build_cached
 from stapo.tiny.model import model_fingerprint
 from stapo.tiny.task import CHAT_INSTRUCTION, ArithmeticProblem, arithmetic_problems
@@ -50,8 +50,7 @@ def with_bare_answers(problems: Sequence[ArithmeticProblem], fraction: float) ->
 
 def prompt_text(tokenizer, question: str, tools: list[dict] | None = None) -> str:
     """The prompt exactly as the data loader renders it (``stapo.data``, docs/rollout.md)."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": format_problem(question, CHAT_INSTRUCTION)}],
-                                         tools=tools, add_generation_prompt=True, tokenize=False)
+    return render_chat(tokenizer, [{"role": "user", "content": format_problem(question, CHAT_INSTRUCTION)}], tools)
 
 
 def answer_example(tokenizer, prompt: str, solution: str) -> SFTExample:
