@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = ["PAPER_INSTRUCTION", "PRESETS", "DataError", "DataFileScan", "DatasetPreset", "PromptDataset",
            "PromptExample", "PromptSampler", "format_problem", "load_prompt_dataset", "prompt_dataset_from_records",
-           "resolve_fields", "row_field", "scan_data_file", "strip_dapo_instruction"]
+           "render_chat", "resolve_fields", "row_field", "scan_data_file", "strip_dapo_instruction"]
 
 logger = logging.getLogger("stapo.data")
 
@@ -139,7 +139,7 @@ def prompt_dataset_from_records(records: Iterable[dict], *, prompt_field: str = 
         problems.append(problem)
         answers.append(str(answer).strip())
         extras.append({k: v for k, v in row.items() if k not in used})
-    texts = [_render(tokenizer, m, tools) for m in messages]
+    texts = [render_chat(tokenizer, m, tools) for m in messages]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     examples = [PromptExample(i, problems[i], texts[i], list(ids[i]), answers[i], extras[i])
                 for i in range(len(texts)) if max_prompt_length is None or len(ids[i]) <= max_prompt_length]
@@ -280,7 +280,8 @@ def _prompt_messages(value: Any, i: int, field: str, clean: Callable[[str], str]
     return chat, problem
 
 
-def _render(tokenizer, messages: list[dict], tools: Sequence[dict] | None = None) -> str:
+def render_chat(tokenizer, messages: list[dict], tools: Sequence[dict] | None = None) -> str:
+    """``messages`` in the tokenizer's chat template, up to the assistant's turn: THE prompt text."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template; set tokenizer.chat_template before loading prompts")
     return tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, tokenize=False,

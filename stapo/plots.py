@@ -72,7 +72,8 @@ def _draw(ax, steps: list[int], values: list[float], label: str, n_rows: int) ->
             markersize=4, linewidth=1.2)
 
 
-def _finish(ax, title: str, keys: tuple[str, ...]) -> None:
+def finish_axes(ax, title: str, keys: tuple[str, ...]) -> None:
+    """Title, step axis and grid; a percent axis when every key is a fraction (shared with the inspector)."""
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
@@ -102,7 +103,7 @@ def plot_training_curves(metrics_jsonl: str | Path, out_png: str | Path,
             _draw(ax, steps, values, key, len(rows))
         if len(data) > 1:
             ax.legend(fontsize=8)
-        _finish(ax, " / ".join(k for k, *_ in data), group)
+        finish_axes(ax, " / ".join(k for k, *_ in data), group)
     return save_figure(fig, out_png)
 
 
@@ -126,7 +127,7 @@ def plot_comparison(runs: Mapping[str, str | Path], out_png: str | Path,
             if steps:
                 _draw(ax, steps, moving_average(values, smooth), label, len(rows))
         ax.legend(fontsize=8)
-        _finish(ax, key, (key,))
+        finish_axes(ax, key, (key,))
     return save_figure(fig, out_png)
 
 
@@ -154,14 +155,14 @@ def plot_health(timeline: Timeline, out_png: str | Path) -> Path:
     acc.plot(steps, [r.get("accuracy", math.nan) for r in timeline.steps], linewidth=0.8, alpha=0.7,
              label="training (sampled)")
     acc.legend(fontsize=7)
-    _finish(acc, "accuracy", ("accuracy",))
+    finish_axes(acc, "accuracy", ("accuracy",))
     axes[1].plot(steps, [r["entropy_mean"] for r in timeline.steps], linewidth=1.0)
-    _finish(axes[1], "entropy_mean", ("entropy_mean",))
+    finish_axes(axes[1], "entropy_mean", ("entropy_mean",))
     for ax, name in zip(axes[2:], monitors):
         spec = timeline.monitors[name]
         ax.plot(*zip(*timeline.series(name)), linewidth=1.0)
         ax.axhline(spec["threshold"], color="tab:red", linewidth=0.8, linestyle="--")
-        _finish(ax, f"{name} ({'>' if spec['fires'] == 'above' else '<'} {spec['threshold']:g})", (name,))
+        finish_axes(ax, f"{name} ({'>' if spec['fires'] == 'above' else '<'} {spec['threshold']:g})", (name,))
     for ax in axes:
         for alarm in timeline.alarms():
             ax.axvline(alarm["step"], color="tab:red", linewidth=0.8, linestyle=":")

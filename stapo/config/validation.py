@@ -29,6 +29,31 @@ _CHOICES = {
     "trainer.zero_stage": (0, 1, 2, 3),
     "health.on_alarm": ON_ALARM,
 }
+#: field -> the lowest value it may take: "FIELD must be >= LOW, got VALUE"
+_AT_LEAST = {
+    "rollout.max_response_length": 1, "rollout.sync_bucket_mb": 1, "rollout.tensor_parallel_size": 1,
+    "rollout.max_sampling_rounds": 1, "rollout.max_staleness": 0,
+    "rollout.tools.max_turns": 1, "rollout.tools.max_output_chars": 1, "rollout.tools.max_workers": 1,
+    "rollout.server.request_timeout_per_token_s": 0, "rollout.server.request_retries": 0,
+    "rollout.server.sync_retries": 0,
+    "optim.warmup_steps": 0, "optim.weight_decay": 0,
+    "loss.kl_coef": 0, "loss.advantage_eps": 0, "loss.chunk_size": 1,
+    "trainer.total_steps": 1, "trainer.train_batch_size": 1, "trainer.mini_batch_size": 1,
+    "trainer.micro_batch_size": 1, "trainer.keep_last": 1, "trainer.save_every": 0,
+    "trainer.max_consecutive_skips": 1, "trainer.collective_timeout_minutes": 1,
+    "data.max_prompt_length": 1, "tiny.warm_start_steps": 0, "tiny.terms": 2,
+    "zero.param_persistence_threshold": 0, "zero.prefetch_bucket_size": 0, "zero.max_live_parameters": 0,
+    "zero.max_reuse_distance": 0, "zero.reduce_bucket_size": 1,
+    "model.lora.rank": 1, "reward.overlong_penalty": 0, "reward.tool_call_budget": 0,
+    "health.patience": 1, "health.keep_healthy": 1, "health.max_rollbacks": 1,
+}
+#: fields that must be > 0: "FIELD must be > 0, got VALUE"
+_POSITIVE = (
+    "rollout.temperature", "rollout.producer_close_timeout_s", "rollout.tools.timeout_s",
+    "rollout.server.request_timeout_s", "rollout.server.down_after_s", "rollout.server.health_interval_s",
+    "rollout.server.health_timeout_s", "rollout.server.sync_timeout_s", "rollout.server.sync_join_timeout_s",
+    "optim.lr", "optim.grad_clip", "reward.timeout_s", "model.lora.alpha",
+)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -36,65 +61,47 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _field(cfg, dotted: str):
+    return functools.reduce(getattr, dotted.split("."), cfg)
+
+
 def validate(cfg) -> None:
     """Value checks of ``cfg`` (a ``STAPOConfig``) with messages that name the field (docs/configuration.md)."""
     for dotted, choices in _CHOICES.items():
-        value = functools.reduce(getattr, dotted.split("."), cfg)
+        value = _field(cfg, dotted)
         _check(value in choices, f"{dotted} must be one of {list(choices)}, got {value!r}")
-    r, t, lo, op = cfg.rollout, cfg.trainer, cfg.loss, cfg.optim
+    for dotted, low in _AT_LEAST.items():
+        value = _field(cfg, dotted)
+        _check(value >= low, f"{dotted} must be >= {low}, got {value}")
+    for dotted in _POSITIVE:
+        value = _field(cfg, dotted)
+        _check(value > 0, f"{dotted} must be > 0, got {value}")
+    r, t, lo = cfg.rollout, cfg.trainer, cfg.loss
     _check(r.group_size >= 2, f"rollout.group_size (G) must be >= 2 for group advantages, got {r.group_size}")
-    _check(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
     _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
-    _check(r.max_response_length >= 1, f"rollout.max_response_length must be >= 1, got {r.max_response_length}")
     _check(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization must be in (0, 1]")
-    _check(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb must be >= 1")
-    _check(op.lr > 0, f"optim.lr must be > 0, got {op.lr}")
-    _check(op.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {op.warmup_steps}")
-    _check(op.grad_clip > 0, f"optim.grad_clip must be > 0, got {op.grad_clip}")
-    _check(op.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {op.weight_decay}")
     _check(0 <= lo.clip_low < 1, f"loss.clip_low (epsilon_low) must be in [0, 1), got {lo.clip_low}")
     _check(lo.clip_high >= 0, f"loss.clip_high (epsilon_high) must be >= 0, got {lo.clip_high}")
     _check(lo.clip_c is None or lo.clip_c > 1, f"loss.clip_c (dual clip) must be > 1 or null, got {lo.clip_c}")
-    _check(lo.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {lo.kl_coef}")
-    _check(lo.advantage_eps >= 0, f"loss.advantage_eps must be >= 0, got {lo.advantage_eps}")
-    _check(t.total_steps >= 1, f"trainer.total_steps must be >= 1, got {t.total_steps}")
-    _check(t.train_batch_size >= 1, f"trainer.train_batch_size must be >= 1, got {t.train_batch_size}")
-    _check(t.mini_batch_size >= 1, f"trainer.mini_batch_size must be >= 1, got {t.mini_batch_size}")
     _check(t.train_batch_size % t.mini_batch_size == 0,
            f"trainer.mini_batch_size ({t.mini_batch_size}) must divide trainer.train_batch_size "
            f"({t.train_batch_size})")
-    _check(t.micro_batch_size >= 1, f"trainer.micro_batch_size must be >= 1, got {t.micro_batch_size}")
     _check(not (t.zero_stage == 0 and cfg.model.dtype == "bf16"),
            "trainer.zero_stage 0 with model.dtype bf16 would add each step's micro-batch gradients in bf16; "
            "use trainer.zero_stage 1 (fp32 accumulation; on one GPU it partitions nothing) or model.dtype fp32")
     for name in ("max_tokens_per_micro_batch", "max_tokens_per_stats_micro_batch"):
         _check(getattr(t, name) >= 0, f"trainer.{name} must be >= 0 (0: count rows), got {getattr(t, name)}")
-    _check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
-    _check(t.save_every >= 0, "trainer.save_every must be >= 0")
-    _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips must be >= 1")
-    _check(t.collective_timeout_minutes >= 1,
-           f"trainer.collective_timeout_minutes must be >= 1, got {t.collective_timeout_minutes}")
-    _check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length must be >= 1")
-    _check(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0, got {cfg.reward.timeout_s}")
-    _check(cfg.tiny.warm_start_steps >= 0, "tiny.warm_start_steps must be >= 0")
-    _check(cfg.tiny.terms >= 2, f"tiny.terms must be >= 2, got {cfg.tiny.terms}")
     _check(0.0 <= cfg.tiny.warm_start_bare_fraction < 1.0,
            f"tiny.warm_start_bare_fraction must be in [0, 1), got {cfg.tiny.warm_start_bare_fraction}")
     z = cfg.zero
-    for name in ("param_persistence_threshold", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance"):
-        _check(getattr(z, name) >= 0, f"zero.{name} must be >= 0, got {getattr(z, name)}")
-    _check(z.reduce_bucket_size >= 1, f"zero.reduce_bucket_size must be >= 1, got {z.reduce_bucket_size}")
     _check(z.max_live_parameters >= z.prefetch_bucket_size,
            f"zero.max_live_parameters ({z.max_live_parameters}) must be >= zero.prefetch_bucket_size "
            f"({z.prefetch_bucket_size}): prefetched parameters count as live")
-    _check(lo.chunk_size >= 1, f"loss.chunk_size must be >= 1, got {lo.chunk_size}")
     from stapo.rollout.registry import engine_choices  # the live registry: user-registered engines count
     _check(r.engine in engine_choices(), f"rollout.engine must be one of {list(engine_choices())}, got {r.engine!r}")
     _check(r.sleep_level in (1, 2), f"rollout.sleep_level must be 1 or 2, got {r.sleep_level}")
-    _check(r.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}")
     _check_correction(cfg)
     rw = cfg.reward
-    _check(r.max_sampling_rounds >= 1, f"rollout.max_sampling_rounds must be >= 1, got {r.max_sampling_rounds}")
     _check_rollout_servers(r)
     _check_tools(cfg.rollout.tools, cfg.tiny)
     _check(not (r.tools.enabled and r.tensor_parallel_size > 1),
@@ -104,8 +111,6 @@ def validate(cfg) -> None:
     _check(0 <= rw.overlong_buffer <= r.max_response_length,
            f"reward.overlong_buffer must be in [0, rollout.max_response_length={r.max_response_length}], "
            f"got {rw.overlong_buffer}")
-    _check(rw.overlong_penalty >= 0, f"reward.overlong_penalty must be >= 0, got {rw.overlong_penalty}")
-    _check(rw.tool_call_budget >= 0, f"reward.tool_call_budget must be >= 0, got {rw.tool_call_budget}")
     for name in ("tool_error_penalty", "tool_call_penalty"):
         value = getattr(rw, name)
         _check(math.isfinite(value) and value >= 0, f"reward.{name} must be finite and >= 0, got {value}")
@@ -156,10 +161,7 @@ def _check_health(cfg) -> None:
     h = cfg.health
     _check(h.window >= 3, f"health.window must be >= 3 (a median needs a few earlier steps), got {h.window}")
     _check(0 <= h.warmup <= h.window, f"health.warmup must be in [0, health.window={h.window}], got {h.warmup}")
-    _check(h.patience >= 1, f"health.patience must be >= 1, got {h.patience}")
-    _check(h.keep_healthy >= 1, f"health.keep_healthy must be >= 1, got {h.keep_healthy}")
     _check(0 < h.rollback_lr_scale <= 1, f"health.rollback_lr_scale must be in (0, 1], got {h.rollback_lr_scale}")
-    _check(h.max_rollbacks >= 1, f"health.max_rollbacks must be >= 1, got {h.max_rollbacks}")
     stray = sorted(set(h.params) - set(h.monitors))
     _check(not stray, f"health.params sets {stray}: not an active monitor (add it to health.monitors)")
     for name, params in h.params.items():
@@ -193,8 +195,6 @@ def _check_mask(mask) -> None:
 
 
 def _validate_lora(lora) -> None:
-    _check(lora.rank >= 1, f"model.lora.rank must be >= 1, got {lora.rank}")
-    _check(lora.alpha > 0, f"model.lora.alpha must be > 0, got {lora.alpha}")
     _check(0 <= lora.dropout < 1, f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
     modules = lora.target_modules
     _check(isinstance(modules, list) and len(modules) > 0 and all(isinstance(m, str) and m for m in modules),
@@ -219,10 +219,6 @@ def _check_tools(tools, tiny) -> None:
     """``rollout.tools`` (docs/tir.md) and the tiny TIR demo's knobs."""
     _check(0.0 <= tiny.warm_start_tool_fraction <= 1.0,
            f"tiny.warm_start_tool_fraction must be in [0, 1], got {tiny.warm_start_tool_fraction}")
-    _check(tools.max_turns >= 1, f"rollout.tools.max_turns must be >= 1, got {tools.max_turns}")
-    _check(tools.timeout_s > 0, f"rollout.tools.timeout_s must be > 0, got {tools.timeout_s}")
-    _check(tools.max_output_chars >= 1, f"rollout.tools.max_output_chars must be >= 1, got {tools.max_output_chars}")
-    _check(tools.max_workers >= 1, f"rollout.tools.max_workers must be >= 1, got {tools.max_workers}")
     _check(isinstance(tools.params, dict) and all(isinstance(v, dict) for v in tools.params.values()),
            f"rollout.tools.params must map tool names to parameter dicts, got {tools.params!r}")
     if not tools.enabled:
@@ -279,15 +275,6 @@ def _check_rollout_servers(r) -> None:
             parse_address(address)
         except ValueError as err:
             _check(False, f"rollout.server.addresses: {err}")
-    for name in ("request_timeout_s", "down_after_s", "health_interval_s", "health_timeout_s", "sync_timeout_s",
-                 "sync_join_timeout_s"):
-        _check(getattr(s, name) > 0, f"rollout.server.{name} must be > 0, got {getattr(s, name)}")
-    _check(r.producer_close_timeout_s > 0,
-           f"rollout.producer_close_timeout_s must be > 0, got {r.producer_close_timeout_s}")
-    _check(s.request_timeout_per_token_s >= 0,
-           f"rollout.server.request_timeout_per_token_s must be >= 0, got {s.request_timeout_per_token_s}")
-    for name in ("request_retries", "sync_retries"):
-        _check(getattr(s, name) >= 0, f"rollout.server.{name} must be >= 0, got {getattr(s, name)}")
     _check(s.token_file is None or s.token_file.strip() != "",
            "rollout.server.token_file must name a file (or be unset: STAPO_SERVER_TOKEN, then stapo serve's default "
            "file, is read)")
@@ -297,7 +284,6 @@ def _check_rollout_servers(r) -> None:
     _check(s.sync == "full" or r.mode == "server",
            "rollout.server.sync=delta needs rollout.mode=server: a colocated engine loads the weights from the "
            "trainer's own memory, nothing crosses a network")
-    _check(r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}")
     _check(r.max_staleness == 0 or r.mode == "server",
            f"rollout.max_staleness={r.max_staleness} (asynchronous training) needs rollout.mode=server: a "
            "colocated engine shares the trainer's devices, so generation cannot overlap the update")

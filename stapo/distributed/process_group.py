@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stapo.losses.reduce import distributed_on
+from stapo.losses.reduce import all_reduce_sum_, distributed_on
 from stapo.losses.reduce import rank as get_rank  # noqa: F401  (the one rank / world-size lookup)
 from stapo.losses.reduce import world_size as get_world_size
 
@@ -175,6 +175,4 @@ def reduce_metrics(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
     if bad:
         raise ValueError(f"reduce_metrics expects scalars; not scalar: {bad}")
     stacked = torch.stack([v.to(device, torch.float64).reshape(()) for v in values])  # (M,)
-    if distributed_on() and dist.get_world_size() > 1:
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
-    return dict(zip(names, stacked.tolist()))
+    return dict(zip(names, all_reduce_sum_(stacked).tolist()))

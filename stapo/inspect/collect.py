@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from stapo.inspect.records import RecordRow, TokenRecord
+from stapo.losses.reduce import masked_mean
 
 
 def build_token_record(
@@ -54,7 +55,7 @@ def build_token_record(
     flat_topk = topk_ids[valid].long()  # (N, K)
     cache = {i: decode_token(i) for i in set(flat_ids.tolist()) | set(flat_topk.flatten().tolist())}
     kept = (keep.bool() & valid)[valid]
-    seq_adv = adv_bt.masked_fill(~valid, 0).sum(1) / valid.sum(1).clamp(min=1)  # (B,)
+    seq_adv = masked_mean(adv_bt, valid, dim=1)  # (B,)
     rows = [RecordRow(row=i, prompt_text=prompt_texts[i], response_text=response_texts[i],
                       reward=float(rewards[i]), advantage=float(seq_adv[i]),
                       context=list(context_segments[i]) if context_segments else []) for i in range(b)]

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import torch
 from matplotlib.patches import Rectangle
-from matplotlib.ticker import PercentFormatter
 
 from stapo.inspect.analysis import SPURIOUS_CLASS, ClassStat
 from stapo.inspect.records import TokenRecord
-from stapo.plots import new_figure, save_figure
+from stapo.plots import finish_axes, new_figure, save_figure
 
 _SIGN_COLORS = ((1, "tab:green", "A > 0"), (-1, "tab:red", "A < 0"), (0, "0.6", "A = 0"))
 
@@ -112,10 +111,7 @@ def plot_silenced_ratio(points: Sequence[tuple[int, float]], out_png: str | Path
                 markersize=3, linewidth=1.2, color="tab:red")
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0, decimals=3))
+    finish_axes(ax, "silenced-token ratio over training", ("silenced_frac",))
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("step")
     ax.set_ylabel("silenced / valid tokens")
-    ax.set_title("silenced-token ratio over training", fontsize=10)
-    ax.grid(alpha=0.3)
     return save_figure(fig, out_png)

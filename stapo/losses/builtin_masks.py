@@ -21,16 +21,6 @@ DEFAULT_TAU_P = 2e-3
 DEFAULT_ENTROPY_QUANTILE = 0.8
 
 
-def _check_tau_p(tau_p: float) -> None:
-    if not 0.0 < tau_p <= 1.0:
-        raise ValueError(f"tau_p must be in (0, 1] (an absolute probability), got {tau_p}")
-
-
-def _check_quantile(q: float) -> None:
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"entropy_quantile must be in [0, 1], got {q}")
-
-
 def _low_prob_positive(stats: TokenStats, tau_p: float) -> torch.Tensor:
     """``A > 0 and p < tau_p`` as a bool ``(B, T)`` tensor."""
     return (stats.advantages_bt > 0) & (stats.logprobs < math.log(tau_p))
@@ -49,16 +39,23 @@ class NoMask(TokenMask):
         return torch.zeros_like(stats.response_mask)
 
 
+class _ThresholdMask(TokenMask):
+    """Checks the thresholds a subclass declares: ``tau_p`` and ``entropy_quantile``."""
+
+    def __post_init__(self):
+        tau_p, q = getattr(self, "tau_p", 1.0), getattr(self, "entropy_quantile", 0.0)
+        if not 0.0 < tau_p <= 1.0:
+            raise ValueError(f"tau_p must be in (0, 1] (an absolute probability), got {tau_p}")
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"entropy_quantile must be in [0, 1], got {q}")
+
+
 @dataclass
-class _LowProbEntropyMask(TokenMask):
+class _LowProbEntropyMask(_ThresholdMask):
     """The parameters of the masks that split ``A > 0 and p < tau_p`` by ``tau_h``."""
 
     tau_p: float = DEFAULT_TAU_P
     entropy_quantile: float = DEFAULT_ENTROPY_QUANTILE
-
-    def __post_init__(self):
-        _check_tau_p(self.tau_p)
-        _check_quantile(self.entropy_quantile)
 
 
 @register_mask("stapo")
@@ -71,13 +68,10 @@ class STAPOMask(_LowProbEntropyMask):
 
 
 @register_mask("prob_only")
-class ProbOnlyMask(TokenMask):
+class ProbOnlyMask(_ThresholdMask):
     """Ablation: silence A > 0 and p < tau_p, whatever the entropy (Fig. 5)."""
 
     tau_p: float = DEFAULT_TAU_P
-
-    def __post_init__(self):
-        _check_tau_p(self.tau_p)
 
     def silence(self, stats: TokenStats) -> torch.Tensor:
         return _low_prob_positive(stats, self.tau_p)
@@ -93,13 +87,10 @@ class HighEntropyLowProbMask(_LowProbEntropyMask):
 
 
 @register_mask("entropy_top")
-class EntropyTopMask(TokenMask):
+class EntropyTopMask(_ThresholdMask):
     """20-Entropy: silence every token with H < tau_h, keeping the top 1 - q by entropy (q = 0.8: 20%)."""
 
     entropy_quantile: float = DEFAULT_ENTROPY_QUANTILE
-
-    def __post_init__(self):
-        _check_quantile(self.entropy_quantile)
 
     def silence(self, stats: TokenStats):
         tau_h = _entropy_threshold(stats, self.entropy_quantile)

@@ -29,13 +29,18 @@ RS_OPTIONS = Registry("rollout_rs option")
 Threshold = Union[float, str]
 
 
-def log_ratio(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``log pi_old - log pi_sampler`` (B, T) fp32, 0 where ``mask`` is false (padding may hold inf/NaN)."""
-    if old_logprobs.shape != sampling_logprobs.shape or old_logprobs.shape != mask.shape or old_logprobs.dim() != 2:
-        raise ValueError(f"old_logprobs {tuple(old_logprobs.shape)}, sampling_logprobs "
-                         f"{tuple(sampling_logprobs.shape)} and mask {tuple(mask.shape)} must share one (B, T) shape")
+def check_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, mask: torch.Tensor) -> None:
+    """Two log-prob tensors and their bool ``mask`` share one ``(B, T)`` shape, or a ValueError naming them."""
+    if a.shape != b.shape or a.shape != mask.shape or a.dim() != 2:
+        raise ValueError(f"{name_a} {tuple(a.shape)}, {name_b} {tuple(b.shape)} and mask {tuple(mask.shape)} "
+                         "must have the same (B, T) shape")
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool (B, T) tensor, got {mask.dtype}")
+
+
+def log_ratio(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log pi_old - log pi_sampler`` (B, T) fp32, 0 where ``mask`` is false (padding may hold inf/NaN)."""
+    check_pair("old_logprobs", old_logprobs, "sampling_logprobs", sampling_logprobs, mask)
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     return torch.where(mask, old_logprobs.detach().float() - sampling_logprobs.detach().float(), zero)
 

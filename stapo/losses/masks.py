@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from stapo.losses.reduce import check_like_logprobs
 from stapo.registry import Registry
 
 __all__ = [
@@ -50,21 +51,14 @@ class TokenStats:
         if self.logprobs.dim() != 2:
             raise ValueError(f"TokenStats.logprobs must be (B, T), got {tuple(self.logprobs.shape)}")
         shape = self.logprobs.shape
-        for name in ("entropy", "response_mask"):
-            if getattr(self, name).shape != shape:
-                raise ValueError(
-                    f"TokenStats.{name} shape {tuple(getattr(self, name).shape)} != logprobs shape {tuple(shape)}"
-                )
+        check_like_logprobs(shape, "TokenStats.", entropy=self.entropy, response_mask=self.response_mask,
+                            old_logprobs=self.old_logprobs)
         if self.response_mask.dtype != torch.bool:
             raise ValueError(f"TokenStats.response_mask must be torch.bool, got {self.response_mask.dtype}")
         if self.advantages.shape not in (shape[:1], shape):
             raise ValueError(
                 f"TokenStats.advantages must be (B,) = ({shape[0]},) or (B, T) = {tuple(shape)}, "
                 f"got {tuple(self.advantages.shape)}"
-            )
-        if self.old_logprobs is not None and self.old_logprobs.shape != shape:
-            raise ValueError(
-                f"TokenStats.old_logprobs shape {tuple(self.old_logprobs.shape)} != logprobs shape {tuple(shape)}"
             )
 
     @property
@@ -134,17 +128,14 @@ class TokenMask:
         """Keep tensor, weights, what was silenced / re-weighted and the thresholds used."""
         if self.weighs:
             return self._apply_weights(stats)
-        out = self.silence(stats)
-        raw, thresholds = out if isinstance(out, tuple) else (out, {})
-        raw = _broadcast(raw, stats, lambda t: t.dtype == torch.bool, f"{type(self).__name__}.silence", "a bool")
+        raw, thresholds = _output(self.silence(stats), stats, lambda t: t.dtype == torch.bool,
+                                  f"{type(self).__name__}.silence", "a bool")
         valid = stats.response_mask
-        silenced = valid & raw
-        return MaskResult(keep=valid & ~raw, silenced=silenced, thresholds=dict(thresholds))
+        return MaskResult(keep=valid & ~raw, silenced=valid & raw, thresholds=thresholds)
 
     def _apply_weights(self, stats: TokenStats) -> MaskResult:
-        out = self.weigh(stats)
-        raw, thresholds = out if isinstance(out, tuple) else (out, {})
-        raw = _broadcast(raw, stats, lambda t: t.is_floating_point(), f"{type(self).__name__}.weigh", "a float")
+        raw, thresholds = _output(self.weigh(stats), stats, lambda t: t.is_floating_point(),
+                                  f"{type(self).__name__}.weigh", "a float")
         valid = stats.response_mask
         weights = torch.where(valid, raw.detach().float(), torch.zeros((), device=raw.device))
         bad = valid & ~(torch.isfinite(weights) & (weights >= 0))
@@ -152,7 +143,7 @@ class TokenMask:
             raise ValueError(f"{type(self).__name__}.weigh returned {int(bad.sum())} weight(s) that are negative "
                              f"or not finite, e.g. {weights[bad][0].item()}; weights must be finite and >= 0")
         keep = weights > 0
-        return MaskResult(keep=keep, silenced=valid & ~keep, thresholds=dict(thresholds), weights=weights)
+        return MaskResult(keep=keep, silenced=valid & ~keep, thresholds=thresholds, weights=weights)
 
     def mask(self, stats: TokenStats) -> torch.Tensor:
         """Bool ``(B, T)`` keep tensor, never True on padding."""
@@ -161,8 +152,9 @@ class TokenMask:
     __call__ = mask
 
 
-def _broadcast(raw, stats: TokenStats, dtype_ok, what: str, kind: str) -> torch.Tensor:
-    """``raw`` broadcast to ``(B, T)``, or a TypeError naming what ``what`` returned."""
+def _output(out, stats: TokenStats, dtype_ok, what: str, kind: str) -> tuple[torch.Tensor, dict]:
+    """``what``'s output as ``(tensor broadcast to (B, T), thresholds)``, or a TypeError naming what it returned."""
+    raw, thresholds = out if isinstance(out, tuple) else (out, {})
     shape = stats.logprobs.shape
     ok = isinstance(raw, torch.Tensor) and dtype_ok(raw)
     try:
@@ -172,7 +164,7 @@ def _broadcast(raw, stats: TokenStats, dtype_ok, what: str, kind: str) -> torch.
     if not ok:
         got = f"{raw.dtype} {tuple(raw.shape)}" if isinstance(raw, torch.Tensor) else type(raw).__name__
         raise TypeError(f"{what} must return {kind} tensor broadcastable to {tuple(shape)}, got {got}")
-    return raw
+    return raw, dict(thresholds)
 
 
 def _listing(registry) -> str:

@@ -7,24 +7,17 @@ from __future__ import annotations
 
 import torch
 
+from stapo.losses.corrections import check_pair
 from stapo.losses.reduce import masked_mean
 
 __all__ = ["mismatch_sums"]
-
-
-def _check(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, mask: torch.Tensor) -> None:
-    if a.shape != b.shape or a.shape != mask.shape:
-        raise ValueError(f"{name_a} {tuple(a.shape)}, {name_b} {tuple(b.shape)} and mask "
-                         f"{tuple(mask.shape)} must have the same (B, T) shape")
-    if mask.dtype != torch.bool:
-        raise ValueError(f"mask must be a bool (B, T) tensor, got {mask.dtype}")
 
 
 @torch.no_grad()
 def mismatch_sums(sampling_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor,
                   mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """0-dim fp32 sums over the valid tokens of ``mask`` (0 with none); ``mismatch_abs_max`` reduces with max."""
-    _check("sampling_logprobs", sampling_logprobs, "trainer_logprobs", trainer_logprobs, mask)
+    check_pair("sampling_logprobs", sampling_logprobs, "trainer_logprobs", trainer_logprobs, mask)
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     # where BEFORE arithmetic: padding may hold anything (inf, NaN) and must not leak into a sum
     d = torch.where(mask, trainer_logprobs.float() - sampling_logprobs.float(), zero)  # (B, T)

@@ -10,7 +10,14 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["masked_sum", "masked_mean", "masked_quantile", "all_reduce_sum_", "world_size", "distributed_on",
-           "rank", "all_gather_variable"]
+           "rank", "all_gather_variable", "check_like_logprobs"]
+
+
+def check_like_logprobs(shape: torch.Size, prefix: str = "", **tensors) -> None:
+    """Each of ``tensors`` that is not None has the logprobs' ``(B, T)`` ``shape``; else a ValueError naming it."""
+    for name, t in tensors.items():
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{prefix}{name} shape {tuple(t.shape)} != logprobs shape {tuple(shape)}")
 
 
 def distributed_on() -> bool:

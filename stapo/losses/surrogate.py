@@ -17,6 +17,8 @@ from typing import Optional, Union
 
 import torch
 
+from stapo.losses.reduce import check_like_logprobs
+
 __all__ = ["clipped_surrogate_loss", "aggregate_loss", "AGG_MODES"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -55,14 +57,12 @@ def aggregate_loss(
 
 
 def _check_inputs(logprobs, old_logprobs, advantages, keep, ref_logprobs, clip_low, clip_high, clip_c, kl_coef,
-                  entropy=None):
+                  entropy, weights):
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be (B, T), got {tuple(logprobs.shape)}")
     shape = logprobs.shape
-    for name, t in (("old_logprobs", old_logprobs), ("keep", keep), ("ref_logprobs", ref_logprobs),
-                    ("entropy", entropy)):
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(shape)}")
+    check_like_logprobs(shape, old_logprobs=old_logprobs, keep=keep, ref_logprobs=ref_logprobs, entropy=entropy,
+                        weights=weights)
     if keep.dtype != torch.bool:
         raise ValueError(f"keep must be a bool (B, T) tensor, got {keep.dtype}")
     if advantages.shape not in (shape[:1], shape):
@@ -101,9 +101,7 @@ def clipped_surrogate_loss(
     micro-batches and ranks (listed in docs/losses.md, "Clipped surrogate and aggregation").
     """
     _check_inputs(logprobs, old_logprobs, advantages, keep, ref_logprobs, clip_low, clip_high, clip_c, kl_coef,
-                  entropy)
-    if weights is not None and weights.shape != logprobs.shape:
-        raise ValueError(f"weights shape {tuple(weights.shape)} != logprobs shape {tuple(logprobs.shape)}")
+                  entropy, weights)
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
     adv = advantages.float()
     adv = torch.where(keep, adv[:, None] if adv.dim() == 1 else adv, zero)  # (B, T)

@@ -6,7 +6,6 @@ the four tool tags as whole tokens, and the warm start's examples (half offer no
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from pathlib import Path
@@ -95,8 +94,8 @@ def build_tir_tokenizer(out_dir: Path | None = None) -> Path:
     def write(tmp: Path) -> None:
         _write_tokenizer(tmp, _train_tokenizer(corpus, TIR_VOCAB_SIZE, TOOL_TAGS), TIR_CHAT_TEMPLATE)
 
-    digest = hashlib.sha256("\x00".join([*corpus, TIR_CHAT_TEMPLATE, *TOOL_TAGS]).encode()).hexdigest()
-    return build_cached(out_dir, "tokenizer", {"vocab_size": TIR_VOCAB_SIZE, "variant": "tir", "text": digest}, write)
+    payload = {"vocab_size": TIR_VOCAB_SIZE, "variant": "tir", "text": [*corpus, TIR_CHAT_TEMPLATE, *TOOL_TAGS]}
+    return build_cached(out_dir, "tokenizer", payload, write)
 
 
 def _tool_episode(tokenizer, problem: ArithmeticProblem, prompt_text: str) -> SFTExample:
@@ -138,7 +137,6 @@ def tir_warm_start(model_dir: Path, problems, *, tool_fraction: float, steps: in
                    batch_size: int = 32, progress: bool = True) -> Path:
     """The TIR demo's supervised warm start (cached like `stapo.tiny.warm_start`)."""
     problems = list(problems)
-    blob = json.dumps([[p.question, p.answer] for p in problems] + [tool_fraction, "tir", TIR_CHOICE_SEED])
-    digest = hashlib.sha256(blob.encode()).hexdigest()
+    data = [[p.question, p.answer] for p in problems] + [tool_fraction, "tir", TIR_CHOICE_SEED]
     return train_sft(Path(model_dir), lambda tokenizer: encode_tir_examples(tokenizer, problems, tool_fraction),
-                     digest, steps=steps, lr=lr, batch_size=batch_size, seed=seed, weight_decay=0.0, progress=progress)
+                     data, steps=steps, lr=lr, batch_size=batch_size, seed=seed, weight_decay=0.0, progress=progress)

@@ -8,7 +8,6 @@ response tokens.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -17,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from stapo.data import format_problem
+from stapo.data import format_problem, render_chat
 from stapo.tiny.cache import build_cached
 from stapo.tiny.model import model_fingerprint
 from stapo.tiny.task import CHAT_INSTRUCTION, ArithmeticProblem, arithmetic_problems
@@ -51,8 +50,7 @@ def with_bare_answers(problems: Sequence[ArithmeticProblem], fraction: float) ->
 
 def prompt_text(tokenizer, question: str, tools: list[dict] | None = None) -> str:
     """The prompt exactly as the data loader renders it (``stapo.data``, docs/rollout.md)."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": format_problem(question, CHAT_INSTRUCTION)}],
-                                         tools=tools, add_generation_prompt=True, tokenize=False)
+    return render_chat(tokenizer, [{"role": "user", "content": format_problem(question, CHAT_INSTRUCTION)}], tools)
 
 
 def answer_example(tokenizer, prompt: str, solution: str) -> SFTExample:
@@ -104,11 +102,6 @@ def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
         return lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
     return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
-def _problems_digest(problems: Sequence[ArithmeticProblem]) -> str:
-    blob = json.dumps([asdict(p) for p in problems], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def _train(model_dir: Path, out: Path, encode, steps, lr, batch_size, seed, weight_decay, progress) -> None:
@@ -202,18 +195,18 @@ def warm_start(
     problems = with_bare_answers(problems, bare_fraction) if bare_fraction else list(problems)
     if not problems:
         raise ValueError("warm_start needs at least one problem")
-    return train_sft(model_dir, lambda tokenizer: encode_examples(tokenizer, problems), _problems_digest(problems),
+    return train_sft(model_dir, lambda tokenizer: encode_examples(tokenizer, problems), [asdict(p) for p in problems],
                      out_dir, steps=steps, lr=lr, batch_size=batch_size, seed=seed, weight_decay=weight_decay,
                      progress=progress)
 
 
-def train_sft(model_dir: Path, encode, data_digest: str, out_dir: Path | None = None, *, steps: int, lr: float,
+def train_sft(model_dir: Path, encode, data: list, out_dir: Path | None = None, *, steps: int, lr: float,
               batch_size: int, seed: int, weight_decay: float, progress: bool) -> Path:
     """Fine-tune ``model_dir`` on ``encode(tokenizer)`` (a list of `SFTExample`); the schedule, cache and
-    determinism of `warm_start`. ``data_digest`` keys the cache entry with the examples' content."""
+    determinism of `warm_start`. ``data`` (JSON-serializable: what the examples are made of) keys the cache entry."""
     def build(tmp: Path) -> None:
         _train(model_dir, tmp, encode, steps, lr, batch_size, seed, weight_decay, progress)
 
-    payload = {"model": model_fingerprint(model_dir), "problems": data_digest, "steps": steps, "lr": lr,
+    payload = {"model": model_fingerprint(model_dir), "problems": data, "steps": steps, "lr": lr,
                "batch_size": batch_size, "seed": seed, "weight_decay": weight_decay}
     return build_cached(out_dir, "warm", payload, build)
