@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,7 +42,7 @@ import torch
 from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
 from stapo.rollout.sampling import SamplingParams, vllm_request_kwargs
 from stapo.serve.fingerprint import first_difference
-from stapo.servers.client import ABORTED, MALFORMED, ServerClient, ServerError, parse_address
+from stapo.servers.client import MALFORMED, ServerClient, ServerError, parse_address
 from stapo.servers.completions import completion_body, read_chunk, segment_from_reply
 from stapo.servers.pool import NoRolloutServers, ServerPool
 from stapo.sync.broadcast import BroadcastSession, SyncFailed
@@ -128,7 +128,8 @@ class ServerEngine(RolloutEngine):
         self._session_error: str | None = None
         self._failed: tuple[str, ...] = ()  # servers a failed session step named
         self._in_session = False
-        self._interrupted = threading.Event()
+        self._interrupted = threading.Event()  # from `interrupt` to `resume`: no segment starts
+        self._interrupts = 0  # interrupts so far: a segment begun before one more was cut by it
         self.max_model_len = min(self._check_server(c) for c in self.pool.clients)
 
     # ---------------------------------------------------------------- start
@@ -181,31 +182,35 @@ class ServerEngine(RolloutEngine):
         """One request per segment on the servers, at most 64 at once (see the module docstring)."""
         if self._in_session:
             raise RuntimeError("generation inside a weight update session: finish the update first")
-        version = self.policy_version
+        version, interrupts = self.policy_version, self._interrupts
         if self._interrupted.is_set():
             return [Segment([], [], "", "interrupted", version) for _ in requests]
         self.refresh()
         base = vllm_request_kwargs(sampling)
+        cut = lambda: self._interrupted.is_set() or self._interrupts != interrupts  # noqa: E731
         with ThreadPoolExecutor(max_workers=min(len(requests), 64) or 1, thread_name_prefix="stapo-rollout") as pool:
-            return list(pool.map(lambda r: self._segment(completion_body(r, base), version), requests))
+            return list(pool.map(lambda r: self._segment(completion_body(r, base), version, cut), requests))
 
-    def _segment(self, body: dict, version: int | None) -> Segment:
+    def _segment(self, body: dict, version: int | None, cut: Callable[[], bool]) -> Segment:
+        """One segment under the pool's policy. ``cut()``: an `interrupt` came since the segment began (the
+        ONE test of a cut, whatever error the cut socket surfaced as): it ends ``"interrupted"``."""
         timeout = self.limits.request_timeout(body["max_tokens"])
         if self.interruptible:
-            attempt = lambda client: self._stream(client, body, version)  # noqa: E731
+            attempt = lambda client: self._stream(client, body, version, cut)  # noqa: E731
         else:
             attempt = lambda client: segment_from_reply(  # noqa: E731
                 client.post("/v1/completions", body, timeout, self.pool.tracker(client)), client.address, version)
         try:
-            segment = self.pool.run(attempt, self._interrupted)
+            segment = self.pool.run(attempt, cut)
         except ServerError as err:  # a request error: the request, not the server
             self.failed_requests += 1
             log.warning("a rollout request failed on %s (%s): its response ends here", err.address, err)
             return Segment([], [], "", "error", version)
         return segment if segment is not None else Segment([], [], "", "interrupted", version)
 
-    def _stream(self, client: ServerClient, body: dict, version: int | None) -> Segment:
-        """One streamed segment; cut by `interrupt`, it keeps what it received (``finish="interrupted"``)."""
+    def _stream(self, client: ServerClient, body: dict, version: int | None, cut: Callable[[], bool]) -> Segment:
+        """One streamed segment; cut by `interrupt` (``cut()``), it keeps what it received (``finish="interrupted"``):
+        after any chunk, and whatever error the cut socket surfaced as."""
         tokens, logprobs, text = [], [], []
         try:
             for event in client.stream("/v1/completions", body, self.limits.request_timeout_s,
@@ -216,17 +221,21 @@ class ServerEngine(RolloutEngine):
                 text.append(chunk)
                 if finish is not None:
                     return Segment(tokens, logprobs, "".join(text), finish, version)
-            raise ServerError(client.address, "a segment's stream ended without a finish reason", kind=MALFORMED)
-        except ServerError as err:
-            if err.kind == ABORTED and self._interrupted.is_set():
-                return Segment(tokens, logprobs, "".join(text), "interrupted", version)
-            raise
+                if cut():  # a stream the cut missed (it connected meanwhile) or whose chunks were already read
+                    break
+            else:
+                raise ServerError(client.address, "a segment's stream ended without a finish reason", kind=MALFORMED)
+        except ServerError:
+            if not cut():
+                raise
+        return Segment(tokens, logprobs, "".join(text), "interrupted", version)
 
     def interrupt(self) -> None:
         """A weight sync is about to start: cut the streamed segments in flight (they keep their tokens);
         none starts until `resume`."""
         if not self.interruptible:
             super().interrupt()
+        self._interrupts += 1  # before the cut: a segment that sees its socket fail sees this too
         self._interrupted.set()
         for client in self.pool.clients:
             self.pool.tracker(client).cut()

@@ -82,11 +82,10 @@ class ServerPool:
         self._ensure_watcher()
         return client
 
-    def run(self, attempt: Callable[[ServerClient], T], cancelled: threading.Event | None = None) -> T | None:
+    def run(self, attempt: Callable[[ServerClient], T], stopped: Callable[[], bool] = lambda: False) -> T | None:
         """``attempt(server)`` under the pool's policy (module docstring); a refused request raises its
-        `ServerError` (``request_error``). ``cancelled`` (an interrupt): no new attempt starts, no server is
+        `ServerError` (``request_error``). Once ``stopped()`` (an interrupt): no new attempt starts, no server is
         blamed for the one it cut, and None comes back."""
-        stopped = cancelled.is_set if cancelled is not None else (lambda: False)
         while not stopped():
             client = self.acquire()
             try:
@@ -110,6 +109,8 @@ class ServerPool:
                 log.warning("rollout server %s: attempt %d of %d failed (%s); retrying", client.address, number + 1,
                             self.retries + 1, err)
                 time.sleep(min(2.0 ** number, 10.0))
+                if stopped():  # interrupted during the backoff: the retry would start after the cut
+                    raise
         raise AssertionError("unreachable")
 
     def release(self, client: ServerClient) -> None:
