@@ -54,7 +54,7 @@ class StreamStub:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
         self.address = f"127.0.0.1:{self.httpd.server_address[1]}"
 
     @staticmethod
@@ -129,7 +129,7 @@ def test_a_cut_keeps_its_tokens_when_the_sync_was_over_before_the_segment_saw_it
 def test_a_cut_keeps_its_tokens_whatever_error_the_socket_surfaces_as(stub):
     """The sync's interrupt comes while the stream stalls, its socket cut does not reach the stream (a connection
     the cut did not know) and the read then fails as a TIMEOUT, not as a cut: still a cut."""
-    engine = ServerEngine([stub.address], pad_token_id=0, limits=replace(LIMITS, request_timeout_s=0.3), stream=True)
+    engine = ServerEngine([stub.address], pad_token_id=0, limits=replace(LIMITS, request_timeout_s=1.0), stream=True)
     stall = threading.Event()
     with on_chunk(2, stall.set), mock.patch.object(engine.pool.tracker(engine.pool.clients[0]), "cut", lambda: 0):
         threading.Thread(target=lambda: stall.wait(5) and engine.interrupt(), daemon=True).start()
