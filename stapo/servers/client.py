@@ -1,14 +1,8 @@
-"""A small JSON-over-HTTP client for one vLLM server (``rollout.mode: server``; docs/rollout.md).
-
-Standard library only (``http.client``): the trainer talks to vLLM's OpenAI-compatible server
-(``/v1/completions`` with token-id prompts, ``/v1/models``), its health route and — the server started
-by ``stapo serve`` — its ``/collective_rpc`` and ``/reset_prefix_cache`` routes, which reach stapo's
-worker extension (`stapo.serve.staging`). Every call carries the shared secret as
-``Authorization: Bearer <secret>`` (`stapo.serve.guard`, `stapo.serve.secret`).
-
-Every failure is a `ServerError` that says what kind it was, because the engine treats them differently:
-a request error (4xx) fails that request only; an unreachable server, a timeout, a 5xx after retries or
-a malformed reply is a fault of the server, whose requests then go elsewhere.
+"""A small JSON-over-HTTP client for one vLLM server, standard library only (``http.client``): vLLM's
+OpenAI-compatible routes and, on a server started by ``stapo serve``, ``/collective_rpc`` to stapo's worker
+extension (`stapo.serve.staging`); every call carries the shared secret (`stapo.serve.guard`). Every failure is a
+`ServerError` of a kind: a request error (4xx) fails that request only, the others are a fault of the server,
+whose requests then go elsewhere (docs/rollout.md, "Faults").
 """
 
 from __future__ import annotations
@@ -60,10 +54,9 @@ def parse_address(address: str) -> str:
 
 
 class ConnectionTracker:
-    """The connections of the requests in flight to one server, so that another thread can cut them all
-    (`cut`) when the server stops answering or a weight sync interrupts them: each blocked read then fails
-    at once with `ABORTED`. It holds each connection's socket (http.client lets go of it once a response
-    that closes the connection has begun, a stream's among them)."""
+    """The connections of the requests in flight to one server, so that another thread can cut them all (`cut`):
+    each blocked read then fails at once. It holds each connection's socket (http.client lets go of it once a
+    response that closes the connection has begun, a stream's among them)."""
 
     def __init__(self) -> None:
         self._open: dict[int, socket.socket] = {}
@@ -204,11 +197,10 @@ class ServerClient:
     @contextlib.contextmanager
     def _exchange(self, method: str, path: str, body: dict | None, timeout_s: float | None,
                   tracker: ConnectionTracker | None) -> Iterator[http.client.HTTPResponse]:
-        """The one connection path of calls and streams: connect (tracked, so `ConnectionTracker.cut` reaches
-        it), send, and hand over the reply once its status is < 400. Every failure, in here or while the
-        caller reads, becomes a `ServerError` of its kind: an HTTP error (with the secret's hint on 401), a
-        timeout of one read, a connection that failed (`DOWN`) or that the engine cut (`ABORTED`: a read of
-        a cut socket may also look like a short or malformed reply, so the cut decides first)."""
+        """The one connection path of calls and streams: connect (tracked, so `ConnectionTracker.cut` reaches it),
+        send, and hand over the reply once its status is < 400. Every failure, in here or while the caller reads,
+        becomes a `ServerError` of its kind; a cut one is `ABORTED` (a read of a cut socket may also look like a
+        short or malformed reply, so the cut decides first)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         data = None if body is None else json.dumps(body).encode()
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)

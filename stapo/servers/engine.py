@@ -1,31 +1,12 @@
-"""`ServerEngine`: rollouts from vLLM server processes of their own (``rollout.mode: server``).
+"""`ServerEngine`: rollouts from vLLM server processes of their own (``rollout.mode: server``; docs/rollout.md,
+"Rollout servers", "Partial rollouts", "Faults" and "Delta syncs" say what it does and why).
 
-The colocated `VLLMEngine` shares each trainer rank's GPU; here generation runs on separate vLLM
-servers (``stapo serve MODEL``, any node) listed in ``rollout.server.addresses``, so rollout and training
-GPUs can be sized apart and overlap (``rollout.max_staleness``; docs/rollout.md, "Rollout servers").
-It is the same `RolloutEngine`:
-
-- a segment is one vLLM ``/v1/completions`` request with a TOKEN-ID prompt, one sample, its own seed (the
-  seed scheme of `stapo.rollout.trajectory`: a seed gives the same samples as the colocated engine) and
-  ``logprobs=0`` (the sampled token's log-prob; the server runs with ``--logprobs-mode processed_logprobs``,
-  as the colocated engine does); with ``stream`` (``rollout.partial``) it is streamed, so `interrupt` (a
-  weight sync about to start) can cut it and keep what it produced;
-- at start every server must answer, serve the trainer's model and tokenizer (`stapo.serve.fingerprint`)
-  and report its ``max_model_len``; a session a stopped trainer left open is aborted (rank 0);
-- every request, whole or streamed, goes through `ServerPool.run` (the one retry, backoff and failover
-  policy: `stapo.servers.pool`). A request error (4xx) fails that request only: its segment comes back
-  empty (``finish`` ``"error"``, a warning names the server and why). A failed attempt's tokens are
-  dropped, and its retry has the same seed: a fault never changes what is sampled;
-- before each generation the servers' state is read: one that holds another policy version than the last
-  sync (restarted, or down during a sync) serves again only after the next sync has reached it;
-- weights: only the engine built with ``sends_weights`` (the trainer's global rank 0) runs the session
-  (`BroadcastSession`). A failing session never raises mid-sync — the trainer's ZeRO-3 gathers are
-  collective, so every bucket still comes by and is dropped — it is aborted on every server it reached
-  (each keeps its weights), the servers that failed are marked down, and ``last_sync`` says what
-  happened: the trainer retries with the rest (`stapo.trainer.rollouts`);
-- ``sync="delta"`` (``rollout.server.sync``): rank 0 keeps a copy of what the servers hold (`SentWeights`) and sends
-  each bucket's changed words when that is smaller; a sync is full when any server does not hold the copy
-  (restarted, or it missed a sync or failed a checksum). ``last_sync.transfer`` says what was sent.
+A segment is one ``/v1/completions`` request with a token-id prompt, one sample and its own seed (the seed scheme
+of `stapo.rollout.trajectory`), streamed with ``rollout.partial`` so that a weight sync's `interrupt` can cut it and
+keep what it produced. Every request goes through `ServerPool.run` (the one retry and failover policy); a failed
+attempt's tokens are dropped and its retry has the same seed, so a fault never changes what is sampled. Only the
+engine built with ``sends_weights`` (the trainer's global rank 0) runs the weight session; a failing one never
+raises mid-sync (the trainer's ZeRO-3 gathers are collective): ``last_sync`` says what happened.
 """
 
 from __future__ import annotations
@@ -33,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,7 +23,7 @@ import torch
 from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest
 from stapo.rollout.sampling import SamplingParams, vllm_request_kwargs
 from stapo.serve.fingerprint import first_difference
-from stapo.servers.client import ABORTED, MALFORMED, ServerClient, ServerError, parse_address
+from stapo.servers.client import MALFORMED, ServerClient, ServerError, parse_address
 from stapo.servers.completions import completion_body, read_chunk, segment_from_reply
 from stapo.servers.pool import NoRolloutServers, ServerPool
 from stapo.sync.broadcast import BroadcastSession, SyncFailed
@@ -84,6 +65,11 @@ class SyncOutcome:
     failed: tuple[str, ...] = ()
     live: int = 0  # servers live after it
     transfer: TransferStats | None = None
+
+
+def _instance(states: list[dict]) -> str:
+    """A server's worker instances: a new one means the server restarted (its model is checked again)."""
+    return ",".join(str(s.get("instance")) for s in states)
 
 
 class ServerEngine(RolloutEngine):
@@ -128,19 +114,19 @@ class ServerEngine(RolloutEngine):
         self._session_error: str | None = None
         self._failed: tuple[str, ...] = ()  # servers a failed session step named
         self._in_session = False
-        self._interrupted = threading.Event()
+        self._interrupted = threading.Event()  # from `interrupt` to `resume`: no segment starts
+        self._interrupts = 0  # interrupts so far: a segment begun before one more was cut by it
         self.max_model_len = min(self._check_server(c) for c in self.pool.clients)
 
     # ---------------------------------------------------------------- start
     def _check_server(self, client: ServerClient) -> int:
         """One listed server at start: it answers, runs stapo's worker extension, serves the trainer's model
         and tokenizer; a session left open is aborted (rank 0). Returns its ``max_model_len``."""
-        port = client.address.rpartition(":")[2]
         try:
             client.get("/health", timeout_s=30)
         except ServerError as err:
             raise ValueError(f"rollout server {client.address} does not answer ({err}); start it with "
-                             f"`stapo serve MODEL --port {port}` or fix rollout.server.addresses") from None
+                             f"`stapo serve MODEL --port {client.port}` or fix rollout.server.addresses") from None
         try:
             states = self._states(client, timeout_s=30)
             self._check_model(client)
@@ -154,7 +140,7 @@ class ServerEngine(RolloutEngine):
                 raise ValueError(f"rollout server {client.address} does not run stapo's worker extension ({err}): "
                                  "start it with `stapo serve MODEL`") from None
             raise ValueError(str(err)) from None
-        self._instances[client.address] = ",".join(str(s.get("instance")) for s in states)  # checked above
+        self._instances[client.address] = _instance(states)  # its model was checked above
         if self.sends_weights and any(s.get("session_open") for s in states):
             client.rpc("stapo_abort_weight_update", "", timeout_s=30)
             log.warning("rollout server %s was in the middle of a weight sync (a trainer stopped during one): aborted "
@@ -181,31 +167,35 @@ class ServerEngine(RolloutEngine):
         """One request per segment on the servers, at most 64 at once (see the module docstring)."""
         if self._in_session:
             raise RuntimeError("generation inside a weight update session: finish the update first")
-        version = self.policy_version
+        version, interrupts = self.policy_version, self._interrupts
         if self._interrupted.is_set():
             return [Segment([], [], "", "interrupted", version) for _ in requests]
         self.refresh()
         base = vllm_request_kwargs(sampling)
+        cut = lambda: self._interrupted.is_set() or self._interrupts != interrupts  # noqa: E731
         with ThreadPoolExecutor(max_workers=min(len(requests), 64) or 1, thread_name_prefix="stapo-rollout") as pool:
-            return list(pool.map(lambda r: self._segment(completion_body(r, base), version), requests))
+            return list(pool.map(lambda r: self._segment(completion_body(r, base), version, cut), requests))
 
-    def _segment(self, body: dict, version: int | None) -> Segment:
+    def _segment(self, body: dict, version: int | None, cut: Callable[[], bool]) -> Segment:
+        """One segment under the pool's policy. ``cut()``: an `interrupt` came since the segment began (the
+        ONE test of a cut, whatever error the cut socket surfaced as): it ends ``"interrupted"``."""
         timeout = self.limits.request_timeout(body["max_tokens"])
         if self.interruptible:
-            attempt = lambda client: self._stream(client, body, version)  # noqa: E731
+            attempt = lambda client: self._stream(client, body, version, cut)  # noqa: E731
         else:
             attempt = lambda client: segment_from_reply(  # noqa: E731
                 client.post("/v1/completions", body, timeout, self.pool.tracker(client)), client.address, version)
         try:
-            segment = self.pool.run(attempt, self._interrupted)
+            segment = self.pool.run(attempt, cut)
         except ServerError as err:  # a request error: the request, not the server
             self.failed_requests += 1
             log.warning("a rollout request failed on %s (%s): its response ends here", err.address, err)
             return Segment([], [], "", "error", version)
         return segment if segment is not None else Segment([], [], "", "interrupted", version)
 
-    def _stream(self, client: ServerClient, body: dict, version: int | None) -> Segment:
-        """One streamed segment; cut by `interrupt`, it keeps what it received (``finish="interrupted"``)."""
+    def _stream(self, client: ServerClient, body: dict, version: int | None, cut: Callable[[], bool]) -> Segment:
+        """One streamed segment; cut by `interrupt` (``cut()``), it keeps what it received (``finish="interrupted"``):
+        after any chunk, and whatever error the cut socket surfaced as."""
         tokens, logprobs, text = [], [], []
         try:
             for event in client.stream("/v1/completions", body, self.limits.request_timeout_s,
@@ -216,17 +206,21 @@ class ServerEngine(RolloutEngine):
                 text.append(chunk)
                 if finish is not None:
                     return Segment(tokens, logprobs, "".join(text), finish, version)
-            raise ServerError(client.address, "a segment's stream ended without a finish reason", kind=MALFORMED)
-        except ServerError as err:
-            if err.kind == ABORTED and self._interrupted.is_set():
-                return Segment(tokens, logprobs, "".join(text), "interrupted", version)
-            raise
+                if cut():  # a stream the cut missed (it connected meanwhile) or whose chunks were already read
+                    break
+            else:
+                raise ServerError(client.address, "a segment's stream ended without a finish reason", kind=MALFORMED)
+        except ServerError:
+            if not cut():
+                raise
+        return Segment(tokens, logprobs, "".join(text), "interrupted", version)
 
     def interrupt(self) -> None:
         """A weight sync is about to start: cut the streamed segments in flight (they keep their tokens);
         none starts until `resume`."""
         if not self.interruptible:
             super().interrupt()
+        self._interrupts += 1  # before the cut: a segment that sees its socket fail sees this too
         self._interrupted.set()
         for client in self.pool.clients:
             self.pool.tracker(client).cut()
@@ -238,14 +232,7 @@ class ServerEngine(RolloutEngine):
         """Read the live servers' state: one that does not answer, holds another policy version than the last
         sync (restarted, or missed a sync), has a session open or serves another model is down. A server
         comes back only through a sync that reaches it (`weight_update`), which also proves it takes weights."""
-        for client in self.pool.live:
-            try:
-                states = self._states(client)
-            except ServerError as err:
-                self.pool.mark_down(client, f"no state ({err.kind}: {err})")
-                continue
-            if not self._same_instance(client, states):
-                continue
+        for client, states in self._answering(self.pool.live, "to the state read"):
             held = {s.get("version") for s in states}
             if self.policy_version is not None and held != {self.policy_version}:  # None: never synced here
                 self.pool.mark_down(client, f"holds policy version {sorted(held, key=str)}, not {self.policy_version} "
@@ -253,18 +240,24 @@ class ServerEngine(RolloutEngine):
             elif any(s.get("session_open") for s in states):
                 self.pool.mark_down(client, "a weight session is open on it (it serves again after the next sync)")
 
-    def _same_instance(self, client: ServerClient, states: list[dict]) -> bool:
-        """A server seen for the first time or restarted (new worker instance) must serve the trainer's model."""
-        instance = ",".join(str(s.get("instance")) for s in states)
-        if self._instances.get(client.address) == instance:
-            return True
-        try:
-            self._check_model(client)
-        except (ValueError, ServerError) as err:
-            self.pool.mark_down(client, f"restarted with another model: {err}")
-            return False
-        self._instances[client.address] = instance
-        return True
+    def _answering(self, clients: Sequence[ServerClient], when: str) -> Iterator[tuple[ServerClient, list[dict]]]:
+        """``(server, its workers' states)`` of each of ``clients`` that answers and serves the trainer's model (one
+        seen for the first time or restarted, with a new worker instance, is checked again); the others are down."""
+        for client in clients:
+            try:
+                states = self._states(client)
+            except ServerError as err:
+                self.pool.mark_down(client, f"no answer {when} ({err.kind}: {err})")
+                continue
+            instance = _instance(states)
+            if self._instances.get(client.address) != instance:
+                try:
+                    self._check_model(client)
+                except (ValueError, ServerError) as err:
+                    self.pool.mark_down(client, f"restarted with another model: {err}")
+                    continue
+                self._instances[client.address] = instance
+            yield client, states
 
     # ------------------------------------------------------------ weight sync
     @contextlib.contextmanager
@@ -292,22 +285,16 @@ class ServerEngine(RolloutEngine):
 
     def _open_session(self) -> None:
         targets, holding = [], self.sent is not None
-        for client in self.pool.clients:
-            try:
-                states = self._states(client)
-            except ServerError as err:
-                self.pool.mark_down(client, f"no answer at the weight sync ({err.kind})")
-                continue
-            if self._same_instance(client, states):
-                if any(s.get("session_open") for s in states):
-                    client.rpc("stapo_abort_weight_update", "", timeout_s=self.limits.health_timeout_s)
-                targets.append(client)
-                if holding and not self.sent.holds(client.address, self._instances[client.address],
-                                                   [s.get("version") for s in states]):
-                    holding = False
-                    if self.sent.version is not None:
-                        log.info("weight sync: rollout server %s does not hold the weights last sent (restarted or "
-                                 "missed a sync): this sync sends every bucket whole", client.address)
+        for client, states in self._answering(self.pool.clients, "at the weight sync"):
+            if any(s.get("session_open") for s in states):
+                client.rpc("stapo_abort_weight_update", "", timeout_s=self.limits.health_timeout_s)
+            targets.append(client)
+            if holding and not self.sent.holds(client.address, self._instances[client.address],
+                                               [s.get("version") for s in states]):
+                holding = False
+                if self.sent.version is not None:
+                    log.info("weight sync: rollout server %s does not hold the weights last sent (restarted or "
+                             "missed a sync): this sync sends every bucket whole", client.address)
         if not targets:
             self._session_error = "no rollout server answers at the weight sync"
             return
@@ -367,9 +354,3 @@ class ServerEngine(RolloutEngine):
     def close(self) -> None:
         """Stop the health watch (the servers keep running)."""
         self.pool.close()
-
-    def sleep(self) -> None:
-        """Nothing to release: the servers run on their own devices."""
-
-    def wake(self) -> None:
-        """Nothing to bring back (see `sleep`)."""

@@ -1,16 +1,9 @@
-"""The rollout servers and their state: requests in flight, live or down, the health watch, and the ONE
-request policy of server mode (docs/rollout.md, "Faults").
-
-`ServerPool.run` sends a request — a whole completion or a streamed segment alike — to the live server with
-the fewest requests in flight. A reply that is the server's fault but may pass (5xx, malformed, a read that
-timed out) is retried on the same server ``retries`` times with backoff (1 s, 2 s, 4 s, ... at most 10 s);
-then, or at once when the server is gone (refused, reset, cut), the server is declared down and the request
-goes to another; a refused request (4xx) is the request's fault and fails alone. With no server left,
-`NoRolloutServers`. `ServerPool` keeps why each server is down. While requests are in flight a watcher thread probes those servers' ``/health`` every
-``probe_interval_s`` (each probe waits at most ``probe_timeout_s``); a server that has not answered for
-``down_after_s`` is declared down and the connections of its requests are cut, so each of them fails at
-once and goes to another server — a hung (e.g. SIGSTOPped) server costs about ``down_after_s``, not a
-request's whole timeout. docs/rollout.md, "Faults".
+"""The rollout servers and their state (requests in flight, live or down, the health watch) and the ONE request
+policy of server mode, for whole requests and streamed segments alike (docs/rollout.md, "Faults"): a server fault
+that may pass (5xx, malformed, a read that timed out) is retried on the same server with backoff, then — or at
+once when the server is gone — the server is declared down and the request goes to another; a refused request
+(4xx) fails alone. A server with requests in flight that stops answering ``/health`` for ``down_after_s`` is
+declared down and its connections cut, so a hung server costs about that, not a request's whole timeout.
 """
 
 from __future__ import annotations
@@ -82,11 +75,10 @@ class ServerPool:
         self._ensure_watcher()
         return client
 
-    def run(self, attempt: Callable[[ServerClient], T], cancelled: threading.Event | None = None) -> T | None:
+    def run(self, attempt: Callable[[ServerClient], T], stopped: Callable[[], bool] = lambda: False) -> T | None:
         """``attempt(server)`` under the pool's policy (module docstring); a refused request raises its
-        `ServerError` (``request_error``). ``cancelled`` (an interrupt): no new attempt starts, no server is
+        `ServerError` (``request_error``). Once ``stopped()`` (an interrupt): no new attempt starts, no server is
         blamed for the one it cut, and None comes back."""
-        stopped = cancelled.is_set if cancelled is not None else (lambda: False)
         while not stopped():
             client = self.acquire()
             try:
@@ -110,6 +102,8 @@ class ServerPool:
                 log.warning("rollout server %s: attempt %d of %d failed (%s); retrying", client.address, number + 1,
                             self.retries + 1, err)
                 time.sleep(min(2.0 ** number, 10.0))
+                if stopped():  # interrupted during the backoff: the retry would start after the cut
+                    raise
         raise AssertionError("unreachable")
 
     def release(self, client: ServerClient) -> None:
@@ -128,11 +122,11 @@ class ServerPool:
                     f"{cut} request(s) in flight go elsewhere; " if cut else "", left)
         return True
 
-    def mark_live(self, client: ServerClient, why: str = "is back and serves again") -> None:
+    def mark_live(self, client: ServerClient) -> None:
         with self._lock:
             was_down = self._down.pop(client.address, None) is not None
         if was_down:
-            log.warning("rollout server %s %s", client.address, why)
+            log.warning("rollout server %s is back and serves again", client.address)
 
     def close(self) -> None:
         self._stop.set()

@@ -30,30 +30,28 @@ pytestmark = pytest.mark.timeout(1800)
 def _cut_by_a_sync(engine: ServerEngine, new_batch, model, version: int) -> tuple[Generation, list]:
     """A batch (``new_batch()``) advanced until a weight sync cuts segments that produced tokens, then
     ``model``'s weights moved by 2% and synced as ``version``. Returns the batch and its trajectories as the cut
-    left them. The sync starts once a streamed segment holds tokens and has not finished (seen in the engine's
-    chunk reader): a fixed delay missed it on a loaded machine, where tool turns' segments are short and their
-    tokens come in bursts. Tried again, with a fresh batch when one finished first."""
-    streaming, read_chunk = threading.Event(), server_engine.read_chunk
+    left them. The sync starts right when a streamed segment holds tokens and has not finished, from the engine's
+    chunk reader itself: a sync started from another thread once it saw such a chunk (or after a fixed delay)
+    missed the window on a loaded machine, where tool turns' segments are short and their tokens come in bursts.
+    Tried again, with a fresh batch when one finished first (no chunk before its last)."""
+    armed, read_chunk = threading.Event(), server_engine.read_chunk
 
     def watched(choice, address):
         ids, logprobs, text, finish = read_chunk(choice, address)
-        if ids and finish is None:
-            streaming.set()
+        if ids and finish is None and armed.is_set():
+            armed.clear()
+            engine.interrupt()  # the sync starts: every segment in flight is cut, this one after this chunk
         return ids, logprobs, text, finish
 
     batch, tries = new_batch(), []
     with mock.patch.object(server_engine, "read_chunk", watched):
         for _ in range(30):
-            result = []
-            streaming.clear()
-            worker = threading.Thread(target=lambda: result.append(batch.advance(engine)))
-            worker.start()
-            streaming.wait(timeout=10)
-            engine.interrupt()  # the sync starts: every segment in flight is cut
-            worker.join(timeout=300)
+            armed.set()
+            result = [batch.advance(engine)]
             tries.append((result[:], batch.interrupted, sum(t.done for t in batch.trajectories)))
             if batch.interrupted and result == [False]:
                 break
+            armed.clear()
             engine.resume()
             if result == [True]:  # finished first (a cut can also land on a segment's last token): a fresh batch
                 batch = new_batch()
@@ -97,9 +95,6 @@ def test_a_response_cut_by_a_sync_continues_as_a_fresh_request_from_its_prefix(s
     engine.close()
 
 
-@pytest.mark.skip(reason="open (issue 44): in a full lane run the sync's cut never keeps a streamed tool turn's tokens "
-                         "(30 of 30 tries: interrupted=0), while it does when this test runs alone; the cut segment's "
-                         "error is likely not classified as a cut, so the pool drops its tokens and re-runs it")
 def test_a_tool_episode_cut_by_a_sync_continues_as_the_same_episode_from_its_prefix(servers, warm_model_dir):
     """The lane's calculator episodes (tests/vllm_cpu/test_episodes.py) on a streaming server, cut by a sync in
     the middle of their turns: the cut turn goes on token for token as one request from the same prefix with
