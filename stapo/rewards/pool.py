@@ -1,8 +1,7 @@
 """Killable reward workers: a hard per-item wall-clock limit and a memory cap (docs/rewards.md, "Hang-proofing").
 
 Some sympy hangs ignore signals, and SIGALRM works on the main thread only, so each item runs in a worker
-process that is killed past ``timeout_s`` (the item scores -1) and replaced. The same pool runs user reward
-functions (``user_function.py``): failed calls are reported in ``run_tasks``' error map.
+process that is killed past ``timeout_s`` (the item scores -1) and replaced.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The math reward: +1 for a correct final answer, -1 otherwise (STAPO paper §2; docs/rewards.md).
 
-Cheapest first: extraction, normalization and exact numbers in-process; only undecided items go to the
-sympy workers, a batch's concurrently. ``dapo`` / ``dapo_boxed`` are DAPO's verifier (``dapo.py``).
+Cheapest first: only items undecided in-process go to the sympy workers, a batch's concurrently.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Dynamic sampling: DAPO's "filter groups" (DAPO paper §3.2; off by default, as in the STAPO paper).
 
-Groups whose G rewards are all equal (advantage 0, Eq. 2) are dropped and more prompts generated until every
-rank holds ``target_groups`` informative groups, for at most ``max_rounds`` rounds; the ranks agree on each
-round through one small all-gather. docs/grpo_options.md has the rules (the cap, ``multiple_of``) and why.
+Groups whose G rewards are all equal (advantage 0, Eq. 2) are dropped and more generated; the ranks agree on
+each round through one small all-gather. docs/grpo_options.md has the rules and why.
 """
 
 from __future__ import annotations
