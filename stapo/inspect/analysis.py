@@ -163,10 +163,7 @@ def silenced_ratio_from_records(records: Sequence[TokenRecord]) -> list[tuple[in
 
 def silenced_ratio_over_training(run_dir: str | Path, records: Sequence[TokenRecord] | None = None
                                  ) -> list[tuple[int, float]]:
-    """(step, silenced_frac) from ``metrics.jsonl`` (paper Fig. 6a); falls back to the records.
-
-    ``records`` (already loaded) saves reading them again for the fallback.
-    """
+    """(step, silenced_frac) from ``metrics.jsonl`` (paper Fig. 6a); falls back to the (already loaded) records."""
     from stapo.plots import series
     from stapo.run_dir import METRICS_FILE, read_metrics
 

@@ -55,9 +55,8 @@ def _shutdown(workers: list[_Worker], owner_pid: int) -> None:
 
 
 class WorkerPool:
-    """Persistent, lazily started workers; ``run`` scores a batch of answer pairs with sympy, or,
-    with ``function``, ``run_tasks`` calls that user reward function (``batched``: its batch form).
-    ``startup_error`` holds the message of a worker that could not load the function."""
+    """Persistent, lazily started workers: ``run`` scores answer pairs with sympy, ``run_tasks`` calls a user
+    reward function; ``startup_error`` holds the message of a worker that could not load the function."""
 
     def __init__(self, num_workers: Optional[int] = None, timeout_s: float = 5.0, memory_mb: int = 1024,
                  startup_timeout_s: float = 120.0, function: Optional[str] = None, batched: bool = False):

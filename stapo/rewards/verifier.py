@@ -36,10 +36,8 @@ def ground_truth_answer(ground_truth: object) -> Optional[str]:
 
 
 class MathVerifier:
-    """Batch math verifier: ``mode`` one of ``MODES``; a symbolic item runs in one of ``num_workers`` sympy workers
-    (started on the first such item; ``memory_mb`` each) and scores -1 past ``timeout_s``; only the last
-    ``tail_chars`` characters are searched (None: all; the ``dapo`` modes keep DAPO's 300). Thread-safe; a context
-    manager (docs/rewards.md)."""
+    """Batch math verifier; a symbolic item runs in a sympy worker and scores -1 past ``timeout_s``; only the last
+    ``tail_chars`` characters are searched (the ``dapo`` modes keep DAPO's 300). Thread-safe (docs/rewards.md)."""
 
     def __init__(self, mode: str = "math", timeout_s: float = 5.0, memory_mb: int = 1024,
                  num_workers: Optional[int] = None, tail_chars: Optional[int] = DEFAULT_TAIL_CHARS):

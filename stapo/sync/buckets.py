@@ -118,9 +118,8 @@ def _persistent_buffers(model: torch.nn.Module) -> Bucket:
 def iter_weight_buckets(
     model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, copy: bool = True
 ) -> Iterator[Bucket]:
-    """Yield ``[(hf_name, full_tensor), ...]`` buckets covering every parameter once (LoRA: adapters merged);
-    ``model``: a DeepSpeed engine, its ``.module`` or a plain module. ``copy=False``: some tensors alias live
-    parameters, valid only until the next bucket (`sync_weights`: ``load_weights`` copies anyway)."""
+    """Yield ``[(hf_name, full_tensor), ...]`` buckets covering every parameter once (LoRA: adapters merged).
+    ``copy=False``: some tensors alias live parameters, valid only until the next bucket."""
     named = list(model.named_parameters())
     names = [hf_name(n) for n, _ in named]
     sizes = [full_numel(p) * p.element_size() for _, p in named]
