@@ -1,8 +1,6 @@
 """Prompt datasets for RL on verifiable math: rows -> chat-templated prompt token ids + answers (docs/rollout.md).
 
-Paper setup (STAPO §5.1): DAPO-Math-17K, each problem followed by the instruction "Please reason step by step,
-and put your final answer within \\boxed{}." in the tokenizer's chat template; the `dapo_math_17k` preset strips
-DAPO's own "Answer:" instruction first, so the prompt asks for `\\boxed{}` only.
+The paper's setup (STAPO §5.1: DAPO-Math-17K with a ``\\boxed{}`` instruction): docs/rollout.md, "Prompt data".
 """
 
 from __future__ import annotations
@@ -101,12 +99,10 @@ def load_prompt_dataset(source: str | Path | None = None, *, split: str = "train
                         instruction: str | None = PAPER_INSTRUCTION, max_prompt_length: int | None = None,
                         data_files: Any = None, cache_dir: str | Path | None = None,
                         tools: Sequence[dict] | None = None) -> PromptDataset:
-    """Load a dataset (HF hub name, local dir, or .jsonl / .json / .parquet file) into prompts (docs/rollout.md).
+    """Load a dataset (HF hub name, local dir, or .jsonl / .json / .parquet file) into prompts.
 
-    Fields may be dotted paths (`reward_model.ground_truth`); a prompt is a string or chat messages (the last
-    user turn is the problem). `preset` fills source and fields (explicit non-default arguments win); prompts
-    over `max_prompt_length` tokens are dropped and counted; `tools`: the schemas the chat template renders
-    into each prompt (multi-turn episodes, docs/tir.md).
+    Fields, presets and prompt rules: docs/rollout.md, "Prompt data"; `tools`: the schemas the chat template
+    renders into each prompt (multi-turn episodes, docs/tir.md).
     """
     if source is None and preset is not None:
         source = _preset(preset).hf_name
@@ -290,9 +286,7 @@ def render_chat(tokenizer, messages: list[dict], tools: Sequence[dict] | None = 
 
 def balanced_shares(costs: Sequence[float], world_size: int) -> list[list[int]]:
     """Positions ``0..n-1`` of a batch dealt to ``world_size`` ranks, ``n / world_size`` each, with close total
-    ``costs`` (expected rollout work): longest first, each to the rank with the least cost that still has room
-    (LPT with equal counts). Each share is in batch order; ties go to the lower position and rank, so every
-    rank computes the same deal.
+    ``costs``: LPT with equal counts. Ties go to the lower position and rank, so every rank computes the same deal.
     """
     n = len(costs)
     if world_size < 1 or n % world_size:

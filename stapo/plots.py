@@ -1,12 +1,7 @@
 """PNG plots of training curves from ``metrics.jsonl`` (docs/algorithm.md; paper Fig. 3 / Fig. 5).
 
-Uses matplotlib's object API (``matplotlib.figure.Figure`` rendered by Agg on save) rather than
-pyplot: no display, no global backend switch, safe in headless jobs and threads.
-
-    from stapo.plots import plot_training_curves, plot_comparison
-    plot_training_curves("runs/stapo/metrics.jsonl", "runs/stapo/curves.png")
-    plot_comparison({"GRPO": "runs/grpo", "STAPO": "runs/stapo"}, "ablation.png")
-    plot_health(read_timeline("runs/stapo"), "runs/stapo/health.png")   # stapo.health.timeline
+matplotlib's object API (a ``Figure`` rendered by Agg), not pyplot: no display, no global backend switch, safe in
+headless jobs and threads.
 """
 
 from __future__ import annotations

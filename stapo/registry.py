@@ -11,11 +11,8 @@ tool-call parsers, rejection statistics, reward terms, reward modes and rollout 
     TERMS.params("tool")                     # {"error_penalty": 0.0} (dataclasses.MISSING if required)
     TERMS.describe()                         # [RegistryEntry(name, summary, params, obj)], by name
 
-With ``base``, only its subclasses register, each turned into a dataclass if it is not one. A plain
-callable (a factory, a statistic function) registers as it is and takes no parameters through
-``build``. Registering the same object again (or one of the same module and qualified name, as when a
-notebook cell is re-run) replaces it; a different object under a taken name raises. Errors for an
-unknown name list the valid ones.
+A plain callable registers as it is (no parameters through ``build``). Registering an object of the same
+module and qualified name again (a re-run notebook cell) replaces it; another object under a taken name raises.
 """
 
 from __future__ import annotations

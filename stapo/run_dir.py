@@ -9,9 +9,7 @@ A training run writes everything into ``trainer.output_dir``::
     curves.png           training curves                inspect/        ``stapo inspect`` output
     health.png           ``stapo health``'s timeline
 
-This module is the bottom floor: the trainer writes these files, and plotting, the inspector and
-the command line read them through the names and readers here, so none of them imports
-``stapo.trainer``. No torch, no config: standard library only.
+The bottom floor (standard library only): readers of these files import this, never ``stapo.trainer``.
 """
 
 from __future__ import annotations
@@ -90,8 +88,7 @@ def restore_nonfinite(record: dict[str, Any]) -> dict[str, Any]:
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a ``metrics.jsonl`` (or of a run dir's), non-finite strings restored to floats.
 
-    A truncated last line (the run was killed mid-write) is skipped with a warning; a corrupt line
-    anywhere else raises ``ValueError`` naming the file and line number.
+    A truncated last line (the run was killed mid-write) is skipped with a warning; a corrupt line elsewhere raises.
     """
     path = Path(path)
     if path.is_dir():

@@ -1,7 +1,6 @@
 """stapo command line: train, list masks, tools and recipes, evaluate, inspect runs and their health.
 
-User mistakes print one line, not a traceback (STAPO_TRACEBACK=1 shows it). One module per job: ``train``,
-``catalog`` (masks, tools, recipes), ``runs`` (status, inspect, health), ``common``; this one dispatches.
+User mistakes print one line, not a traceback (STAPO_TRACEBACK=1 shows it).
 
 May import: every other folder of ``stapo`` (the top row of docs/index.md, "Layout").
 """

@@ -1,10 +1,6 @@
-"""Run configuration: nested dataclasses, strict YAML loading, dotted ``key=value`` overrides.
+"""Run configuration: nested dataclasses, strict YAML loading, dotted ``key=value`` overrides (docs/configuration.md).
 
-Defaults are the paper's (Table 6 / App. D). Sections: :mod:`stapo.config.sections`,
-:mod:`stapo.config.rollout_sections`; value checks: :mod:`stapo.config.validation`; an unknown key is an error
-naming the closest valid one (docs/configuration.md).
-
-    cfg = STAPOConfig.from_yaml("examples/recipes/qwen3_8b_stapo.yaml", overrides=["optim.lr=2e-6"])
+Defaults are the paper's (Table 6 / App. D).
 
 May import: ``stapo.servers`` and ``stapo.rollout`` (for validation), the registries of ``stapo.losses``,
 ``stapo.rewards``, ``stapo.tools`` and ``stapo.health``, ``stapo.data``, and the rest below them
@@ -93,9 +89,8 @@ class STAPOConfig:
     def from_dict(cls, data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> "STAPOConfig":
         """``data`` (a recipe's mapping), then the dotted ``overrides`` on top of it.
 
-        Overriding ``mask.name`` switches masks: the recipe's ``mask.params`` belonged to its own
-        mask, so those the overrides do not set again are dropped (one log line names them) and the
-        new mask starts from its defaults (docs/custom_masks.md).
+        Overriding ``mask.name`` drops the recipe's ``mask.params`` the overrides do not set again: they belonged to
+        its own mask (docs/custom_masks.md).
         """
         base = copy.deepcopy(dict(data or {}))
         merged = apply_overrides(copy.deepcopy(base), overrides)
@@ -106,9 +101,8 @@ class STAPOConfig:
     def from_yaml(cls, path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> "STAPOConfig":
         """Load ``path`` (None: all defaults) strictly, then apply dotted ``key=value`` overrides.
 
-        A file must name ``model.path`` (or an override must): the defaults under it are the paper's
-        sizes, which on the built-in tiny model make a run nobody meant, so an empty or partial file is
-        refused with the advice to start from a recipe (docs/configuration.md)."""
+        A file must name ``model.path`` (or an override must): the defaults under it are the paper's sizes, which on
+        the built-in tiny model make a run nobody meant (docs/configuration.md)."""
         if path is None:
             return cls.from_dict({}, overrides)
         path = Path(path)

@@ -1,8 +1,6 @@
 """The configuration reference page, generated from the config dataclasses' field docstrings.
 
-``docs/configuration.md`` is this module's output; ``tests/test_config.py`` fails when it is stale.
-Regenerate with ``python -m stapo.config.docs > docs/configuration.md``. This module imports
-:mod:`stapo.config`, never the reverse.
+Regenerate with ``python -m stapo.config.docs > docs/configuration.md`` (``tests/test_config.py`` fails when stale).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Which settings make a run a different experiment, for resuming (docs/distributed.md, "Resuming").
 
-Resuming a checkpoint with another value of an experiment key would continue one experiment under another's
-name, so the trainer refuses, naming the keys; run settings (speed, cadence, logging, servers) and a later
-``trainer.total_steps`` may change.
+Resuming with another value of an experiment key would continue one experiment under another's name, so the
+trainer refuses, naming the keys; run settings (speed, cadence, logging, servers) may change.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Strict construction of nested config dataclasses from plain dicts (YAML) and dotted overrides.
 
 An unknown key is an error naming the closest valid key; values are coerced to the field's type (YAML reads
-``1e-6`` as a string) or rejected with the field named; a key given twice in one mapping is an error with
-both line numbers, and YAML errors keep their file, line and column.
+``1e-6`` as a string) or rejected with the field named.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Value checks of a :class:`stapo.config.STAPOConfig` with messages that name the field.
 
-Types and unknown keys are checked while loading (``stapo.config.loading``); this module checks
-values and their relations (batch sizes that divide, the registries' names, ...).
+Types and unknown keys are checked while loading (``stapo.config.loading``); this module checks values and
+their relations.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Exact gradient accumulation: the step sees ``Σ_ranks Σ_micro ∇loss`` (docs/distributed.md).
 
-The per-micro-batch losses are already normalized by the GLOBAL kept-token count (Eq. 1), so DeepSpeed's
-``1/gradient_accumulation_steps`` and ZeRO's data-parallel averaging are undone here; a mini-batch may have
-any number of micro-batches (token budgets), so the boundary is set by hand.
+Micro-batch losses are already normalized by the GLOBAL kept-token count (Eq. 1), so DeepSpeed's
+``1/gradient_accumulation_steps`` and ZeRO's data-parallel averaging are undone here.
 """
 
 from __future__ import annotations

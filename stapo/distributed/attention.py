@@ -1,10 +1,6 @@
 """Attention over packed rows: the kernel ``model.attn_implementation: auto`` picks and its per-micro-batch
-arguments (docs/gpu.md, "Attention over packed rows").
-
-sdpa needs a dense ``S x S`` block-diagonal mask (cost grows with the square of the ROW); flash-attention's
-varlen ``cu_seqlens`` and flex_attention's ``BlockMask`` follow the real sequences, so with them a
-micro-batch is packed into one row. Both are built once per micro-batch from the position ids, the block
-table tile by tile, never from an ``S x S`` mask.
+arguments (docs/gpu.md, "Attention over packed rows"). flash/flex masks are built from the position ids, tile by
+tile, never from a dense ``S x S`` mask (sdpa's, whose cost grows with the square of the row).
 """
 
 from __future__ import annotations

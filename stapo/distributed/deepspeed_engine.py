@@ -156,8 +156,7 @@ def build_engine(
 ):
     """``model`` in a DeepSpeed engine with AdamW and the lr schedule; every rank passes identical weights.
 
-    ``torch.optim.AdamW`` (deterministic, no JIT build), or with ``offload`` ``DeepSpeedCPUAdam`` in AdamW
-    mode, which ZeRO-Offload requires.
+    ``torch.optim.AdamW`` (deterministic, no JIT build), or ``DeepSpeedCPUAdam`` when ZeRO-Offload requires it.
     """
     import deepspeed
 
@@ -214,9 +213,8 @@ def build_reference(model: torch.nn.Module, *, zero_stage: int, bf16: bool,
 class GuardedAdamW(torch.optim.AdamW):
     """AdamW that clips the global grad norm itself and skips a non-finite step, for fp32 ZeRO stage 0.
 
-    There DeepSpeed hands the step to the bare optimizer, which would apply NaNs; this one sets the two
-    attributes DeepSpeed reads from its ZeRO optimizers: ``overflow`` (a skipped step, lr schedule held) and
-    ``_global_grad_norm`` (before clipping; the grads are already all-reduced, so it is global).
+    There DeepSpeed hands the step to the bare optimizer, which would apply NaNs; this one sets what DeepSpeed
+    reads from its ZeRO optimizers: ``overflow`` (a skipped step) and ``_global_grad_norm`` (before clipping).
     """
 
     max_grad_norm: float = 0.0

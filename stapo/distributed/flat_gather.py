@@ -1,8 +1,7 @@
 """One all-gather for a bucket of ZeRO-3 partitioned parameters (the weight sync).
 
-Each rank packs its partitions into one flat byte row at 16-byte aligned slots; one ``all_gather`` stacks
-the rows, and each parameter is the concatenation of its rank slices cut to ``ds_numel``. DeepSpeed 0.19's
-layout (``_partition_param``): rank ``r`` holds ``[r*P, (r+1)*P)``, ``P = ceil(ds_numel / world)``.
+Relies on DeepSpeed 0.19's layout (``_partition_param``): rank ``r`` holds ``[r*P, (r+1)*P)``,
+``P = ceil(ds_numel / world)``, so a parameter is its rank slices concatenated and cut to ``ds_numel``.
 """
 
 from __future__ import annotations

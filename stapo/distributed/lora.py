@@ -1,8 +1,7 @@
 """LoRA adapters on the policy (PEFT): the one module that imports ``peft`` (docs/lora.md).
 
-The algorithm is unchanged; only the trainable set shrinks to the adapters. The policy is wrapped before
-DeepSpeed sees it; the KL reference is the policy with its adapters off (:class:`DisabledAdapters`); the
-weight sync merges ``W + scaling * B @ A`` under base-model names (:class:`AdapterMerge`).
+The algorithm is unchanged; the KL reference is the policy with its adapters off (:class:`DisabledAdapters`);
+the weight sync merges ``W + scaling * B @ A`` under base-model names (:class:`AdapterMerge`).
 """
 
 from __future__ import annotations

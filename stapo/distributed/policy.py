@@ -1,10 +1,7 @@
 """Teacher-forced token statistics of the policy over rollout responses (Algorithm 1 line 8; docs/losses.md).
 
-``log pi(y_t)`` and the entropy come from the chunked op (:func:`stapo.losses.token_logprobs_and_entropy`),
-run as the lm_head's forward so ZeRO-3's hooks gather its weight, and the whole pass runs as the root
-module's forward so ZeRO-3 prefetches (docs/distributed.md, "ZeRO-3 prefetch"). Rows are padded or packed
-(``trainer.packing``; equal to 1e-5 in fp32). Context tokens of multi-turn episodes (docs/tir.md) are
-inputs, never targets.
+The whole pass runs as the root module's forward so ZeRO-3 prefetches (docs/distributed.md, "ZeRO-3 prefetch").
+Context tokens of multi-turn episodes (docs/tir.md) are inputs, never targets.
 """
 
 from __future__ import annotations
@@ -67,7 +64,7 @@ class PackedInputs:
     """Padding-free teacher-forced inputs: ``b`` sequences concatenated in rows, position ids restarting at 0.
 
     ``row_width=None``: ONE row (flash/flex, whose cost follows the sequences); a width: first-fit-decreasing
-    rows (sdpa's dense mask then costs no more than padding). A row's unused tail is a dummy sequence.
+    rows (sdpa's dense mask then costs no more than padding).
     """
 
     input_ids: torch.Tensor  # (R, S) long

@@ -1,10 +1,7 @@
 """Process-group setup and the few collectives the trainer needs (docs/distributed.md, "Launch").
 
-One code path for every launch mode: without a launcher a 1-rank group on a free ``127.0.0.1`` port (only
-``LOCAL_RANK=0`` is set, which DeepSpeed's engine reads); under deepspeed/torchrun/accelerate (one node or
-several) the launcher's ``RANK``/``WORLD_SIZE``/``MASTER_*`` (``env://``), under mpirun MPI's. ``RANK`` is
-global and decides data, seeds, files and collectives; ``LOCAL_RANK`` only picks the device. nccl on CUDA,
-gloo on CPU.
+One code path for every launch mode; ``RANK`` is global and decides data, seeds, files and collectives,
+``LOCAL_RANK`` only picks the device.
 """
 
 from __future__ import annotations
@@ -81,8 +78,7 @@ def default_backend() -> str:
 def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> DistInfo:
     """Join (or create; an existing group is reused) the default process group: this rank's :class:`DistInfo`.
 
-    ``timeout`` (``trainer.collective_timeout_minutes``; also set on an existing group): how long a collective
-    waits for the slowest rank. DeepSpeed's default, 10 minutes, is short for RL's uneven generation.
+    ``timeout`` (``trainer.collective_timeout_minutes``): DeepSpeed's 10 minutes is short for RL's uneven generation.
     """
     import deepspeed  # heavy: only the trainer pays for it
 

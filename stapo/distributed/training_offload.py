@@ -1,10 +1,6 @@
 """The training side's ZeRO state in host memory while colocated vLLM generates (``rollout.offload_training_state``;
-docs/gpu.md, "Colocated memory").
-
-Values are copied, never recomputed: training is bit-identical with and without it. Under ZeRO-3 DeepSpeed's
-``offload_states`` moves the fp32 master weights and moments only for its own FusedAdam, so for torch AdamW
-this module moves those itself, pointing each tensor's ``.data`` at a pinned host buffer allocated once
-(every reference stays valid; checkpoints are unchanged).
+docs/gpu.md, "Colocated memory"). Values are copied, never recomputed: training is bit-identical with and without
+it. Each tensor's ``.data`` points at a pinned host buffer allocated once, so every reference stays valid.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """One ZeRO-3 parameter trace per pass kind, so every pass prefetches (docs/distributed.md, "ZeRO-3 prefetch").
 
-DeepSpeed's stage-3 coordinator (0.19.8) keeps ONE trace per engine and prefetches only from a complete
-one; the stats pass and the update invalidate each other's. :func:`pass_kind` swaps in a coordinator of the
-pass's own kind; they share the in-flight registry, so prefetching changes when a parameter is gathered,
+DeepSpeed's stage-3 coordinator (0.19.8) keeps ONE trace per engine and prefetches only from a complete one;
+the stats pass and the update would invalidate each other's. Prefetching changes when a parameter is gathered,
 never its value.
 """
 

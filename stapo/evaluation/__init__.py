@@ -1,5 +1,5 @@
-"""Evaluation with the STAPO paper's protocol (§5.1, App. D): avg@N and pass@k on math benchmarks, from Python
-(`evaluate_model`) or the command line (`stapo eval`); docs/evaluation.md.
+"""Evaluation with the STAPO paper's protocol (§5.1, App. D): avg@N and pass@k on math benchmarks;
+docs/evaluation.md.
 
 May import: ``stapo.distributed``, ``stapo.rollout``, ``stapo.rewards``, ``stapo.data`` and the
 rest below them (docs/index.md, "Layout"); never the trainer.

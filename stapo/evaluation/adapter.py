@@ -1,6 +1,5 @@
-"""`stapo eval` on a LoRA adapter directory (a ``model.lora`` run's ``final/``; docs/lora.md): every engine
-loads plain model directories, so the adapter is merged into its base model (PEFT's ``merge_and_unload``)
-in a temporary directory that lives until the engine has loaded it.
+"""`stapo eval` on a LoRA adapter directory (docs/lora.md): every engine loads plain model directories, so the
+adapter is merged into its base model (PEFT's ``merge_and_unload``) in a temporary directory.
 """
 
 from __future__ import annotations

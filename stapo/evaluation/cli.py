@@ -1,5 +1,4 @@
-"""`stapo eval`: arguments and entry point (wired into `stapo/cli.py` by `add_arguments` / `run_cli`;
-docs/evaluation.md has the usage, from the paper protocol to local files and tool episodes).
+"""`stapo eval`: arguments and entry point (docs/evaluation.md has the usage).
 
 User mistakes raise FileNotFoundError / ValueError with one line; the CLI prints it.
 """

@@ -1,10 +1,7 @@
-"""Accuracy metrics of sampled evaluation: avg@N and unbiased pass@k (pure functions, no model).
+"""Accuracy metrics of sampled evaluation: avg@N and unbiased pass@k (pure functions; docs/evaluation.md).
 
-STAPO §5.1 reports avg@N: N responses per problem, the mean correctness over all of them
-(N = 32 for AIME24/25 and AMC23, N = 4 for MATH500, Minerva, OlympiadBench). pass@k uses the
-unbiased estimator of Chen et al. (2021, "Evaluating Large Language Models Trained on Code"):
-with c correct among n samples, pass@k = 1 - C(n-c, k) / C(n, k), averaged over problems.
-pass@1 equals avg@N exactly (c / n per problem).
+STAPO §5.1 reports avg@N; pass@k is Chen et al. (2021)'s unbiased 1 - C(n-c, k) / C(n, k), averaged over
+problems, so pass@1 equals avg@N exactly.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Evaluation results: typed per-(benchmark, setting) results, the Markdown table, the JSON file.
 
-`EvalReport.write(out_dir)` writes `results.md` (the table printed by `stapo eval`), `results.json`
-(everything: per-problem correct counts, settings, N, model path) and, when the responses were kept,
-`samples.jsonl` (one line per problem and setting: the N responses and their verdicts).
+`EvalReport.write(out_dir)` writes `results.md`, `results.json` and, when the responses were kept,
+`samples.jsonl` (docs/evaluation.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""`evaluate_model`: the paper's evaluation protocol (STAPO §5.1) on an HF model or LoRA adapter directory,
-one-turn responses or tool episodes, judged by a reward mode or function (docs/evaluation.md). All datasets
-load before any generation, so a missing file or field fails in seconds. Not reproduced: the paper's re-judging
-with CompassVerifier-3B (docs/evaluation.md).
+"""`evaluate_model`: the paper's evaluation protocol (STAPO §5.1) on an HF model or LoRA adapter directory
+(docs/evaluation.md). All datasets load before any generation, so a missing file or field fails in seconds.
 """
 
 from __future__ import annotations
@@ -56,11 +54,9 @@ def evaluate_model(model_path: str | Path, benchmarks: Sequence[str | BenchmarkP
                    reward_function: str | None = None, reward_function_batched: bool = False,
                    reward_timeout_s: float = 5.0, tensor_parallel_size: int = 1, tools: Sequence[str] = (),
                    tool_parser: str = "qwen3", max_turns: int = 8) -> EvalReport:
-    """Evaluate a model on `benchmarks` (preset names or `BenchmarkPreset`s) under `settings`; the options
-    are `stapo eval`'s (docs/evaluation.md). ``engine``: a registered engine's name or a ready `RolloutEngine`;
-    ``num_samples=None``: each preset's N (paper §5.1); ``tools``: registered tools, every response a tool
-    episode. Under a launcher every rank samples its share of the chunks and returns the whole report
-    (docs/evaluation.md, "Several GPUs").
+    """Evaluate a model on `benchmarks` under `settings`; the options are `stapo eval`'s (docs/evaluation.md).
+
+    ``engine``: a registered engine's name or a ready `RolloutEngine`; ``tools``: every response a tool episode.
     """
     if num_samples is not None and num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")

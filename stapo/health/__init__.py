@@ -1,9 +1,7 @@
-"""stapo.health: see a collapse coming from the step metrics (docs/health.md). Monitors judge a window of
-step metrics, :class:`HealthWatch` turns them into alarms; what an alarm does is the trainer's
-(``stapo.trainer.recovery``).
+"""stapo.health: see a collapse coming from the step metrics (docs/health.md); what an alarm does is the
+trainer's (``stapo.trainer.recovery``).
 
-May import: torch, ``stapo.registry`` and ``stapo.run_dir`` only (docs/index.md, "Layout"): it reads
-step values and run files, never the trainer, the config or a model.
+May import: torch, ``stapo.registry`` and ``stapo.run_dir`` only (docs/index.md, "Layout").
 """
 
 from stapo.health import builtin_monitors  # noqa: F401  (registers the built-ins)

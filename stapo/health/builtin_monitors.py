@@ -1,6 +1,5 @@
 """The built-in monitors; docs/health.md, "Monitors", has the table (statistic, threshold, what each watches
-for) and how the defaults were set. Robust z-scores floor their scale (``floor`` relative, ``abs_floor``
-absolute) so a nearly constant metric does not turn a wobble into a spike; two-sided ones return |z|.
+for), the floored robust z-score and how the defaults were set.
 """
 
 from __future__ import annotations

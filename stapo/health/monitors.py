@@ -1,7 +1,5 @@
 """Health monitors: one small pure function per warning sign, registered by name (docs/health.md,
-"Monitors"). A monitor reads a :class:`Window` of logged step metrics (sums over every token of every rank,
-so split-invariant) and returns ONE statistic, or None while it cannot judge; most are a robust z-score
-against the window, ``(x - median) / (1.4826 MAD)`` with a floor on the scale.
+"Monitors"). Step metrics are sums over every token of every rank, so a statistic is split-invariant.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""From monitor statistics to alarms: a statistic past its threshold on ``patience`` consecutive steps is
-ONE alarm, its streak's first step the **onset**; checkpoints saved and followed by quiet steps are
-**healthy** rollback targets. The watch is plain JSON data, saved in every checkpoint, so a resumed run
-continues it (docs/health.md, "Alarms and actions", "Healthy checkpoints").
+"""From monitor statistics to alarms (docs/health.md, "Alarms and actions", "Healthy checkpoints").
+
+The watch is plain JSON data, saved in every checkpoint, so a resumed run continues it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Statistics over token records (paper §3.2, Table 1, Fig. 2b, Fig. 6).
+"""Statistics over token records (paper §3.2, Table 1, Fig. 2b, Fig. 6; docs/inspector.md).
 
-Token classes follow paper Table 1: probability (p ≥ / < τ_p) × advantage sign × entropy
-(H ≥ / < τ_h), in the table's row order; class 7 (low H, low p, A > 0) is the spurious one.
-Tokens with A = 0 (groups whose rewards are all equal) get no gradient and no class (-1).
-
-The gradient-norm proxy is Lemma A.1 at the old policy (ρ = 1, so |w| = |A|):
-``‖∇_a J‖² = A² (1 − 2p + Σ_v π(v)²)``, the squared norm of the gradient w.r.t. the logits.
-Thresholds are each record's own (``τ_h`` is a per-mini-batch quantile).
+Token classes follow paper Table 1 in its row order; class 7 (low H, low p, A > 0) is the spurious one, and
+tokens with A = 0 get no class (-1). The gradient-norm proxy is Lemma A.1 at the old policy,
+``A² (1 − 2p + Σ_v π(v)²)``. Thresholds are each record's own (``τ_h`` is a per-mini-batch quantile).
 """
 
 from __future__ import annotations
@@ -167,10 +163,7 @@ def silenced_ratio_from_records(records: Sequence[TokenRecord]) -> list[tuple[in
 
 def silenced_ratio_over_training(run_dir: str | Path, records: Sequence[TokenRecord] | None = None
                                  ) -> list[tuple[int, float]]:
-    """(step, silenced_frac) from ``metrics.jsonl`` (paper Fig. 6a); falls back to the records.
-
-    ``records`` (already loaded) saves reading them again for the fallback.
-    """
+    """(step, silenced_frac) from ``metrics.jsonl`` (paper Fig. 6a); falls back to the (already loaded) records."""
     from stapo.plots import series
     from stapo.run_dir import METRICS_FILE, read_metrics
 

@@ -1,8 +1,7 @@
 """Build a :class:`TokenRecord` from the trainer's mini-batch tensors (called every N steps).
 
-:func:`build_token_record` flattens the valid tokens of ``(B, T)`` tensors; the top-k
-alternatives and collision probabilities come from :func:`stapo.losses.ops.token_topk`. Token
-texts are decoded once per distinct id (``decode_token`` is usually ``lambda i: tokenizer.decode([i])``).
+Token texts are decoded once per distinct id; the top-k alternatives come from
+:func:`stapo.losses.ops.token_topk`.
 """
 
 from __future__ import annotations

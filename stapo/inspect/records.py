@@ -1,16 +1,11 @@
 """Token records: what the trainer saves every ``inspect.record_every`` steps for the inspector (docs/inspector.md).
 
-One file per recorded mini-batch (:func:`stapo.run_dir.token_record_path`) holding a :class:`TokenRecord`:
-its rows, and one entry per valid response token (row-major) with the statistics the mask saw (paper Fig. 2).
-``kept`` / ``silenced`` are the mask's decisions only; a token ``rejected`` by the off-policy correction
-(``loss.rollout_rs``) is out of the loss either way. Records written before ``weight`` / ``rejected`` existed
-read as weight = kept and none rejected; missing or NaN thresholds get STAPO's defaults
-(:func:`default_thresholds`).
+``kept`` / ``silenced`` are the mask's decisions only; a token ``rejected`` by ``loss.rollout_rs`` is out of the
+loss either way. Older records read as weight = kept, none rejected, and STAPO's default thresholds.
 
-The file is a ``torch.save`` of a plain dict (loadable with ``weights_only=True``) with the two text fields
-interned (a record of 2M tokens holds 12M strings, which ``weights_only`` unpickling reads slowly): one UTF-8
-blob ``text_bytes``, ``text_offsets`` and int32 indices ``token_text_idx`` / ``topk_text_idx`` into it, plus
-``format_version``. Use :func:`read_token_record`, not ``torch.load``.
+The file is a ``torch.save`` of a plain dict (``weights_only=True``) with the texts interned into one UTF-8 blob
+and int32 indices: a record of 2M tokens holds 12M strings, which ``weights_only`` unpickling reads slowly.
+Use :func:`read_token_record`, not ``torch.load``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Silenced-token tables in the layout of paper App. C Tables 3–5 (Markdown and HTML).
 
-Each row is one token the active mask silenced: its left context (the preceding tokens of the
-same response), the token highlighted, its probability, entropy, advantage and the top-k
-alternatives the policy preferred.
+One row per silenced token: its left context, the token highlighted, p, H, A and the top-k alternatives.
 """
 
 from __future__ import annotations

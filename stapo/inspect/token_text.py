@@ -1,10 +1,7 @@
 """Token texts a person can read, for the token records (``stapo inspect``).
 
-A byte-level BPE splits a multi-byte character (``中`` is 3 UTF-8 bytes) over several tokens; each
-decoded alone is ``\\ufffd`` (``�``), which tells the reader nothing. A response token is therefore
-decoded with its neighbours: when the pieces around it complete a character, the token shows that
-character; when they do not (an early policy samples stray bytes), it shows its bytes escaped
-(``\\xe4``). Top-k alternatives have no neighbours, so a piece among them shows its escaped bytes.
+A byte-level BPE splits a multi-byte character over several tokens, each decoded alone ``\\ufffd``; so a token
+is decoded with its neighbours, and shows its bytes escaped (``\\xe4``) when they do not complete a character.
 """
 
 from __future__ import annotations

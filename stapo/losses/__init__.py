@@ -1,8 +1,6 @@
-"""stapo.losses: advantages, token stats, token masks, off-policy corrections and the clipped surrogate
-(torch only).
+"""stapo.losses: advantages, token stats, token masks, off-policy corrections and the clipped surrogate.
 
-May import: torch and ``stapo.registry``/``stapo.run_dir`` only (docs/index.md, "Layout"):
-pure tensor functions, no trainer, config or rollout.
+May import: torch and ``stapo.registry``/``stapo.run_dir`` only (docs/index.md, "Layout"): pure tensor functions.
 """
 
 from stapo.losses.advantages import group_advantages

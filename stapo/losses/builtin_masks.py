@@ -1,8 +1,7 @@
 """Built-in mask strategies: STAPO's S2T mask, its ablations and the baselines (docs/losses.md).
 
-``tau_p`` is absolute (Remark 3.5) and compared in log space, so no ``exp`` underflow decides anything.
-``tau_h`` is the ``entropy_quantile`` (q) quantile of the mini-batch's valid-token entropy on all ranks;
-the paper's "tau_h = 20%" (§5.3) is q = 0.8.
+``tau_p`` is absolute (Remark 3.5) and compared in log space; ``tau_h`` is the ``entropy_quantile`` (q) quantile
+of the mini-batch's valid-token entropy on all ranks: the paper's "tau_h = 20%" (§5.3) is q = 0.8.
 """
 
 from __future__ import annotations

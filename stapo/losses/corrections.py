@@ -1,10 +1,8 @@
 """Off-policy corrections from the sampler's and theta_old's log-probs (docs/losses.md, "Off-policy corrections").
 
-With ``log r_t = log pi_old(y_t) - log pi_sampler(y_t)``: importance weights (``rollout_is``; TIS cap or
-IcePop band, optionally batch-normalized over ALL ranks) and rejection (``rollout_rs``: k1/k2/k3 per token
-or per row), with the names and semantics of verl's ``rollout_corr_helper.py``. A weight multiplies its
-token's surrogate (a zero keeps it in the normalizer); a rejected token leaves loss AND normalizer.
-Only batch normalization looks beyond a row, so nothing depends on the split.
+Importance weights (``rollout_is``) and rejection (``rollout_rs``) with the names and semantics of verl's
+``rollout_corr_helper.py``. A weight multiplies its token's surrogate (a zero keeps it in the normalizer); a
+rejected token leaves loss AND normalizer.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Token masks: which response tokens contribute to the loss (paper §3.3, Algorithm 1 lines 7-10).
 
-A strategy is a registered dataclass implementing ``silence(stats)`` (bool tokens to silence) or
-``weigh(stats)`` (float token weights); the base class turns either into ``keep``/``silenced``/``weights``
-intersected with the response mask, so no strategy can keep padding. docs/losses.md, "Token masks" and
-"Your own mask"; stateful strategies (STARE) override ``start_step`` / ``state_dict`` / ``load_state_dict``.
+The base class intersects a strategy's ``silence``/``weigh`` output with the response mask, so no strategy can
+keep padding (docs/losses.md, "Token masks" and "Your own mask").
 """
 
 from __future__ import annotations

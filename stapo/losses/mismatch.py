@@ -1,6 +1,5 @@
 """Rollout-trainer mismatch: how far the sampler's token logprobs are from the trainer's (docs/losses.md,
-"Off-policy corrections"): with ``d = trainer - sampler`` per valid token, sums of |d|, k3 and k1 KL
-estimates and per-row perplexities; a weight sync that silently failed shows up here first.
+"Off-policy corrections"); a weight sync that silently failed shows up here first.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Per-token log-probabilities and entropies without materializing ``(tokens x vocab)`` logits.
 
-Qwen3's 151,936-token vocabulary makes full logits tens of GB on long responses, so
-``token_logprobs_and_entropy`` works from the hidden states in token chunks inside an autograd Function
-that keeps only the ``(N, H)`` Jacobian and the log-partition, recomputing the softmax in vocabulary
-slices in backward. docs/losses.md, "Token log-probabilities and entropy", has the formulas and costs.
+Qwen3's 151,936-token vocabulary makes full logits tens of GB on long responses; docs/losses.md, "Token
+log-probabilities and entropy", has the chunked forward, the recomputing backward, the formulas and costs.
 """
 
 from __future__ import annotations
@@ -25,11 +23,9 @@ DEFAULT_CHUNK_SIZE = 128  # tuned in bench/token_stats.py (docs/losses.md has th
 def _chunk_stats(h_scaled, w32, y, buf, want_jac, want_ent_jac=False):
     """One chunk: ``(logprob, entropy, lse, jac | None, ent_jac | None)``, in ONE reused ``(n, V)`` buffer.
 
-    With ``z`` the logits shifted by their row max ``m``, ``e = exp(z)``, ``s = sum e``:
-    ``lse = m + log s``, ``logprob = z[y] - log s``, ``H = log s - sum(e log e) / s`` (shifted, so
-    no cancellation at large logits; ``e log e`` is formed in place with ``xlogy``, which is 0 where
-    ``e`` underflowed) and ``d logprob / d h = (W[y] - (e @ W) / s) / T``. The entropy's
-    ``dH / dh = -sum_v p_v (log p_v + H) W_v / T = -((e z) @ W / s - (sum e z / s) (e @ W) / s) / T``.
+    On max-shifted logits ``z`` (no cancellation at large logits; ``e log e`` by ``xlogy``, 0 where ``e``
+    underflowed). The entropy's ``dH / dh = -((e z) @ W / s - (sum e z / s) (e @ W) / s) / T``; the rest:
+    docs/losses.md, "Token log-probabilities and entropy".
     """
     z = torch.mm(h_scaled, w32.t(), out=buf)  # (n, V) logits / T (mm: matmul's out= copies)
     m = z.amax(dim=-1)  # (n,)
@@ -160,8 +156,7 @@ def token_logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy)``, both ``(N,)`` fp32, of ``labels`` under ``softmax(hidden @ W.T / T)``.
 
-    Peak extra memory: one ``(chunk_size, V)`` fp32 buffer and an ``(N, H)`` Jacobian. ``entropy`` is
-    detached unless ``entropy_grad`` (the entropy bonus: one more Jacobian and matmul per chunk).
+    ``entropy`` is detached unless ``entropy_grad`` (the entropy bonus: one more Jacobian and matmul per chunk).
     """
     _check_token_inputs(hidden, lm_head_weight, labels, temperature, chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):

@@ -79,8 +79,7 @@ def masked_quantile(
 ) -> torch.Tensor:
     """Exact ``q``-quantile of ``values[mask]`` over ALL ranks (0-dim, no grad; ``+inf`` without a value).
 
-    ``torch.quantile``'s linear interpolation, sort based (no 16M-element limit); global, so ``tau_h`` does
-    not depend on the split (docs/algorithm.md, "Why the update is exact").
+    Global, so ``tau_h`` does not depend on the split (docs/algorithm.md, "Why the update is exact").
     """
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"q must be in [0, 1], got {q}")

@@ -1,8 +1,7 @@
 """Token selections that are global over the mini-batch on all ranks (docs/losses.md, "Token weights").
 
-Top-k and random picks are made in ONE global order (rank order, then row-major), so they do not depend
-on how the mini-batch is split over micro-batches or ranks (the released STARE and Clip-Cov code pick per
-micro-batch and rank).
+Picks are made in ONE global order (rank order, then row-major), so they do not depend on the split (the
+released STARE and Clip-Cov code pick per micro-batch and rank).
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@ Per token, with ``rho = exp(clamp(logprobs - old_logprobs, +-log_ratio_clamp))``
     l_t = min(l_t, -clip_c A)   if clip_c is set and A < 0              (dual-clip, verl / DAPO)
     l_t = w_t * l_t             if token weights are given              (mask weight x IS weight)
 
-``aggregate_loss`` is the ONE place that normalizes; with the GLOBAL kept-token count micro-batch losses
-add up to the mini-batch loss. Inputs are selected with ``torch.where(keep, x, 0)`` before any arithmetic,
-so silenced tokens get exactly zero gradient even with inf/NaN logprobs.
+Inputs are selected with ``torch.where(keep, x, 0)`` before any arithmetic, so silenced tokens get exactly zero
+gradient even with inf/NaN logprobs.
 """
 
 from __future__ import annotations
@@ -95,10 +94,8 @@ def clipped_surrogate_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, metrics)``: the negative clipped surrogate over kept tokens (Eq. 1 with ``token-mean``).
 
-    ``kl_coef`` adds ``kl_coef * k3(ref vs new)``, ``entropy_coef`` subtracts the entropy bonus, both
-    aggregated the same way and not reweighted. ``weights`` (detached) multiply the numerator only: the
-    denominator counts kept tokens. ``metrics``: 0-dim detached sums and counts that add across
-    micro-batches and ranks (listed in docs/losses.md, "Clipped surrogate and aggregation").
+    ``weights`` (detached) multiply the numerator only: the denominator counts kept tokens. ``metrics``: sums and
+    counts that add across micro-batches and ranks (docs/losses.md, "Clipped surrogate and aggregation").
     """
     _check_inputs(logprobs, old_logprobs, advantages, keep, ref_logprobs, clip_low, clip_high, clip_c, kl_coef,
                   entropy, weights)

@@ -1,8 +1,7 @@
 """Truncated responses out of the loss (``loss.mask_truncated``; DAPO's overlong filtering, §3.4).
 
-A response cut at ``rollout.max_response_length`` says nothing about its reasoning; AND
-:func:`truncated_keep` into ``keep`` BEFORE the normalizer is counted, so its tokens leave numerator and
-denominator like silenced ones (docs/grpo_options.md).
+:func:`truncated_keep` is ANDed into ``keep`` BEFORE the normalizer is counted, so a cut response's tokens leave
+numerator and denominator like silenced ones (docs/grpo_options.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Weighting strategies next to STAPO: STARE and Clip-Cov (docs/losses.md, "Token weights": their formulas,
-parameters and where Clip-Cov differs from verl).
-
-Both select over the whole mini-batch on all ranks (:mod:`stapo.losses.selection`), so the update does not
-depend on the split; the released code selects per micro-batch and rank.
+parameters and where Clip-Cov differs from verl). Both select over the whole mini-batch on all ranks
+(:mod:`stapo.losses.selection`), so the update does not depend on the split.
 """
 
 from __future__ import annotations

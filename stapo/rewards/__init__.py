@@ -1,6 +1,5 @@
-"""Rule-based math reward (paper §2.1): +1 for a correct final answer, -1 otherwise; its modes
-(``modes.py``), user reward functions and reward terms (``terms.py``). Light to import: sympy runs only
-in the verifier's worker processes. docs/rewards.md.
+"""Rule-based math reward (paper §2.1): +1 for a correct final answer, -1 otherwise; docs/rewards.md.
+Light to import: sympy runs only in the verifier's worker processes.
 
 May import: ``stapo.registry`` and the standard library (docs/index.md, "Layout").
 """

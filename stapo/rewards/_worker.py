@@ -1,9 +1,7 @@
 """One reward worker process: ``python -m stapo.rewards._worker --memory-mb N [--function SPEC [--batched]]``.
 
-JSON lines: ``"ready"`` once sympy (or the user function) is loaded, then ``[task_id, value]`` for each
-``[task_id, payload]`` (``[task_id, null, "Error: ..."]`` when a user function raised; ``["error", why]``
-when it cannot be loaded). It caps its address space, exits on MemoryError, at stdin's end and when its
-parent disappears (docs/rewards.md, "Hang-proofing").
+JSON lines: ``"ready"``, then ``[task_id, value]`` for each ``[task_id, payload]``. It caps its address space and
+exits on MemoryError, at stdin's end and when its parent disappears (docs/rewards.md, "Hang-proofing").
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """``dapo`` mode: DAPO's rule-based verifier, reproduced exactly (paper §5: "the rule-based verifier from
 DAPO without modification"): verl ``math_dapo.py`` at 00a10a8, and ``dapo_boxed`` its revision bf48903
-with the ``\\boxed{}`` fallback the paper's boxed prompt needs (docs/rewards.md, "Modes"; checked against
-``conformance/dapo_reference_probes.jsonl``).
+(docs/rewards.md, "Modes"; checked against ``conformance/dapo_reference_probes.jsonl``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The reward-mode registry: ``reward.mode`` name -> scorer builder; the config's choices, ``stapo eval
---reward-mode`` and the trainer's scorer all come from here (docs/grpo_options.md, "Reward functions").
-``@register_reward_mode("name")`` adds one before the config is loaded (``stapo train --import my_rewards.py``).
+"""The reward-mode registry: ``reward.mode`` name -> scorer builder, the one source of the config's choices,
+``stapo eval --reward-mode`` and the trainer's scorer (docs/grpo_options.md, "Reward functions").
 """
 
 from __future__ import annotations

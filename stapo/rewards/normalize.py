@@ -1,6 +1,5 @@
-"""Answer normalization (Minerva / DAPO style, extended; docs/rewards.md, step 2): many spellings of one
-answer map to one string, so the cheap string comparison decides most items. Linear-time regexes only:
-model output is untrusted.
+"""Answer normalization (Minerva / DAPO style, extended; docs/rewards.md, step 2): one string per answer, so the
+cheap comparison decides most items. Linear-time regexes only: model output is untrusted.
 """
 
 from __future__ import annotations

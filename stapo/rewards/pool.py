@@ -1,8 +1,7 @@
 """Killable reward workers: a hard per-item wall-clock limit and a memory cap (docs/rewards.md, "Hang-proofing").
 
 Some sympy hangs ignore signals, and SIGALRM works on the main thread only, so each item runs in a worker
-process that is killed past ``timeout_s`` (the item scores -1) and replaced. The same pool runs user reward
-functions (``user_function.py``): failed calls are reported in ``run_tasks``' error map.
+process that is killed past ``timeout_s`` (the item scores -1) and replaced.
 """
 
 from __future__ import annotations
@@ -56,9 +55,8 @@ def _shutdown(workers: list[_Worker], owner_pid: int) -> None:
 
 
 class WorkerPool:
-    """Persistent, lazily started workers; ``run`` scores a batch of answer pairs with sympy, or,
-    with ``function``, ``run_tasks`` calls that user reward function (``batched``: its batch form).
-    ``startup_error`` holds the message of a worker that could not load the function."""
+    """Persistent, lazily started workers: ``run`` scores answer pairs with sympy, ``run_tasks`` calls a user
+    reward function; ``startup_error`` holds the message of a worker that could not load the function."""
 
     def __init__(self, num_workers: Optional[int] = None, timeout_s: float = 5.0, memory_mb: int = 1024,
                  startup_timeout_s: float = 120.0, function: Optional[str] = None, batched: bool = False):

@@ -1,6 +1,5 @@
-"""Reward scorers: one interface (``score``, ``failures``, ``close``) for the math verifier and user reward
-functions. ``FunctionScorer`` runs ``reward.function`` in the verifier's killable workers, so a hung
-function costs at most ``timeout_s``; ``CallableScorer`` runs in-process, unlimited (docs/grpo_options.md).
+"""Reward scorers: one interface for the math verifier and user reward functions (docs/grpo_options.md).
+``FunctionScorer`` runs in the verifier's killable workers, so a hung function costs at most ``timeout_s``.
 """
 
 from __future__ import annotations

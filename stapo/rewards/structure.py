@@ -1,6 +1,5 @@
-"""Composite answers (tuples, intervals, sets, multiple answers, matrices; docs/rewards.md, step 3.3):
-``parse_structure`` builds a tree that ``match`` compares with a caller's scalar comparison, so the cheap
-check and the sympy worker share one definition of "same tuple / set / interval".
+"""Composite answers (tuples, intervals, sets, matrices; docs/rewards.md, step 3.3): one tree for the cheap check
+and the sympy worker, so both share one definition of "same tuple / set / interval".
 """
 
 from __future__ import annotations

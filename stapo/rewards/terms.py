@@ -1,7 +1,6 @@
-"""Reward terms: penalties added to the scorer's score, ``rewards = scores + sum of terms``; advantages come
-from the rewards, accuracy from the scores (docs/grpo_options.md, "Reward terms"; docs/tir.md). A term is a
-pure function of a rollout (read through its attributes: this package sits below ``stapo.rollout``) giving
-a ``(B,)`` fp32 penalty ``<= 0``. Tensor methods only, so importing ``stapo.rewards`` stays torch-free.
+"""Reward terms: penalties added to the scorer's score; advantages come from the rewards, accuracy from the
+scores (docs/grpo_options.md, "Reward terms"). A term reads a rollout through its attributes (this package sits
+below ``stapo.rollout``) with tensor methods only, so importing ``stapo.rewards`` stays torch-free.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""User reward functions: ``reward.function: "pkg.module:callable"`` or ``"path/to/file.py:callable"``, per
-item or batched (``reward.function_batched``: explicit, as a signature cannot tell the forms apart); extra
-dataset columns arrive as keywords (docs/grpo_options.md). Loaded inside the reward workers; the parent
-only parses the spec.
+"""User reward functions, per item or batched (docs/grpo_options.md): ``reward.function_batched`` is explicit,
+as a signature cannot tell the forms apart. Loaded inside the reward workers; the parent only parses the spec.
 """
 
 from __future__ import annotations

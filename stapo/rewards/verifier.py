@@ -1,7 +1,6 @@
 """The math reward: +1 for a correct final answer, -1 otherwise (STAPO paper §2; docs/rewards.md).
 
-Cheapest first: extraction, normalization and exact numbers in-process; only undecided items go to the
-sympy workers, a batch's concurrently. ``dapo`` / ``dapo_boxed`` are DAPO's verifier (``dapo.py``).
+Cheapest first: only items undecided in-process go to the sympy workers, a batch's concurrently.
 """
 
 from __future__ import annotations
@@ -37,10 +36,8 @@ def ground_truth_answer(ground_truth: object) -> Optional[str]:
 
 
 class MathVerifier:
-    """Batch math verifier: ``mode`` one of ``MODES``; a symbolic item runs in one of ``num_workers`` sympy workers
-    (started on the first such item; ``memory_mb`` each) and scores -1 past ``timeout_s``; only the last
-    ``tail_chars`` characters are searched (None: all; the ``dapo`` modes keep DAPO's 300). Thread-safe; a context
-    manager (docs/rewards.md)."""
+    """Batch math verifier; a symbolic item runs in a sympy worker and scores -1 past ``timeout_s``; only the last
+    ``tail_chars`` characters are searched (the ``dapo`` modes keep DAPO's 300). Thread-safe (docs/rewards.md)."""
 
     def __init__(self, mode: str = "math", timeout_s: float = 5.0, memory_mb: int = 1024,
                  num_workers: Optional[int] = None, tail_chars: Optional[int] = DEFAULT_TAIL_CHARS):

@@ -1,8 +1,5 @@
 """Rollout engines and the drivers over them: prompts (token ids) -> `Rollout` (docs/rollout.md).
 
-    from stapo.rollout import HFEngine, SamplingParams, generate
-    rollout = generate(HFEngine("path/to/model"), prompt_ids, n=8, sampling=SamplingParams(seed=0))
-
 May import: ``stapo.serve``, ``stapo.sync``, ``stapo.distributed`` and the rest below them (docs/index.md,
 "Layout"); only ``vllm_engine`` and ``stapo.serve.worker_extension`` import vllm, lazily.
 """

@@ -1,8 +1,6 @@
 """`Rollout`: the typed batch that every driver returns and the trainer consumes (docs/rollout.md, "`Rollout`").
 
-Row i answers prompt i // G (the group advantages of paper §2.1 rely on it). Prompts are LEFT-padded and
-responses RIGHT-padded, so every response starts at column Lp of ``cat(prompt_ids, response_ids)``. A tool
-episode is ONE row whose context tokens are read, never trained (docs/tir.md, "Token accounting").
+Row i answers prompt i // G (the group advantages of paper §2.1 rely on it); prompts LEFT-, responses RIGHT-padded.
 """
 
 from __future__ import annotations

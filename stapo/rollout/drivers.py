@@ -1,8 +1,6 @@
 """The drivers: rollouts as sequences of segments on any `RolloutEngine` (docs/rollout.md, "Segments and drivers").
 
-`Generation` is the loop, one `generate_segments` call per round over every live sample (`generate` runs it to
-the end). Tool turns and weight syncs (an `interruptible` engine) both separate a sample's segments, and they
-compose: a tool episode cut in the middle of a turn goes on exactly as a fresh request from that prefix would.
+Tool turns and weight syncs both separate a sample's segments, so a tool episode cut by a sync continues exactly.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """`RolloutEngine`: what the trainer, the drivers and `stapo eval` need from a generator (paper Algorithm 1,
-lines 1-2). This base class is the whole contract: nothing probes an engine for more (CONTRIBUTING.md). Its
-primitive is a segment, so one-turn responses, tool episodes and responses continued after a weight sync are
-sequences of the same call (docs/rollout.md, "Segments and drivers").
+lines 1-2). This base class is the whole contract: nothing probes an engine for more (CONTRIBUTING.md,
+docs/rollout.md, "Segments and drivers").
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Tool episodes: what turns a sample's segments into a multi-turn, tool-integrated episode. `ToolEpisodes` is
-given to a driver (`generate(..., tools=...)`); the steps of a turn (segment, `end_turn`, `tool_turns`, stop)
-are in docs/tir.md, "How an episode runs". Tool turns are CONTEXT tokens: read by the model, never trained.
-
-An episode whose turn a weight sync cut continues the turn with its next segment; a stop string the cut
-split in two is found across the cut (`read`), so the turn ends where an uncut one would.
+"""Tool episodes: what turns a sample's segments into a multi-turn, tool-integrated episode (docs/tir.md,
+"How an episode runs"). A turn a weight sync cut continues with its next segment; a stop string the cut split
+in two is found across the cut (`read`), so the turn ends where an uncut one would.
 """
 
 from __future__ import annotations

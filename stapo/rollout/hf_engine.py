@@ -1,9 +1,7 @@
-"""`HFEngine`: KV-cached batched sampling with a plain transformers model (CPU by default, GPU works).
+"""`HFEngine`: KV-cached batched sampling with a plain transformers model (docs/rollout.md, "`HFEngine`").
 
-Why our own decoding loop instead of `model.generate`: the trainer needs the log-probability of each
-sampled token under the exact distribution it was drawn from (`stapo.rollout.sampling`), reproducible from
-each request's seed whatever else is in the batch (a `torch.Generator` per request). What the loop does
-(one prefill per distinct context, finished rows dropped): docs/rollout.md, "`HFEngine`".
+Our own loop, not `model.generate`: the trainer needs each token's log-prob under the distribution it was drawn
+from (`stapo.rollout.sampling`), reproducible from the request's seed whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -28,15 +26,9 @@ _DRAWS = 256  # uniforms drawn per request at a time (its generator's stream, in
 
 
 class HFEngine(RolloutEngine):
-    """A transformers causal LM held for inference, separate from the training copy.
+    """A transformers causal LM held for inference, separate from the training copy (docs/rollout.md, "`HFEngine`").
 
-    Args:
-        model: a model directory / hub name or a `PreTrainedModel` (docs/rollout.md, "`HFEngine`").
-        tokenizer: tokenizer or its path; default: loaded from the model's directory.
-        device: where the model runs; segments always come back as Python lists.
-        dtype: model dtype (sampling math is always fp32).
-        max_batch_size: most rows (requests) decoded at once; more are decoded in chunks.
-        progress: log each chunk as it finishes (`stapo eval`).
+    ``max_batch_size`` rows are decoded at once (more in chunks); sampling math is fp32 whatever ``dtype``.
     """
 
     def __init__(self, model, tokenizer=None, *, device: str | torch.device = "cpu",

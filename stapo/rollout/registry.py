@@ -1,6 +1,5 @@
 """Rollout-engine registry: one name -> factory table for the trainer and `stapo eval` (docs/rollout.md,
-"Engine registry"; adding an engine: CONTRIBUTING.md). Factories import their engine lazily, so registering
-costs nothing (vllm is imported only by `VLLMEngine`).
+"Engine registry"). Factories import their engine lazily, so registering costs nothing.
 """
 
 from __future__ import annotations

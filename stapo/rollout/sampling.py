@@ -1,9 +1,7 @@
 """Sampling parameters and the pure tensor functions that turn logits into sampled tokens.
 
-The RL objective (paper Eq. 1, docs/algorithm.md) compares the current policy with the distribution the
-response was *actually drawn from*, so every engine reports the log-probability of the sampled token
-under the **processed** distribution, in vLLM's order and top-p rule so that the engines agree
-(docs/rollout.md, "Sampling").
+Paper Eq. 1 compares the policy with the distribution a token was *actually drawn from*, so every engine reports
+its log-prob under the **processed** distribution, in vLLM's order and top-p rule (docs/rollout.md, "Sampling").
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """One vLLM engine per tensor-parallel group of ranks (``rollout.tensor_parallel_size > 1``; docs/gpu.md).
 
-vLLM's ``external_launcher`` makes ranks ``[0..k)``, ``[k..2k)``, ... one engine each, whose ranks must submit the
-SAME requests, though the trainer deals each rank its own prompts: `TensorParallelRollout` submits the group's
-union (each request keeps its seed) and hands each rank its own segments. Weight sync needs nothing extra: vLLM's
-loaders keep each rank's shard of the full tensors.
+vLLM's ``external_launcher`` needs every rank of a group to submit the SAME requests: `TensorParallelRollout`
+submits the group's union (each request keeps its seed) and hands each rank its own segments.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The context an episode reads after a turn with tool calls: the tool results as the model was trained
-to see them (docs/tir.md, "How an episode runs", step 4).
+"""The context an episode reads after a turn with tool calls (docs/tir.md, "How an episode runs", step 4).
 
-A chat template (``qwen3``) renders them as ``tool`` messages, cut after a marker given as the assistant's
-content, so the template's own rules decide the text, not a copy of them here. An inline format
-(a parser with ``render_results(texts) -> str``: ``python_block``, ToRA) writes them into the same turn.
+A chat template (``qwen3``) renders the results as ``tool`` messages, so its own rules decide the text, not a
+copy of them here; an inline format (a parser with ``render_results``: ``python_block``) writes them into the turn.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """`Trajectory`: one sample under way and its seeds (`stapo.rollout.drivers.Generation` assembles the `Rollout`).
 
-A sample is a sequence of segments: one per turn of an episode, one more each time a weight sync cuts one
-(``rollout.partial``), with context tokens (tool output) between them. One seed scheme for every driver and
-engine (`prompt_seeds`, `segment_seed`; docs/rollout.md, "Segments and drivers") reproduces a sample given
-where it was cut.
+One seed scheme for every driver and engine (`prompt_seeds`, `segment_seed`; docs/rollout.md, "Segments and
+drivers") reproduces a sample given where syncs cut it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """What a rollout server serves, compared with what the trainer trains (docs/rollout.md, "Faults").
 
 A server with another model, dtype or tokenizer would take the weights badly or sample through another
-vocabulary (the reward reads its detokenized text). Both sides compute this description: the architecture,
-the shape fields, the parameter table (built on the meta device) and the weight dtype; the vocabulary's size,
-hash and BOS / EOS ids.
+vocabulary (the reward reads its detokenized text), so both sides compute this description and compare.
 """
 
 from __future__ import annotations

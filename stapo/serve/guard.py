@@ -1,10 +1,7 @@
 """The closed control plane of ``stapo serve``: an ASGI middleware in front of vLLM's server.
 
-vLLM's development mode (which stapo needs for ``/collective_rpc`` and ``/reset_prefix_cache``) serves routes
-that change what it serves, and its ``--api-key`` guards ``/v1`` only. `ServerGuard` (installed by
-``--middleware``) answers ``/health`` to anyone, every other route only with the shared secret, serves the
-inference routes and stapo's own worker methods, refuses everything else with 403, and fails closed without a
-usable secret. The policy is pure (`route_decision`, `rpc_refusal`); the table: docs/rollout.md, "Security".
+vLLM's dev mode (needed for ``/collective_rpc``) serves routes that change what it serves, and its ``--api-key``
+guards ``/v1`` only. The policy is pure (`route_decision`, `rpc_refusal`); the table: docs/rollout.md, "Security".
 """
 
 from __future__ import annotations

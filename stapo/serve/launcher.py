@@ -1,10 +1,8 @@
 """``stapo serve MODEL [vLLM server options]``: vLLM's own OpenAI-compatible server with what
-``rollout.mode: server`` needs added (docs/rollout.md, "Rollout servers", "Security"): stapo's worker
-extension, processed log-probs, loopback unless ``--host``, the shared secret and its guard, dev mode for
-``/collective_rpc``, a longer engine-step limit for syncs, and the CPU build's settings.
+``rollout.mode: server`` needs added (docs/rollout.md, "Rollout servers", "Security").
 
-Every other option goes to vLLM unchanged. Options are read as vLLM's parser reads them (``--api_key`` is
-``--api-key``, ``--hos`` is ``--host``): an option stapo reads must be given once, in full.
+Options are read as vLLM's parser reads them (``--api_key`` is ``--api-key``, ``--hos`` is ``--host``): an option
+stapo reads must be given once, in full.
 """
 
 from __future__ import annotations

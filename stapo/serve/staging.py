@@ -1,10 +1,7 @@
 """A vLLM SERVER's side of a weight sync, inside vLLM's worker (docs/rollout.md, "Rollout servers", "Delta syncs").
 
-One session: join the group (`stapo_join_weight_group`), STAGE each bucket on the host
-(`stapo_receive_bucket`), load them all at the commit in one layerwise reload (`stapo_commit_weight_update`),
-or drop them (`stapo_abort_weight_update`). Staging keeps an aborted sync from ever leaving a mix of two policies
-in a server; a delta sync's kept copy changes at the commit only. Reached through ``/collective_rpc``, which
-`stapo.serve.guard` opens to `SERVER_RPC_METHODS` with JSON-string arguments only.
+Buckets are STAGED on the host and loaded at the commit in one layerwise reload, so an aborted sync never leaves
+a mix of two policies in a server. Reached through ``/collective_rpc`` (`stapo.serve.guard`).
 """
 
 from __future__ import annotations

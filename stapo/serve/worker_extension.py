@@ -1,10 +1,7 @@
-"""Code that runs INSIDE vLLM's worker: the weight-update session over `collective_rpc` (docs/rollout.md,
-"`VLLMEngine`", "Rollout servers").
+"""Code that runs INSIDE vLLM's worker: the weight-update session over `collective_rpc` (docs/rollout.md).
 
-A bucket reaches the worker as tensors (worker in this process), as one `pack_bucket` byte string (vLLM's
-engine-core process: its msgpack decodes arguments without type information, so no tensors, no pickle), or
-by broadcast to a server (`stapo.serve.staging`, mixed in here). vLLM imports this module by its qualified
-name inside its worker; at import it needs torch only.
+A bucket from vLLM's engine-core process arrives as one `pack_bucket` byte string: its msgpack decodes arguments
+without type information (no tensors, no pickle). vLLM imports this module by name; at import it needs torch only.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""A small JSON-over-HTTP client for one vLLM server, standard library only (``http.client``): vLLM's
-OpenAI-compatible routes and, on a server started by ``stapo serve``, ``/collective_rpc`` to stapo's worker
-extension (`stapo.serve.staging`); every call carries the shared secret (`stapo.serve.guard`). Every failure is a
-`ServerError` of a kind: a request error (4xx) fails that request only, the others are a fault of the server,
-whose requests then go elsewhere (docs/rollout.md, "Faults").
+"""A small JSON-over-HTTP client for one vLLM server, standard library only (``http.client``).
+
+Every failure is a `ServerError` of a kind: a request error (4xx) fails that request only, the others are a
+fault of the server, whose requests then go elsewhere (docs/rollout.md, "Faults").
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The ``/v1/completions`` wire format of server mode: one segment's request body, and a reply (or a streamed
-chunk) checked and read as a `Segment` (`ServerEngine`).
+"""The ``/v1/completions`` wire format of server mode: a segment's request body, and a reply read as a `Segment`.
 
-A reply that is not a complete answer to its request (not one choice, a choice without token ids, fewer
-log-probs than tokens, an unknown finish reason) is a server fault (`MALFORMED`, naming the server), not a
-short response: the pool retries it and then fails the server over (`ServerPool.run`).
+A reply that is not a complete answer to its request is a server fault (`MALFORMED`), not a short response:
+the pool retries it and then fails the server over (`ServerPool.run`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The rollout servers and their state (requests in flight, live or down, the health watch) and the ONE request
-policy of server mode, for whole requests and streamed segments alike (docs/rollout.md, "Faults"): a server fault
-that may pass (5xx, malformed, a read that timed out) is retried on the same server with backoff, then — or at
-once when the server is gone — the server is declared down and the request goes to another; a refused request
-(4xx) fails alone. A server with requests in flight that stops answering ``/health`` for ``down_after_s`` is
-declared down and its connections cut, so a hung server costs about that, not a request's whole timeout.
+"""The rollout servers, their state, and the ONE request policy of server mode (docs/rollout.md, "Faults").
+
+Whole requests and streamed segments alike: a fault that may pass (5xx, malformed, timeout) is retried on the same
+server with backoff, then the server is declared down and the request goes to another; a 4xx fails alone.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The trainer's side of a weight sync into vLLM servers: one session, buckets by broadcast (docs/rollout.md,
-"Rollout servers").
+"Rollout servers", "Security").
 
-``open``: rank 0 hosts the session's store and every server's workers join its group (`GroupSpec`, a fresh
-nonce, proofs exchanged before any weight byte); ``send``: per bucket, the layout as JSON by RPC and the bytes by
-ONE broadcast (NCCL between GPUs, gloo on CPU, so CI runs it against vLLM's CPU build), staged by each server
-with its checksum; ``close``: commit and drop the prefix caches; ``abort``: every server keeps its weights.
-vLLM's own weight-transfer engines run NCCL and CUDA IPC only, which a CPU machine cannot; a group per session
-also lets a restarted server join the next sync.
+Our own group, not vLLM's weight-transfer engines: those run NCCL and CUDA IPC only, which a CPU machine (and
+CI) cannot; a group per session also lets a restarted server join the next sync.
 """
 
 from __future__ import annotations
@@ -73,9 +69,7 @@ def _in_daemon_thread(fn, *args, name: str = "stapo-sync", **kwargs) -> Future:
 class BroadcastSession:
     """One weight-update session from the trainer into ``servers`` (each: a client and its worker count).
 
-    ``sync_host``: where the servers reach the trainer (the store and gloo bind it); ``timeout_s``: the limit of
-    each step; ``sent``: rank 0's copy of the servers' weights (delta syncs; None: full syncs); ``delta``:
-    buckets may go as their changes (every server holds ``sent``)."""
+    ``sent``: rank 0's copy of the servers' weights (delta syncs; None: full syncs)."""
 
     def __init__(self, servers: Sequence[tuple[ServerCalls, int]], sync_host: str, timeout_s: float = 300.0,
                  backend: str | None = None, join_timeout_s: float = 30.0, sent: SentWeights | None = None,
@@ -98,9 +92,8 @@ class BroadcastSession:
     def open(self) -> None:
         """Form this session's group (rank 0 here) with every server and check every member's proof.
 
-        Workers first check in on the store, and the group forms only when all did within ``join_timeout_s``
-        (else the session is called off and `SyncFailed` names the missing): a server lost while joining must
-        never leave the others waiting in the formation, a collective no abort can reach."""
+        The group forms only when every worker checked in on the store within ``join_timeout_s``: a server lost while
+        joining must never leave the others waiting in the formation, a collective no abort can reach."""
         listening = listening_store(self.sync_host, self.timeout_s)
         self._store = namespaced(listening, self.nonce)
         world = 1 + sum(workers for _, workers in self.servers)

@@ -1,12 +1,9 @@
 """Weight sync ZeRO-3 → rollout engine, one all-gather per bucket (Algorithm 1 line 3; docs/distributed.md,
 "Weight sync").
 
-Gathering one parameter at a time (TRL, OpenRLHF, ``GatheredParameters`` over a list) pays one collective per
-tensor; a bucket of parameters up to ``bucket_bytes`` is gathered with ONE (``stapo.distributed.flat_gather``),
-at a peak of about (2 + 1/world) × ``bucket_bytes`` (``bench/weight_sync.py``). Already gathered parameters are
-read in place; quantized or NVMe-swapped ones fall back to ``GatheredParameters``. Names are Hugging Face's (tied
-weights once), and a LoRA policy syncs as its merged base model (`stapo.distributed.lora.AdapterMerge`). Gathers
-are collective: every rank iterates the same buckets; on a plain module gathering is a no-op.
+Gathering one parameter at a time (TRL, OpenRLHF) pays one collective per tensor; a bucket up to ``bucket_bytes``
+takes ONE (``stapo.distributed.flat_gather``), at a peak of about (2 + 1/world) × ``bucket_bytes``
+(``bench/weight_sync.py``). Gathers are collective: every rank iterates the same buckets.
 """
 
 from __future__ import annotations
@@ -121,9 +118,8 @@ def _persistent_buffers(model: torch.nn.Module) -> Bucket:
 def iter_weight_buckets(
     model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, copy: bool = True
 ) -> Iterator[Bucket]:
-    """Yield ``[(hf_name, full_tensor), ...]`` buckets covering every parameter once (LoRA: adapters merged);
-    ``model``: a DeepSpeed engine, its ``.module`` or a plain module. ``copy=False``: some tensors alias live
-    parameters, valid only until the next bucket (`sync_weights`: ``load_weights`` copies anyway)."""
+    """Yield ``[(hf_name, full_tensor), ...]`` buckets covering every parameter once (LoRA: adapters merged).
+    ``copy=False``: some tensors alias live parameters, valid only until the next bucket."""
     named = list(model.named_parameters())
     names = [hf_name(n) for n, _ in named]
     sizes = [full_numel(p) * p.element_size() for _, p in named]

@@ -149,8 +149,7 @@ class TransferStats:
 
 
 class SentWeights:
-    """Rank 0's host copy of the bytes the servers hold after the last sync, per bucket (keyed by its layout), with
-    the ``version`` that sync committed and the worker instance of each server that committed it.
+    """Rank 0's host copy of the bytes the servers hold after the last sync, per bucket (keyed by its layout).
 
     ONE copy for all servers: a sync is one broadcast, so every server it commits holds the same bytes; one that
     does not (restarted, missed or failed a sync) makes the next sync full for all (`holds`)."""

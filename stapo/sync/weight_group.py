@@ -1,11 +1,6 @@
 """The process group of one weight sync into vLLM servers, and the proofs that keep strangers out of it
-(docs/rollout.md, "Security").
-
-The session's random nonce travels only in the authenticated call that asks a server to join; the store binds
-``rollout.server.sync_host`` only, a server joins only a store at its caller's address; a TCPStore authenticates
-nobody and lists its keys, so every key a join waits for is an HMAC of the nonce (`proof`, `namespaced`); and the
-group's first collective exchanges proofs of the nonce (`exchange_proofs`) before any weight byte moves. Needs
-torch only (vLLM's worker imports it).
+(docs/rollout.md, "Security": what each step holds against). A TCPStore authenticates nobody and lists its keys,
+so every key a join waits for is an HMAC of the session's nonce (`proof`, `namespaced`). Torch only.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Model FLOPs utilization (MFU) and tokens/s per training phase (docs/distributed.md, "Throughput";
-docs/benchmarks.md). Model FLOPs come from the transformers config, never a profiler, so padding,
-recomputation and ZeRO communication show up as lower MFU. Per pass (:func:`forward_flops`): 2 x the decoder's
-matmul parameters per real token, 4 x layers x heads x head_dim per attended causal pair (``S (S + 1) / 2``
-per sequence, where PaLM's appendix B counts ``S``), and the lm_head only where it is applied (never at
-prompt positions); forward + backward = 3 x forward, a gradient-checkpointing recompute not counted.
+"""Model FLOPs utilization (MFU) and tokens/s per training phase (docs/benchmarks.md).
+
+Model FLOPs come from the transformers config, never a profiler, so padding, recomputation and ZeRO
+communication show up as lower MFU. Attention counts ``S (S + 1) / 2`` causal pairs per sequence (PaLM's
+appendix B counts ``S``), the lm_head only where it is applied; a gradient-checkpointing recompute is not counted.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Tiny-model toolkit: an offline Qwen3-architecture model, tokenizer and arithmetic task.
+"""Tiny-model toolkit: an offline Qwen3-architecture model, tokenizer and arithmetic task (docs/demo.md).
 
-Used by the README demo (``stapo train`` with no arguments) and by tests: everything is built
-locally in seconds on a CPU, deterministically, and cached under ``$STAPO_CACHE`` (else
-``~/.cache/stapo``)::
-
-    from stapo.tiny import build_tiny_model, arithmetic_problems, warm_start
-    model_dir = warm_start(build_tiny_model())
+Built locally in seconds on a CPU, deterministically, and cached under ``$STAPO_CACHE`` (else ``~/.cache/stapo``).
 
 May import: ``stapo.data`` and the rest below it (docs/index.md, "Layout").
 """

@@ -1,8 +1,7 @@
 """Content-keyed, atomically written artifact directories for the tiny-model toolkit.
 
-A build writes into a temporary sibling directory and renames it into place, so a killed build
-never leaves a directory that looks complete (the same rule as checkpoints, docs/distributed.md). A directory that
-exists under its final name is complete by construction.
+A build writes into a temporary sibling and renames it into place, so a directory under its final name is
+complete by construction (the same rule as checkpoints, docs/distributed.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Random-init tiny Qwen3 models for offline demos and tests: the real ``Qwen3ForCausalLM`` architecture
-at a few hundred thousand to a few million parameters, so every trainer code path (chunked logprob over the
-lm_head, ZeRO-3 gathering, weight sync) runs unchanged on a CPU. Deterministic for a (spec, seed).
+"""Random-init tiny Qwen3 models for offline demos and tests: the real ``Qwen3ForCausalLM`` architecture at a
+few hundred thousand to a few million parameters, so every trainer code path runs unchanged on a CPU.
 """
 
 from __future__ import annotations
@@ -62,9 +61,8 @@ def _write_model(out_dir: Path, spec: TinySpec, seed: int, tokenizer_dir: Path |
 
 def build_tiny_model(out_dir: Path | None = None, *, spec: TinySpec = TinySpec(), seed: int = 0,
                      tokenizer_dir: Path | None = None) -> Path:
-    """A random-init tiny Qwen3 model dir (config, safetensors, generation config, tokenizer), deterministic
-    for ``(spec, seed)``; ``out_dir=None`` reuses a cache entry keyed by both (``stapo.tiny.cache``).
-    ``tokenizer_dir``: another tokenizer than the default tiny one (a demo variant's; keyed by its files).
+    """A random-init tiny Qwen3 model dir, deterministic for ``(spec, seed)``; ``out_dir=None`` reuses a cache
+    entry keyed by both and by ``tokenizer_dir``'s files (``stapo.tiny.cache``).
     """
     if not isinstance(spec, TinySpec):
         raise TypeError(f"spec must be a TinySpec, got {type(spec).__name__}")

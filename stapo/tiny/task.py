@@ -1,8 +1,5 @@
-"""Synthetic arithmetic task for the tiny-model demo (docs/demo.md).
-
-Chained integer expressions (``"Compute 47+38-12."``) with a left-to-right chain of thought ending in the
-paper's answer format (STAPO §2.1: the verifier reads the last ``\\boxed{}``):
-``"47+38=85. 85-12=73. \\boxed{73}"``.
+"""Synthetic arithmetic task for the tiny-model demo (docs/demo.md): chained integer expressions with a
+left-to-right chain of thought ending in the paper's answer format, ``"47+38=85. 85-12=73. \\boxed{73}"``.
 """
 
 from __future__ import annotations
@@ -57,10 +54,8 @@ def arithmetic_problems(
     ops: tuple[str, ...] | str = ("+", "-"),
     min_digits: int = 1,
 ) -> list[ArithmeticProblem]:
-    """``n`` random problems, deterministic for ``seed`` (its own ``random.Random``): ``terms`` operands of
-    ``min_digits`` to ``digits`` digits (``min_digits=1`` allows 0..9), one of ``ops`` per step. The defaults
-    give three chained steps a ~0.8M-parameter model learns partly in a short warm start; the README demo
-    uses five terms (``tiny.terms``, docs/demo.md).
+    """``n`` random problems, deterministic for ``seed`` (its own ``random.Random``). The defaults give three
+    chained steps a ~0.8M-parameter model learns partly in a short warm start; the demo uses five (``tiny.terms``).
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")

@@ -1,7 +1,5 @@
-"""The tiny tool-integrated-reasoning demo (``tiny.task: tir``; docs/tir.md, "The tiny demo"): products
-the tiny model cannot work out in its head, a calculator it can call, the chat template and tokenizer with
-the four tool tags as whole tokens, and the warm start's examples (half offer no tools; of the others a
-``tiny.warm_start_tool_fraction`` call the calculator, tool turns as inputs, not targets, as in RL).
+"""The tiny tool-integrated-reasoning demo (``tiny.task: tir``; docs/tir.md, "The tiny demo"): products the
+tiny model cannot work out in its head, a calculator it can call, and the warm start's examples.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """A small byte-level BPE tokenizer for the synthetic arithmetic task, trained offline on task text.
 
-Digits are split before BPE (numbers spelled digit by digit, as in Qwen's tokenizer); the byte-level
-alphabet makes any text round-trip. The chat template is Qwen's ``<|im_start|>role\\n...<|im_end|>`` with
-``<|im_end|>`` as EOS, so a rollout's response is ``solution + <|im_end|>``.
+Digits are split before BPE (as in Qwen's tokenizer); the chat template is Qwen's with ``<|im_end|>`` as EOS.
 """
 
 from __future__ import annotations

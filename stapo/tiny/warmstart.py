@@ -1,9 +1,7 @@
 """Supervised warm start of a tiny model on the arithmetic task (docs/demo.md).
 
 RL only improves a policy that sometimes succeeds (STAPO §2.1: a group whose samples all fail carries no
-signal), so the demo first fine-tunes the random-init model on (prompt, solution + EOS) pairs rendered
-exactly as a rollout's prompt and response; the loss is the token mean of the cross-entropy over the
-response tokens.
+signal), so the demo first fine-tunes the random-init model on pairs rendered exactly as a rollout's.
 """
 
 from __future__ import annotations
@@ -182,10 +180,8 @@ def warm_start(
 ) -> Path:
     """Fine-tune ``model_dir`` on (prompt, solution + EOS) pairs; return the saved HF model dir.
 
-    ``problems=None``: 4,000 default-difficulty problems (seed ``DEFAULT_TRAIN_SEED``); the defaults leave
-    the default model at 33-69% greedy accuracy depending on the seed (docs/demo.md). ``bare_fraction``: see
-    :func:`with_bare_answers`. ``out_dir=None`` caches the result keyed by the source weights, the problems
-    and every hyper-parameter; ``warm_start.json`` records the per-step losses and the wall time.
+    The defaults leave the default model at 33-69% greedy accuracy depending on the seed (docs/demo.md).
+    ``out_dir=None`` caches the result keyed by the source weights, the problems and every hyper-parameter.
     """
     model_dir = Path(model_dir)
     if steps < 1 or batch_size < 1 or lr <= 0:

@@ -1,6 +1,5 @@
 """Tools the policy calls during an episode, the sandbox they run in, and the parsers that find the calls
-in its text. The contract the episode loop relies on (a call never raises, output is capped, one
-session's calls run in order) is docs/tools.md, "The contract".
+in its text (docs/tools.md, "The contract").
 
 May import: ``stapo.registry`` and the standard library (docs/index.md, "Layout").
 """

@@ -1,8 +1,7 @@
-"""The sandbox's launcher: ``python -I -u _sandbox_child.py CONFIG_JSON`` (standard library only), started
-by ``sandbox.py``. It forks the worker (``_sandbox_worker.py``, which runs the code) and stands between it
-and the trainer (docs/tools.md, "Threat model", layer 1): a child subreaper, so every process a cell
-starts stays its descendant and is killed after the cell; the only holder of the trainer's pipes, which
-passes on numbered requests and checks each answer (the worker stopped) before it answers the trainer.
+"""The sandbox's launcher: ``python -I -u _sandbox_child.py CONFIG_JSON`` (standard library only).
+
+It stands between the worker and the trainer (docs/tools.md, "Threat model", layer 1): a child subreaper, and
+the only holder of the trainer's pipes, which checks each answer before it answers the trainer.
 """
 
 import json

@@ -1,7 +1,5 @@
-"""The sandbox layers that need no privilege, so a container without CAP_SYS_ADMIN still gets them
-(docs/tools.md, "Threat model", layers 2 and 3): Landlock, written against the kernel's UAPI
-(include/uapi/linux/landlock.h) with ctypes, as PyPI's ``landlock`` binding covers file-system rules only;
-and seccomp through ``pyseccomp``.
+"""The sandbox layers that need no privilege (docs/tools.md, "Threat model", layers 2 and 3): Landlock,
+through the kernel's UAPI with ctypes (PyPI's ``landlock`` covers file-system rules only), and seccomp.
 """
 
 import ctypes

@@ -1,5 +1,5 @@
-"""The messages between the trainer, the sandbox's launcher and its worker: JSON objects behind a 4-byte
-big-endian length (standard library only: also imported as a sibling file by ``_sandbox_child.py``).
+"""The messages between the trainer, the sandbox's launcher and its worker: length-prefixed JSON.
+
 A reader that does not trust its writer caps the length before reading and type-checks every field, so a
 forged answer ends its sandbox with a reason, never an exception (docs/tools.md, "Threat model").
 """

@@ -1,8 +1,7 @@
-"""The sandbox's worker: runs the policy's code cells (forked by ``_sandbox_child.py``; standard library
-only, plus pyseccomp where installed). Its set-up order matters, each step needing the one before:
-session, read-only mounts, the interpreter's descriptors, hidden directories (``_sandbox_isolation.py``),
-root given up, resource limits, Landlock and seccomp (``_sandbox_confine.py``). The cell runs in this
-very process and could write anything on the answer pipe: the launcher checks it.
+"""The sandbox's worker: runs the policy's code cells (forked by ``_sandbox_child.py``).
+
+Its set-up order matters, each step needing the one before. The cell runs in this very process and could
+write anything on the answer pipe: the launcher checks it.
 """
 
 import ast

@@ -1,7 +1,6 @@
 """The tool contract: ``ToolCall``, ``ToolResult``, the ``Tool`` base class and the tool registry
-(docs/tools.md, "The contract"). A tool implements ``run(arguments, session) -> str``; the base class
-checks the arguments, turns every failure into an error result (hostile or malformed calls are the
-policy's mistakes, not the trainer's) and caps the output.
+(docs/tools.md, "The contract"). Every failure becomes an error result: hostile or malformed calls are the
+policy's mistakes, not the trainer's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """``python``: run the policy's code in a sandbox and return what it printed (docs/tools.md, "``python``").
-Locally, a fresh limited and isolated interpreter per call (``sandbox.py``), or one per episode with
-``stateful=True``; or a SandboxFusion service (``sandbox_fusion.py``). What isolation a sandbox got is
-logged once and told to the policy in the tool's description; ``isolation="required"`` refuses less.
+What isolation a sandbox got is logged once and told to the policy; ``isolation="required"`` refuses less.
 """
 
 from __future__ import annotations

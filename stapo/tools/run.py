@@ -1,7 +1,7 @@
-"""Run a batch of tool calls concurrently, bounded, results in the calls' order (docs/tools.md, "The
-contract"): one slow call does not hold up the others, and one session's calls run one after another.
-A call past ``deadline_s`` is reported as a timeout; a pure-Python tool's thread cannot be stopped from
-outside and is left behind (a daemon), so such tools must bound their own work, as ``calculator`` does.
+"""Run a batch of tool calls concurrently, bounded, results in the calls' order (docs/tools.md, "The contract").
+
+A pure-Python tool's thread cannot be stopped from outside and is left behind past ``deadline_s`` (a daemon),
+so such tools must bound their own work, as ``calculator`` does.
 """
 
 from __future__ import annotations

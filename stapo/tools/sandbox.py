@@ -1,8 +1,6 @@
 """One sandboxed Python interpreter, from the trainer's side (docs/tools.md, "Threat model").
 
-``Sandbox`` starts ``_sandbox_child.py`` (fork+exec, never a fork of the trainer) in a clean environment
-and a process group of its own, enforces the wall clock and the output cap, and trusts nothing the
-launcher answers: frames are length-capped and type-checked (``_sandbox_protocol.py``).
+It starts ``_sandbox_child.py`` by fork+exec, never a fork of the trainer, and trusts nothing the launcher answers.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """The ``python`` tool's remote backend: SandboxFusion's ``POST {url}/run_code`` (docs/tools.md, "The
-SandboxFusion backend"). The standard library's ``urllib`` (a direct connection, no proxy): an option,
-not a dependency; the service keeps no state, so this backend has no sessions.
+SandboxFusion backend"). ``urllib``: an option, not a dependency; the service keeps no state, so no sessions.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""``data.source`` / ``data.eval_source`` checked before anything heavy starts (``plan_run``): a local file
-is read through and its first rows must have the configured columns; a hub name is looked up in the local
-caches only, like ``model.path`` (stapo.trainer.model_source).
+"""``data.source`` / ``data.eval_source`` checked before anything heavy starts (``plan_run``); a hub name is
+looked up in the local caches only, like ``model.path`` (stapo.trainer.model_source).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Dynamic sampling: DAPO's "filter groups" (DAPO paper §3.2; off by default, as in the STAPO paper).
 
-Groups whose G rewards are all equal (advantage 0, Eq. 2) are dropped and more prompts generated until every
-rank holds ``target_groups`` informative groups, for at most ``max_rounds`` rounds; the ranks agree on each
-round through one small all-gather. docs/grpo_options.md has the rules (the cap, ``multiple_of``) and why.
+Groups whose G rewards are all equal (advantage 0, Eq. 2) are dropped and more generated; the ranks agree on
+each round through one small all-gather. docs/grpo_options.md has the rules and why.
 """
 
 from __future__ import annotations
@@ -62,9 +61,8 @@ def collect_informative(draw: Callable[[int], Sequence[Any]],
                         group_size: int, target_groups: int, max_rounds: int,
                         gather: Callable[[Any], list[Any]] = lambda value: [value],
                         multiple_of: int = 1) -> InformativeBatch:
-    """Generate until this rank holds ``target_groups`` informative groups: ``draw(round) -> prompts``,
-    ``generate(prompts, round) -> Rollout`` (``round`` in its seed), ``score(rollout, prompts) -> rewards``;
-    ``gather``: an all-gather over ranks; when capped, a multiple of ``multiple_of`` groups is kept."""
+    """Generate until this rank holds ``target_groups`` informative groups (``round`` goes into each round's seed);
+    when capped, a multiple of ``multiple_of`` groups is kept."""
     if group_size < 1 or target_groups < 1 or max_rounds < 1 or multiple_of < 1:
         raise ValueError(f"need group_size, target_groups, max_rounds, multiple_of >= 1, got {group_size}, "
                          f"{target_groups}, {max_rounds}, {multiple_of}")

@@ -1,6 +1,5 @@
-"""Micro-batch plans: runs of ``micro_batch_size`` rows, or a token budget filled longest-first (LPT) into
-balanced micro-batches (docs/distributed.md, "Throughput"). Under ZeRO-3 every rank must run the SAME number
-of micro-batches (each forward all-gathers the layers): the count is the maximum over ranks.
+"""Micro-batch plans: rows or a balanced token budget (docs/distributed.md, "Throughput"). Under ZeRO-3 every
+rank must run the SAME number of micro-batches (each forward all-gathers the layers): the maximum over ranks.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """What a run will do, and whether it can start, decided before anything heavy is built: the trainer's first
-step and all of ``stapo train --dry-run``, so both give the same messages. Errors in the run itself raise;
-what this machine lacks is reported on :class:`RunPlan`, since a dry run often checks a recipe for another
-machine (docs/distributed.md, "Check a launch first").
+step and ``stapo train --dry-run`` give the same messages. What this machine lacks is reported, not raised: a
+dry run often checks a recipe for another machine (docs/distributed.md, "Check a launch first").
 """
 
 from __future__ import annotations

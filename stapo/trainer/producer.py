@@ -1,7 +1,6 @@
 """Asynchronous rollouts with bounded staleness (``rollout.max_staleness: k >= 1``; docs/algorithm.md,
-"Asynchronous training"): a thread generates batch ``j`` once ``j - v <= k`` (``v``: the servers' policy
-version); the weight sync pauses it, and with ``rollout.partial`` cuts the batch under way, which goes on
-after the sync. Only generation runs here: scoring and every collective stay on the trainer's thread.
+"Asynchronous training"). Only generation runs on this thread: scoring and every collective stay on the
+trainer's.
 """
 
 from __future__ import annotations

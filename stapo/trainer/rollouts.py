@@ -1,9 +1,7 @@
 """Algorithm 1 lines 3-5 on one rank: the weight sync, the prompts, their G responses and rewards.
 
-Generation is seeded per (run, iteration, rank, dynamic-sampling round), so a resumed run regenerates the
-same rows; asynchronous runs take their batches from a `RolloutProducer` (docs/algorithm.md, "Asynchronous
-training"). With rollout servers, whether a sync failed or a rank lost its last server is decided for ALL
-ranks by one collective, so every rank stops (with a checkpoint) or goes on together.
+Generation is seeded per (run, iteration, rank, dynamic-sampling round), so a resumed run regenerates the same
+rows. A failed sync or a rank without servers is decided for ALL ranks by one collective, so they stop together.
 """
 
 from __future__ import annotations
