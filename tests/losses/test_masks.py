@@ -230,7 +230,7 @@ def test_param_validation(name, params, match):
         build_mask(name, **params)
 
 
-def test_describe_masks_lists_params_and_defaults():
+def test_describe_masks_lists_params_and_defaults(clean_registry):
     infos = {i.name: i for i in describe_masks()}
     assert sorted(infos) == sorted(BUILTINS + ["stare", "clip_cov"])  # + the token-weighting built-ins
     assert infos["stapo"].params == {"tau_p": 2e-3, "entropy_quantile": 0.8}
