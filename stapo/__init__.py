@@ -8,19 +8,10 @@ The trainer pulls in DeepSpeed and transformers, so it is imported on first use 
 ``import stapo.losses`` stays light on any CPU box.
 """
 
-from importlib import import_module
+from stapo.registry import lazy_attributes
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "STAPOConfig": "stapo.config",
-    "STAPOTrainer": "stapo.trainer",
-}
-
 __all__ = ["STAPOConfig", "STAPOTrainer", "__version__"]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'stapo' has no attribute {name!r}")
+__getattr__ = lazy_attributes("stapo", {"stapo.config": ["STAPOConfig"], "stapo.trainer": ["STAPOTrainer"]})

@@ -20,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from importlib import import_module
 from typing import Any, Optional, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Registry", "RegistryEntry"]
+__all__ = ["Registry", "RegistryEntry", "lazy_attributes"]
 
 
 def _qualname(obj) -> str:
@@ -115,3 +116,16 @@ class Registry(dict):
 
     def copy(self) -> "Registry":
         return Registry(self.what, self.items(), base=self.base, listing=self.listing)
+
+
+def lazy_attributes(package: str, modules: dict[str, Iterable[str]]) -> Callable[[str], Any]:
+    """A package's ``__getattr__`` (PEP 562) that imports each name's module on first use, so the package stays
+    light to import (DeepSpeed, transformers, matplotlib load only with a name that needs them)."""
+    where = {name: module for module, names in modules.items() for name in names}
+
+    def __getattr__(name: str):
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(import_module(where[name]), name)
+
+    return __getattr__

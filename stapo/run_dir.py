@@ -37,6 +37,8 @@ PREVIOUS_RUNS_DIR = "previous_runs"
 #: ``.shared-probe-<token>``: written by global rank 0 at start and looked for by every rank, then deleted
 #: (stapo.distributed.shared_dir: output_dir must be one directory all nodes see).
 SHARED_PROBE_PREFIX = ".shared-probe-"
+#: What a write in progress is called beside its final name; a killed checkpoint save's leftovers go at the next.
+TMP_PREFIX = ".tmp-"
 
 #: What a training run writes into its output_dir; a fresh start moves an earlier run's copies aside.
 RUN_ARTIFACTS = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR, RECORDS_DIR, CHECKPOINT_DIR,
@@ -62,10 +64,10 @@ def written_artifacts(output_dir: str | Path) -> list[str]:
             for name in RUN_ARTIFACTS if (root / name).exists()]
 
 
-def write_text_atomic(path: Path, text: str, tmp: Path | None = None) -> None:
-    """Write ``text`` to ``tmp`` (default ``path`` + ``.tmp``), fsync, then rename it over ``path``: a
-    reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp") if tmp is None else tmp
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``TMP_PREFIX`` + its name, fsync, then rename it over ``path``: a reader sees the old
+    file or the new one, never half of one."""
+    tmp = path.with_name(TMP_PREFIX + path.name)
     with open(tmp, "w", encoding="utf-8") as handle:
         handle.write(text)
         handle.flush()

@@ -119,7 +119,7 @@ def _unknown(parser: argparse.ArgumentParser, command: str, argument: str) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stapo.servers.engine import NoRolloutServers  # the run checkpointed and stopped: one line
+    from stapo.servers.pool import NoRolloutServers  # the run checkpointed and stopped: one line
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()

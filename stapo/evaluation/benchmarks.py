@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from stapo.data import PAPER_INSTRUCTION, PromptDataset, load_prompt_dataset
+from stapo.data import PAPER_INSTRUCTION, PromptDataset, load_prompt_dataset, looks_like_file
 from stapo.run_dir import first_line
 
 logger = logging.getLogger("stapo.evaluation")
@@ -65,7 +65,7 @@ class BenchmarkPreset:
 
     @property
     def is_local(self) -> bool:
-        return Path(self.hf_name).suffix in (".jsonl", ".json", ".parquet")
+        return looks_like_file(self.hf_name)
 
 
 BENCHMARKS: dict[str, BenchmarkPreset] = {p.name: p for p in (

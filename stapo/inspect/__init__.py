@@ -7,7 +7,7 @@ May import: ``stapo.plots``, ``stapo.run_dir`` and the rest below them (docs/ind
 the trainer imports the recording half, so never the trainer.
 """
 
-from importlib import import_module
+from stapo.registry import lazy_attributes
 
 _MODULES = {
     "stapo.inspect.analysis": (
@@ -24,15 +24,9 @@ _MODULES = {
     "stapo.inspect.tables": ("SilencedToken", "silenced_table_html", "silenced_table_markdown",
                              "silenced_token_table"),
 }
-_LAZY = {name: module for module, names in _MODULES.items() for name in names}
+__all__ = sorted(name for names in _MODULES.values() for name in names)
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'stapo.inspect' has no attribute {name!r}")
+__getattr__ = lazy_attributes("stapo.inspect", _MODULES)
 
 
 def __dir__() -> list[str]:

@@ -12,15 +12,14 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
-import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from stapo.distributed.device_memory import release_cached_memory
 from stapo.distributed.process_group import DistInfo, free_port
+from stapo.distributed.rng_state import capture_rng_state, restore_rng_state
 from stapo.rollout.engine import RolloutEngine, Segment, SegmentRequest, pad_token_id
 from stapo.rollout.sampling import SamplingParams, vllm_request_kwargs
 from stapo.serve.launcher import cpu_engine_kwargs
@@ -96,16 +95,11 @@ def _group_facts() -> DistInfo | None:
 def _preserved_rngs() -> Iterator[None]:
     """Restore Python's, NumPy's and torch's global RNG states after the block (vLLM's worker reseeds and
     draws from them, in this process)."""
-    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    state = capture_rng_state(start_cuda=False)
     try:
         yield
     finally:
-        random.setstate(py)
-        np.random.set_state(npy)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+        restore_rng_state(state)
 
 
 def _import_vllm():

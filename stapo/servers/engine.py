@@ -25,13 +25,12 @@ from stapo.rollout.sampling import SamplingParams, vllm_request_kwargs
 from stapo.serve.fingerprint import first_difference
 from stapo.servers.client import MALFORMED, ServerClient, ServerError, parse_address
 from stapo.servers.completions import completion_body, read_chunk, segment_from_reply
-from stapo.servers.pool import NoRolloutServers, ServerPool
+from stapo.servers.pool import ServerPool
 from stapo.sync.broadcast import BroadcastSession, SyncFailed
 from stapo.sync.weight_delta import SentWeights, TransferStats
 from stapo.sync.weight_group import sync_address
 
-__all__ = ["NoRolloutServers", "SYNC_MODES", "ServerEngine", "ServerLimits", "ServerPool", "SyncOutcome",
-           "sync_address"]
+__all__ = ["SYNC_MODES", "ServerEngine", "ServerLimits", "SyncOutcome"]
 
 SYNC_MODES = ("full", "delta")  # rollout.server.sync
 

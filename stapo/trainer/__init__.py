@@ -4,12 +4,8 @@ May import: every folder below it (``stapo.sync``, ``stapo.telemetry``, ``stapo.
 ``stapo.distributed``, ``stapo.config``, ...; docs/index.md, "Layout"); only ``stapo.cli`` imports it.
 """
 
-from importlib import import_module
+from stapo.registry import lazy_attributes
 
 __all__ = ["STAPOTrainer", "TrainingAborted"]
 
-
-def __getattr__(name: str):
-    if name in __all__:
-        return getattr(import_module("stapo.trainer.trainer"), name)
-    raise AttributeError(f"module 'stapo.trainer' has no attribute {name!r}")
+__getattr__ = lazy_attributes("stapo.trainer", {"stapo.trainer.trainer": __all__})

@@ -9,46 +9,21 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from stapo.run_dir import (CHECKPOINT_DIR, CLIENT_FILE, LATEST, MERGED_DIR, PREVIOUS_RUNS_DIR, RUN_ARTIFACTS,
-                           checkpoint_name, complete_checkpoints, first_line, latest_checkpoint, write_text_atomic)
+                           TMP_PREFIX, checkpoint_name, complete_checkpoints, first_line, latest_checkpoint,
+                           write_text_atomic)
 from stapo.distributed.process_group import all_gather_object, barrier, get_rank, get_world_size
 from stapo.distributed.lora import adapter_state, is_peft_model, plain_model
+from stapo.distributed.rng_state import capture_rng_state, restore_rng_state
 from stapo.sync.buckets import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 from stapo.trainer.resume import DS_TAG, CheckpointUnreadable
-
-TMP_PREFIX = ".tmp-"
-
-
-def capture_rng_state() -> dict[str, Any]:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    write_text_atomic(path, text, tmp=path.with_name(f"{TMP_PREFIX}{path.name}"))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -137,11 +112,11 @@ class CheckpointManager:
             torch.save(payload, tmp / CLIENT_FILE)
             meta = {"step": step, "world_size": get_world_size(),
                     "client_state": _json_or_none(client_state)}
-            _write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2, default=str))
+            write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2, default=str))
         barrier()  # every rank's ZeRO shard is on disk
         if get_rank() == 0:
             _replace_dir(tmp, final)
-            _write_text_atomic(self.root / LATEST, final.name)
+            write_text_atomic(self.root / LATEST, final.name)
             self._prune(keep=final, protect={checkpoint_name(s) for s in protect})
         barrier()
         return final

@@ -13,7 +13,7 @@ from stapo.config import STAPOConfig
 from stapo.losses import (TokenMask, TokenStats, build_mask, group_advantages, mismatch_sums, registered_name,
                           spurious_probe, truncated_keep, truncated_rows)
 from stapo.rollout import Rollout
-from stapo.servers.engine import NoRolloutServers
+from stapo.servers.pool import NoRolloutServers
 from stapo.trainer import components as build, tool_setup
 from stapo.run_dir import CONFIG_FILE, CURVES_FILE, FINAL_DIR, METRICS_FILE, read_metrics
 from stapo.trainer.checkpoint import CheckpointManager, archive_previous_run, export_final

@@ -19,7 +19,7 @@ from stapo.rollout.trajectory import prompt_seeds
 from stapo.serve.launcher import serve_command, take_token_file
 from stapo.servers.client import MALFORMED, ServerClient, ServerError, parse_address
 from stapo.servers.completions import completion_body, segment_from_reply
-from stapo.servers.engine import NoRolloutServers, ServerPool
+from stapo.servers.pool import NoRolloutServers, ServerPool
 from stapo.sync.bucket_format import pack_bucket_tensor, unpack_tensors
 from stapo.sync.weight_group import GroupSpec, namespaced, new_nonce
 

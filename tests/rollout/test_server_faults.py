@@ -12,7 +12,8 @@ import torch
 
 from _fake_server import DictWorker, FakeServer
 from stapo.rollout import SamplingParams, generate
-from stapo.servers.engine import NoRolloutServers, ServerEngine, ServerLimits
+from stapo.servers.engine import ServerEngine, ServerLimits
+from stapo.servers.pool import NoRolloutServers
 
 FAST = ServerLimits(request_retries=1, down_after_s=1.0, health_interval_s=0.2, health_timeout_s=0.5,
                     sync_timeout_s=3.0)

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from _dist_utils import run_ranks, tiny_qwen3
+from stapo.distributed.rng_state import capture_rng_state, restore_rng_state
 from stapo.run_dir import complete_checkpoints, latest_checkpoint
-from stapo.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from stapo.trainer.checkpoint import CheckpointManager
 
 IDS = torch.arange(2, 14).reshape(2, 6)  # (2, 6): one sequence per rank
 

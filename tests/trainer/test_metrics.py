@@ -118,7 +118,7 @@ def test_truncate_after_drops_later_steps_and_keeps_appending(tmp_path):
     assert rows[3]["loss"] == 40.0 and math.isnan(rows[2]["grad_norm"])
     for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
         json.loads(line)
-    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+    assert not (tmp_path / ".tmp-metrics.jsonl").exists()
     samples = read_metrics(tmp_path / "samples.jsonl")
     assert [r["step"] for r in samples] == [1, 2, 3] and samples[0]["silenced"] == [True]
 

@@ -22,7 +22,8 @@ WORLD, TIMEOUT_S = 2, 120
 def scripted_engine(rank: int, lose_on_rank: int | None, sync_ok: bool):
     """A rollout engine that loses its servers on ``lose_on_rank`` and whose syncs report ``sync_ok``."""
     from stapo.rollout import RolloutEngine, Segment
-    from stapo.servers.engine import NoRolloutServers, SyncOutcome
+    from stapo.servers.engine import SyncOutcome
+    from stapo.servers.pool import NoRolloutServers
 
     class ScriptedEngine(RolloutEngine):
         def __init__(self) -> None:
@@ -47,7 +48,7 @@ def scripted_engine(rank: int, lose_on_rank: int | None, sync_ok: bool):
 def _rank(rank: int, port: int, case: str, out) -> None:
     from stapo.config import STAPOConfig
     from stapo.distributed.process_group import DistInfo
-    from stapo.servers.engine import NoRolloutServers
+    from stapo.servers.pool import NoRolloutServers
     from stapo.trainer.rollouts import Rollouts
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -197,7 +197,7 @@ def test_servers_gone_after_an_update_keep_its_metrics_row_with_its_checkpoint(
     one): the stop checkpoint holds step 2, and so does metrics.jsonl."""
     from stapo import STAPOTrainer
     from stapo.run_dir import latest_checkpoint, step_of
-    from stapo.servers.engine import NoRolloutServers
+    from stapo.servers.pool import NoRolloutServers
     from stapo.trainer.rollouts import Rollouts
 
     real_sync = Rollouts.sync
