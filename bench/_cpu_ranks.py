@@ -27,3 +27,15 @@ def launch_cpu_ranks(script: str, args: list[str], world_size: int, timeout: flo
         if p.returncode != 0:
             raise RuntimeError(f"{what} worker failed:\n{err[-3000:]}")
     return [json.loads(line[len("RESULT "):]) for line in outputs[0][0].splitlines() if line.startswith("RESULT ")]
+
+
+def exit_worker() -> None:
+    """End a finished worker: leave the process group, flush its RESULT lines, and exit without the
+    interpreter's teardown, where DeepSpeed's and gloo's threads can still abort a process whose work is done
+    ("terminate called without an active exception": seen in a loaded CI run even after closing the group)."""
+    from stapo.distributed.process_group import close_distributed
+
+    close_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

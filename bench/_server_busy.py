@@ -43,9 +43,11 @@ class BusyProbe(threading.Thread):
             request = urllib.request.Request(self.url, headers=self.headers)
             try:
                 with urllib.request.urlopen(request, timeout=10) as reply:
-                    self.samples[step].append(running_requests(reply.read().decode()) > 0)
+                    busy = running_requests(reply.read().decode()) > 0
             except OSError:  # an unanswered sample is no sample: that step's share rests on the others
                 continue
+            if self._logged_steps() + 1 == step:  # a sample across a step's end belongs to neither step
+                self.samples[step].append(busy)
 
     def _logged_steps(self) -> int:
         if not self.metrics_path.is_file():

@@ -21,7 +21,7 @@ import resource
 import statistics
 import time
 
-from _cpu_ranks import launch_cpu_ranks  # bench/ is on sys.path
+from _cpu_ranks import exit_worker, launch_cpu_ranks  # bench/ is on sys.path
 
 MiB = 2**20
 # Two ~47M-parameter shapes (tied 32k embedding). "deep" has an LLM-like tensor count (222;
@@ -143,10 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker.split(","), args.reps, args.shape, args.interleave)
-        from stapo.distributed.process_group import close_distributed
-
-        close_distributed()
-        return []
+        exit_worker()
     reps = 1 if args.smoke else max(3, args.reps)
     methods = ["per_param"] + args.buckets_mib.split(",")
     if args.smoke or args.interleave:

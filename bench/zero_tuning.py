@@ -28,7 +28,7 @@ import json
 import statistics
 import time
 
-from _cpu_ranks import launch_cpu_ranks  # bench/ is on sys.path
+from _cpu_ranks import exit_worker, launch_cpu_ranks  # bench/ is on sys.path
 
 SHAPES = {
     "qwen3_0p6b_4layers": dict(vocab_size=384, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
@@ -180,10 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.shape, args.steps, args.micro, args.minis, args.tokens = "smoke", 1, 4, 4, 16
     if args.worker:
         worker(args.shape, args.steps, args.micro, args.minis, args.tokens)
-        from stapo.distributed.process_group import close_distributed
-
-        close_distributed()
-        return []
+        exit_worker()
     runs = _launch(args.shape, args.steps, args.micro, args.minis, args.tokens, args.world_size)
     base = runs[0]
     ops = sorted({op for r in runs for op in r["collectives"]})
