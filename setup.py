@@ -36,5 +36,5 @@ setup(
         "test": ["pytest>=8.0", "hypothesis>=6.100", "pytest-timeout>=2.3", "peft>=0.17,<0.22"],
         "bench": ["math-verify==0.8.0", "trl==1.16.0", "psutil>=5.9"],
     },
-    entry_points={"console_scripts": ["stapo=stapo.cli:main"]},
+    entry_points={"console_scripts": ["stapo=stapo.cli:run"]},
 )

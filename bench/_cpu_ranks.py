@@ -30,12 +30,7 @@ def launch_cpu_ranks(script: str, args: list[str], world_size: int, timeout: flo
 
 
 def exit_worker() -> None:
-    """End a finished worker: leave the process group, flush its RESULT lines, and exit without the
-    interpreter's teardown, where DeepSpeed's and gloo's threads can still abort a process whose work is done
-    ("terminate called without an active exception": seen in a loaded CI run even after closing the group)."""
-    from stapo.distributed.process_group import close_distributed
+    """End a finished worker the way the ``stapo`` command ends (stapo.distributed.process_group.exit_process)."""
+    from stapo.distributed.process_group import exit_process
 
-    close_distributed()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_process(0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import faulthandler
 import importlib.metadata
 import logging
 import os
@@ -21,7 +22,7 @@ from stapo.cli.train import add_train_parser
 from stapo.config import ConfigError
 from stapo.run_dir import first_line
 
-__all__ = ["UserError", "build_parser", "builtin_recipe", "main"]
+__all__ = ["UserError", "build_parser", "builtin_recipe", "main", "run"]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -145,5 +146,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The ``stapo`` process: `main`, then an exit that a finished command's torch threads cannot turn into an
+    abort (`exit_process`); `main` called in-process keeps its process group for the next trainer."""
+    faulthandler.enable()  # a crash in native code prints the Python stacks that led to it
+    status = main()
+    if "torch.distributed" not in sys.modules:  # a command that never loaded torch: a plain exit
+        sys.exit(status)
+    from stapo.distributed.process_group import exit_process
+
+    exit_process(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

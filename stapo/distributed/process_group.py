@@ -6,11 +6,13 @@ One code path for every launch mode; ``RANK`` is global and decides data, seeds,
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -123,6 +125,19 @@ def close_distributed() -> None:
     if distributed_on():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(status: int) -> NoReturn:
+    """End a process whose work is done with ``status``, and nothing else: leave the group (after a success,
+    when every rank gets here), run the ``atexit`` handlers (logging, child processes, temp files), flush, and
+    exit without the interpreter's C++ teardown, where gloo's and DeepSpeed's threads can still abort a
+    finished process ("terminate called without an active exception", status -6 instead of ``status``)."""
+    if status == 0:
+        close_distributed()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def all_gather_object(obj: Any) -> list[Any]:
