@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -102,6 +103,24 @@ def _preserved_rngs() -> Iterator[None]:
         restore_rng_state(state)
 
 
+def unlink_cpu_shm_names(rank: int, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the names of vLLM's CPU tensor-parallel shared memory that this ``rank`` takes part in; the names
+    unlinked. Under the external launcher the names are the same for every run (``-tp:0-[0-1]-cpushm_0``) and
+    vLLM unlinks them only in its C++ teardown, so a run that never gets there (a crash, or the ``stapo``
+    command's `exit_process`) would make every later one fail ("create shm in SHMManager failed. errno: 17").
+    Once the engine is built every rank has mapped every segment, so the names can go now: the memory stays
+    until the last rank exits."""
+    prefix = os.environ.get("VLLM_DIST_IDENT", "").lstrip("/") + "-"  # shm_open drops leading slashes
+    gone = []
+    for name in sorted(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else ():
+        found = re.fullmatch(r"(.*)-\[([\d-]+)\]-cpushm_\d+", name)
+        if found and name.startswith(prefix) and str(rank) in found.group(2).split("-"):
+            with contextlib.suppress(FileNotFoundError):  # the group's other ranks unlink them too
+                os.unlink(os.path.join(shm_dir, name))
+                gone.append(name)
+    return gone
+
+
 def _import_vllm():
     try:
         import vllm
@@ -156,6 +175,8 @@ class VLLMEngine(RolloutEngine):
         kwargs.update(llm_kwargs)
         with _provided_env(plan.env), _preserved_rngs():
             self.llm = vllm.LLM(**kwargs)
+        if current_platform.is_cpu() and plan.backend == EXTERNAL_LAUNCHER:
+            unlink_cpu_shm_names(group.rank if group is not None else int(os.environ["RANK"]))
         # the worker lives in this process unless vLLM runs its engine core in a child process
         self.in_process = getattr(self.llm.llm_engine, "model_executor", None) is not None
         self.tokenizer = self.llm.get_tokenizer()

@@ -14,7 +14,8 @@ import torch
 from stapo.rollout import Generation, SamplingParams, VLLMEngine
 from stapo.rollout.trajectory import prompt_seeds
 from stapo.distributed.process_group import DistInfo
-from stapo.rollout.vllm_engine import EXTERNAL_LAUNCHER, ExecutorPlan, plan_executor, segment_from_vllm
+from stapo.rollout.vllm_engine import (EXTERNAL_LAUNCHER, ExecutorPlan, plan_executor, segment_from_vllm,
+                                       unlink_cpu_shm_names)
 from stapo.serve.launcher import CPU_KV_CACHE_BYTES, cpu_engine_kwargs
 from stapo.sync.bucket_format import pack_bucket, unpack_bucket
 
@@ -103,6 +104,20 @@ def test_cpu_engine_settings():
                                           "kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
     assert cpu_engine_kwargs(8192, {"VLLM_CPU_KVCACHE_SPACE": "4"}) == {"enable_chunked_prefill": False,
                                                                         "max_num_batched_tokens": 8192}
+
+
+def test_the_cpu_shared_memory_names_of_this_ranks_groups_are_unlinked(tmp_path, monkeypatch):
+    """vLLM's CPU TP segments under the external launcher: ident "//" (from env://), so "-tp:0-[0-1]-cpushm_R";
+    a name of a group this rank is not in, another ident's, and anything else stay."""
+    monkeypatch.setenv("VLLM_DIST_IDENT", "//")
+    names = ["-tp:0-[0-1]-cpushm_0", "-tp:0-[0-1]-cpushm_1", "-tp:1-[2-3]-cpushm_0", "4711-tp:0-[0-1]-cpushm_0",
+             "psm_0c0482e0", "-tp:0-[0-1]-cpushm"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    assert unlink_cpu_shm_names(1, str(tmp_path)) == names[:2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+    assert unlink_cpu_shm_names(1, str(tmp_path)) == []  # the group's other rank got there first: fine
+    assert unlink_cpu_shm_names(0, str(tmp_path / "no-such-dir")) == []
 
 
 def test_weight_bucket_round_trips_through_msgpack_native_values():
