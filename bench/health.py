@@ -8,8 +8,9 @@ deterministic on one machine and the action only changes a run at its first alar
 whose ``warn`` twin raised no alarm would repeat it step for step: it is not run, and its twin stands for
 it; ``stapo`` seed 0 is run anyway, to check that claim. Each run is a fresh ``python -m stapo.cli train``
 process (at most ``--parallel`` at once); finished runs are skipped, an interrupted one continues from
-its checkpoint. ``--report`` writes docs/health/results.jsonl (one row per run), the generated block of
-docs/health.md and its figure::
+its checkpoint; the first run pins the commit in ``OUT/COMMIT`` and a checkout of another commit is
+refused (warn and rollback runs of two code versions are not pairs). ``--report`` writes
+docs/health/results.jsonl (one row per run), the generated block of docs/health.md and its figure::
 
     nice -n 19 python bench/health.py --out /tmp/health_study          # the study (hours of CPU)
     python bench/health.py --report --out /tmp/health_study            # results.jsonl, tables, figure
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -48,6 +50,7 @@ FIXED = ["trainer.total_steps=100", "trainer.eval_every=10", "trainer.save_every
 #: rollback arm rolls back to step 2 and finishes
 SMOKE_EXTRA = ["trainer.total_steps=5", "trainer.eval_every=1", "trainer.save_every=1", "health.warmup=0",
                "health.patience=1", "health.params={response_length: {z: 0.0}}"]
+PIN_FILE = "COMMIT"  # the commit every run of a study comes from
 DROP_POINTS = 5.0  # "collapse seen": the first evaluation this many points below the run's peak, after it
 RESULTS = ROOT / "docs" / "health" / "results.jsonl"
 DOC = ROOT / "docs" / "health.md"
@@ -82,9 +85,37 @@ def needs_running(run: Run, out: Path, verify=VERIFY_TWIN) -> bool:
     return run.arm == "warn" or (run.mask, run.seed) == verify or bool(alarms_of(out / run.twin().name))
 
 
-def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], parallel: int, verify=VERIFY_TWIN) -> None:
+def checkout_commit(root: Path = ROOT) -> str:
+    """The commit the runs are made from, ``+dirty`` when stapo/ or bench/ differ from it ("unknown" outside git)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
+
+    try:
+        head = git("rev-parse", "HEAD").strip()
+        return head + ("+dirty" if git("status", "--porcelain", "--", "stapo", "bench").strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def pin_commit(out: Path, commit: str) -> None:
+    """Every run of one study comes from one commit: a warn run and its rollback twin are the same run up to the
+    alarm only then (docs/health.md, "Status"); the first run pins it in ``out/COMMIT``, a later one refuses
+    another."""
+    pin = out / PIN_FILE
+    if not pin.is_file():
+        pin.write_text(commit + "\n", encoding="utf-8")
+        return
+    pinned = pin.read_text(encoding="utf-8").split()[0]
+    if pinned != commit or commit == "unknown":
+        raise SystemExit(f"bench/health.py: the runs in {out} were made at {pinned}, this checkout is {commit}: "
+                         f"runs of two code versions are not pairs; check out {pinned} or use another --out")
+
+
+def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], parallel: int, verify=VERIFY_TWIN,
+              commit: str | None = None) -> None:
     """Warn runs first, in order, ``parallel`` at a time; each rollback run once its twin is done."""
     out.mkdir(parents=True, exist_ok=True)
+    pin_commit(out, commit or checkout_commit())
     lock, done = threading.Lock(), {}
 
     def log(message: str) -> None:

@@ -42,3 +42,20 @@ def test_health_smoke_runs_both_arms_and_reports(tmp_path):
     text = doc.read_text()
     assert text.startswith("prose\n<!-- BEGIN health -->") and text.endswith("<!-- END health -->\nmore prose\n")
     assert "| `response_length` |" in text and "4 → 2, 0.0001" in text and figure.stat().st_size > 5_000
+
+
+def test_a_study_stays_on_the_commit_it_started_on(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from health import checkout_commit, pin_commit
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    commit = checkout_commit()
+    assert commit == "unknown" or len(commit.split("+")[0]) == 40
+    pin_commit(tmp_path, "a" * 40)
+    assert (tmp_path / "COMMIT").read_text() == "a" * 40 + "\n"
+    pin_commit(tmp_path, "a" * 40)  # the same commit: runs go on
+    with pytest.raises(SystemExit, match=f"made at {'a' * 40}, this checkout is {'b' * 40}"):
+        pin_commit(tmp_path, "b" * 40)
+    with pytest.raises(SystemExit, match="this checkout is unknown"):
+        pin_commit(tmp_path, "unknown")
