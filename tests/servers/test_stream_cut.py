@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 
 import stapo.servers.engine as server_engine
+import stapo.servers.pool as server_pool
 from stapo.rollout import SamplingParams, SegmentRequest
 from stapo.servers.engine import ServerEngine, ServerLimits
 
@@ -164,7 +167,10 @@ def test_a_5xx_mid_stream_without_an_interrupt_is_retried_and_one_during_the_bac
     assert (segment.tokens, segment.finish, stub.streams) == ([11, 12, 13, 14], "length", 2)
     assert engine.pool.down == []
     stub.streams = 0
-    with mock.patch("stapo.servers.pool.time.sleep", lambda s: engine.interrupt()):  # the sync came in the backoff
+    # the sync came in the backoff: the pool's own sleep interrupts (patching time.sleep itself would let any
+    # thread of the process that sleeps, e.g. one left by an earlier test, interrupt the first attempt)
+    backoff = SimpleNamespace(sleep=lambda s: engine.interrupt(), monotonic=time.monotonic)
+    with mock.patch.object(server_pool, "time", backoff):
         segment = one_segment(engine)
     assert (segment.tokens, segment.finish, stub.streams) == ([], "interrupted", 1) and engine.pool.down == []
     engine.close()
