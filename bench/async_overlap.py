@@ -146,6 +146,7 @@ def run_mode(mode: str, model: Path, server: str, out: Path, size: str, steps: i
         r["idle_frac"] = r["time_rollout"] / r["time_step"]
         if probe is not None:
             r["server_idle_frac"] = 1.0 - probe.busy_frac(r["step"])
+            r["server_tokens"] = probe.generated_tokens(r["step"])
         r["rollout_tokens_per_s"] = r["response_length_mean"] * rows_per_step(size) / r["time_step"]
     return rows
 

@@ -24,7 +24,8 @@ def test_async_overlap_smoke_reports_every_mode(servers, tmp_path):
     for mode in ("server k=0", "server k=1"):  # measured on the server (its running-request gauge), per step
         assert all(0.0 <= r["server_idle_frac"] <= 1.0 for r in results[mode]), results[mode]
     # the server generated during every lock-step step and during k=1's first (k=1's step 2 may find its batch
-    # generated already, during step 1's update)
-    assert all(r["server_idle_frac"] < 1.0 for r in results["server k=0"]), results["server k=0"]
-    assert results["server k=1"][0]["server_idle_frac"] < 1.0, results["server k=1"]
+    # generated already, during step 1's update): its token counter rose, whether or not a gauge sample caught
+    # the generation (at this size it can fall between samples)
+    assert all(r["server_tokens"] > 0 for r in results["server k=0"]), results["server k=0"]
+    assert results["server k=1"][0]["server_tokens"] > 0, results["server k=1"]
     assert all("server_idle_frac" not in r for r in results["colocated"])
