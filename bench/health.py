@@ -111,11 +111,10 @@ def pin_commit(out: Path, commit: str) -> None:
                          f"runs of two code versions are not pairs; check out {pinned} or use another --out")
 
 
-def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], parallel: int, verify=VERIFY_TWIN,
-              commit: str | None = None) -> None:
+def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], parallel: int, verify=VERIFY_TWIN) -> None:
     """Warn runs first, in order, ``parallel`` at a time; each rollback run once its twin is done."""
     out.mkdir(parents=True, exist_ok=True)
-    pin_commit(out, commit or checkout_commit())
+    pin_commit(out, checkout_commit())
     lock, done = threading.Lock(), {}
 
     def log(message: str) -> None:

@@ -17,7 +17,6 @@ def _python(code: str, tmp_path) -> subprocess.CompletedProcess:
 def test_exit_process_keeps_the_status_runs_atexit_handlers_and_flushes(tmp_path):
     done = _python("""
         import atexit, pathlib, sys
-        import torch.distributed as dist
         from stapo.distributed.process_group import exit_process, init_distributed
         init_distributed()  # a one-rank gloo group, as every trainer makes
         atexit.register(lambda: pathlib.Path("atexit-ran").write_text("yes"))
@@ -31,7 +30,6 @@ def test_exit_process_keeps_the_status_runs_atexit_handlers_and_flushes(tmp_path
 
 def test_a_failed_command_keeps_its_own_status(tmp_path):
     done = _python("""
-        import torch.distributed as dist
         from stapo.distributed.process_group import exit_process, init_distributed
         init_distributed()
         exit_process(3)  # e.g. health.on_alarm=stop
