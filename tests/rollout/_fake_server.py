@@ -1,6 +1,6 @@
 """A small stand-in for `stapo serve` (http.server on loopback) whose replies a test chooses: what the
 engine's bookkeeping does with 4xx, 5xx, malformed replies, hangs, refused sessions and foreign models,
-without a vLLM process. The real servers run the same paths in tests/vllm_cpu/test_server_faults.py."""
+without a vLLM process. The real servers run the same paths in tests/vllm_cpu/test_vllm_server_faults.py."""
 
 from __future__ import annotations
 

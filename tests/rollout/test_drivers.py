@@ -4,7 +4,7 @@ segments after a cut have their own seeds and carry their version; one-turn samp
 
 The policy here is deterministic and seed-blind (each turn writes a fixed text; a continuation writes what is
 left of it), so an episode cut anywhere must come out token for token as the uncut one. The real engines:
-tests/rollout/test_partial.py (servers), tests/vllm_cpu/test_partial.py (a real server, exact continuations).
+tests/rollout/test_partial.py (servers), tests/vllm_cpu/test_vllm_partial.py (a real server, exact continuations).
 """
 
 from __future__ import annotations

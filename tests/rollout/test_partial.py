@@ -2,7 +2,7 @@
 cut by a weight sync keeps every token with its log-prob and version, and each sample goes on from prompt + its
 tokens with its next segment's seed; a server fault re-runs the segment with the same seed, on the same server
 while ``request_retries`` lasts (a 5xx mid-stream), then elsewhere. Stand-in servers stream a token per event
-(tests/rollout/_fake_server.py); the real servers: tests/vllm_cpu/test_partial.py."""
+(tests/rollout/_fake_server.py); the real servers: tests/vllm_cpu/test_vllm_partial.py."""
 
 from __future__ import annotations
 

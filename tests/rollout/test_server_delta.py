@@ -1,6 +1,6 @@
 """Delta weight syncs end to end without vLLM: `ServerEngine` (rank 0's copy, the session, the checksums) into
 stand-in servers whose workers are stapo's real worker side over gloo on loopback (tests/rollout/_fake_server.py,
-`DictWorker`: a dict in place of vLLM's model). Real servers: tests/vllm_cpu/test_server_delta.py."""
+`DictWorker`: a dict in place of vLLM's model). Real servers: tests/vllm_cpu/test_vllm_server_delta.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Faults of rollout servers, against stand-in servers (tests/rollout/_fake_server.py): what fails a
 request and what fails a server, hangs found by the health watch, sessions that fail or were left open,
-foreign models and secrets (docs/rollout.md, "Faults"). Real servers: tests/vllm_cpu/test_server_faults.py."""
+foreign models and secrets (docs/rollout.md, "Faults"). Real servers: tests/vllm_cpu/test_vllm_server_faults.py."""
 
 from __future__ import annotations
 

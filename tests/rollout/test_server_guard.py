@@ -1,6 +1,6 @@
 """The closed control plane of `stapo serve` (stapo.serve.guard), as a plain ASGI app: which
 routes need the secret, which are refused whatever the credentials, which worker methods pass, where a join may
-point a server. The real server runs it in tests/vllm_cpu/test_server_faults.py and test_server_security.py."""
+point a server. The real server runs it in tests/vllm_cpu/test_vllm_server_faults.py and test_server_security.py."""
 
 from __future__ import annotations
 

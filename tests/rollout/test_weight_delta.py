@@ -1,6 +1,6 @@
 """Delta weight syncs, the pure pieces (stapo/sync/weight_delta.py): which words changed, the size decision,
 the payload's encoding, the checksum, and rank 0's copy of what the servers hold. Hand-checked values; the
-servers' side runs in tests/rollout/test_server_delta.py (gloo) and tests/vllm_cpu/test_server_delta.py."""
+servers' side runs in tests/rollout/test_server_delta.py (gloo) and tests/vllm_cpu/test_vllm_server_delta.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Run as a subprocess by tests/vllm_cpu/test_partial.py: the trainer's producer with partial rollouts on a
+"""Run as a subprocess by tests/vllm_cpu/test_vllm_partial.py: the trainer's producer with partial rollouts on a
 real server, in the trainer's one-process group. A stand-in for the update (a small change of the weights,
 made once the next batch streams tokens) keeps the run fast, and every response runs to its length limit
 (``ignore_eos``), so every sync finds the next batch under way whatever the machine's speed (a fixed 1 s pause

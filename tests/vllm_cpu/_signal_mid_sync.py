@@ -1,4 +1,4 @@
-"""Imported into a `stapo train` (``--import``) by tests/vllm_cpu/test_server_faults.py: the trainer signals
+"""Imported into a `stapo train` (``--import``) by tests/vllm_cpu/test_vllm_server_faults.py: the trainer signals
 itself inside the weight sync that makes policy version ``AT_VERSION``, after every bucket went out and before
 the commit. ``STAPO_LANE_MID_SYNC=kill`` (the default): SIGKILL — what a trainer node lost mid-sync leaves
 behind: a session open on every server, its bytes staged there, nothing committed. ``stop``: SIGSTOP — frozen

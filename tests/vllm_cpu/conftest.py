@@ -92,6 +92,6 @@ def pytest_terminal_summary(terminalreporter):
         for line in FIGURES:
             terminalreporter.write_line(line)
     if FAULT_FIGURES:
-        terminalreporter.write_sep("-", "server fault-injection figures (tests/vllm_cpu/test_server_faults.py)")
+        terminalreporter.write_sep("-", "server fault-injection figures (tests/vllm_cpu/test_vllm_server_faults.py)")
         for line in FAULT_FIGURES:
             terminalreporter.write_line(line)

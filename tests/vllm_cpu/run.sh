@@ -16,4 +16,9 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # one's would otherwise rebuild it over each other in ~/.cache (1-3 min each time).
 export TORCH_EXTENSIONS_DIR=$VENV/torch_extensions
 "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"  # once, before any test
+# Where vLLM is installed the README's `python -m pytest` collects this folder with the rest (a GPU machine, a
+# user's `pip install -e ".[vllm]"`): the whole tree must collect there, e.g. no two test modules of one name.
+collected=$("$VENV/bin/python" -m pytest --collect-only -q -p no:cacheprovider tests 2>&1) ||
+  { echo "$collected" | tail -30; echo "the test tree does not collect where vLLM is installed"; exit 1; }
+echo "$collected" | grep -E '^[0-9]+ tests collected' || true
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/vllm_cpu "$@"

@@ -16,8 +16,8 @@ import torch
 from _bounds import STALE_SYNC_MIN, assert_fp32_noise, assert_like_colocated, report
 from _servers import servers_override
 from conftest import FP32_LOGPROB_BOUND, HERE, LANE_TOKEN, ROOT, plain_env
-from test_server_delta import teacher_forced as served_logprobs
-from test_server_delta import trainer_logprobs
+from test_vllm_server_delta import teacher_forced as served_logprobs
+from test_vllm_server_delta import trainer_logprobs
 from test_train import COMMON, samples_of, train
 
 from stapo.rollout import SamplingParams, VLLMEngine, generate

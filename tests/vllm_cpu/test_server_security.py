@@ -18,7 +18,7 @@ import pytest
 import torch
 from _servers import VLLMServer
 from conftest import LANE_TOKEN
-from test_server_faults import figure, state, status
+from test_vllm_server_faults import figure, state, status
 
 from stapo.rollout import SamplingParams, generate
 from stapo.serve.secret import trainer_secret

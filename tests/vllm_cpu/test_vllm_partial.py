@@ -96,11 +96,11 @@ def test_a_response_cut_by_a_sync_continues_as_a_fresh_request_from_its_prefix(s
 
 
 def test_a_tool_episode_cut_by_a_sync_continues_as_the_same_episode_from_its_prefix(servers, warm_model_dir):
-    """The lane's calculator episodes (tests/vllm_cpu/test_episodes.py) on a streaming server, cut by a sync in
+    """The lane's calculator episodes (tests/vllm_cpu/test_vllm_episodes.py) on a streaming server, cut by a sync in
     the middle of their turns: the cut turn goes on token for token as one request from the same prefix with
     the new weights and the segment's seed, and the whole rest of each episode is what an uncut driver run from
     the cut state gives with plain (unstreamed) requests."""
-    from test_episodes import lane_tools
+    from test_vllm_episodes import lane_tools
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stapo.tiny import CHAT_INSTRUCTION, arithmetic_problems

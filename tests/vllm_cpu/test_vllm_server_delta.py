@@ -3,7 +3,7 @@ server's weights bit-identical to a full sync's — the checksums of the tensors
 log-probs — over several syncs, after an aborted session and after a restart (docs/rollout.md, "Delta syncs").
 
 The lane's two servers: servers[0] takes delta syncs, servers[1] full syncs of the same weights. The fault
-suite (test_server_faults.py) runs its mid-sync kills with delta syncs."""
+suite (test_vllm_server_faults.py) runs its mid-sync kills with delta syncs."""
 
 from __future__ import annotations
 
