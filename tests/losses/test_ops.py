@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from stapo.losses import ops
 from stapo.losses import (
     logprobs_and_entropy_from_logits,
     masked_mean,
@@ -67,6 +68,8 @@ def test_bf16_inputs():
     lp, ent = token_logprobs_and_entropy(h1, w1, labels, chunk_size=8)
     (lp * g).sum().backward()
     assert lp.dtype == torch.float32 and h1.grad.dtype == w1.grad.dtype == torch.bfloat16
+    # on CPU every GEMM is fp32; CUDA's 16-bit logits GEMM has its own test (tests/gpu/test_head_gemm_gpu.py)
+    assert not ops._exact_16bit_gemm(hidden, weight)
     # reference on the same bf16 values, computed in fp64: only the output grads are rounded
     h2, w2 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     lp_ref, ent_ref = naive(h2, w2, labels, 1.0)
