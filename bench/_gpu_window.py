@@ -43,20 +43,20 @@ TRAIN = ("-m stapo.cli train trainer.output_dir={out}/train rollout.engine=vllm 
          "inspect.record_every=0 logging.log_samples_every=0 logging.tensorboard=false logging.plot=false "
          "logging.progress=false")
 E2E = "tests/gpu/test_train_gpu.py::test_stapo_train_with_vllm_in_one_plain_process_learns_syncs_and_resumes"
-STEP = "bench/gpu_step.py --layouts packed --attn sdpa,auto --zero 1,3"
+STEP = "bench/gpu_step.py --layouts packed"
 PARTS = (
-    Part("install", 90, "the offline bundle's parts (.gpu-N/stash.sh, in order) unless /tmp/stapo-gpu/env.sh exists",
+    Part("install", 60, "the offline bundle's parts (.gpu-N/stash.sh, in order) unless /tmp/stapo-gpu/env.sh exists",
          "for d in $(ls -d .gpu-[0-9]*/ | sort -t- -k2 -n); do bash \"$d/stash.sh\" || exit 1; done"),
     Part("check", 20, "versions, the GPU, flash-attn/Triton, what model.attn_implementation=auto picks",
          "{py} bench/_gpu_window.py --check"),
-    Part("step_0p6b", 90, "bench/gpu_step.py, Qwen3-0.6B shape, real vocabulary, packed, sdpa vs auto, ZeRO-1 and 3",
-         "{py} " + STEP + " --shape qwen3_0p6b --json {out}/gpu_step_0p6b.json"),
-    Part("step_1p7b", 100, "the same at the Qwen3-1.7B shape",
-         "{py} " + STEP + " --shape qwen3_1p7b --json {out}/gpu_step_1p7b.json"),
-    Part("pytest_gpu", 50, "pytest -m gpu, the attention tests first, without the end-to-end training test "
+    Part("step_0p6b", 130, "bench/gpu_step.py, Qwen3-0.6B shape, real vocabulary, packed, sdpa vs auto, ZeRO-1",
+         "{py} " + STEP + " --attn sdpa,auto --zero 1 --shape qwen3_0p6b --json {out}/gpu_step_0p6b.json"),
+    Part("step_1p7b", 100, "the same at the Qwen3-1.7B shape, auto attention, ZeRO-3 (what the larger recipes run)",
+         "{py} " + STEP + " --attn auto --zero 3 --shape qwen3_1p7b --json {out}/gpu_step_1p7b.json"),
+    Part("pytest_gpu", 60, "pytest -m gpu, the attention tests first, without the end-to-end training test "
          "(two trainings and a resume, ~6 min: part train runs its 3-step version)",
          "{py} -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_attention_gpu.py tests --deselect " + E2E),
-    Part("train", 180, "stapo train, 3 steps, tiny model, colocated vLLM (sleep/wake), ZeRO-3, bf16",
+    Part("train", 160, "stapo train, 3 steps, tiny model, colocated vLLM (sleep/wake), ZeRO-3, bf16",
          "{py} " + TRAIN),
 )
 
