@@ -193,10 +193,14 @@ class GroupSpec:
         (default: this machine's address on the route to the store)."""
         import torch.distributed as dist
 
-        if self.backend == "nccl":
-            return dist.ProcessGroupNCCL(store, rank, self.world_size)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        if self.backend == "nccl":  # as torch's own new_group builds it, with this spec's timeout (not NCCL's 10 min)
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False
+            options._timeout = timeout
+            return dist.ProcessGroupNCCL(store, rank, self.world_size, options)
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = datetime.timedelta(seconds=self.timeout_s)
+        options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or route_address(self.host))]
         return dist.ProcessGroupGloo(store, rank, self.world_size, options)
 
