@@ -30,8 +30,17 @@ def _exact_16bit_gemm(hidden, weight) -> bool:
     return hidden.is_cuda and hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16)
 
 
+def _fp32_weight(hidden, weight, needed_for_products: bool):
+    """The ``(V, H)`` fp32 weight, or None where nothing reads it: on the 16-bit GEMM path a no-grad pass needs
+    no fp32 copy (V x H x 4 bytes, 0.6-1.2 GB at Qwen3's vocabulary, made per micro-batch)."""
+    if needed_for_products or not _exact_16bit_gemm(hidden, weight):
+        return weight.float()  # no copy when already fp32
+    return None
+
+
 def _scaled_logits(hidden, weight, w32, inv_t, out):
-    """``hidden @ weight.T / T`` as fp32 into ``out`` (mm: matmul's out= copies)."""
+    """``hidden @ weight.T / T`` as fp32 into ``out`` (mm: matmul's out= copies); ``w32`` is read only off the
+    16-bit GEMM path."""
     if _exact_16bit_gemm(hidden, weight):
         z = torch.mm(hidden, weight.t(), out_dtype=torch.float32, out=out)
         return z if inv_t == 1.0 else z.mul_(inv_t)
@@ -66,7 +75,7 @@ def _forward_chunks(hidden, weight, labels, temperature, chunk_size, want_jac, w
     """Chunk loop of the forward pass; returns ``(logprobs, entropy, lse, jac | None, ent_jac | None)``."""
     n_tok, vocab = hidden.shape[0], weight.shape[0]
     inv_t = 1.0 / temperature
-    w32 = weight.float()  # (V, H); no copy when already fp32
+    w32 = _fp32_weight(hidden, weight, want_jac)  # (V, H) or None
     f32 = dict(dtype=torch.float32, device=hidden.device)
     logprobs, entropy, lse = (torch.empty(n_tok, **f32) for _ in range(3))
     jac = torch.empty(hidden.shape, **f32) if want_jac else None  # (N, H) d logprob / d hidden
@@ -88,20 +97,21 @@ def _weight_grad(hidden, weight, labels, lse, g, inv_t, chunk_size, g_ent=None, 
     """``grad_W = sum_i (g_i (onehot(y_i) - p_i) - g_ent_i p_i (log p_i + H_i))^T h_i / T``, recomputing p in
     vocabulary slices: each row of the ``(V, H)`` gradient is written once, not once per token chunk."""
     n_tok, vocab = hidden.shape[0], weight.shape[0]
-    w32 = weight.float()
-    grad_w = torch.zeros(w32.shape, dtype=torch.float32, device=w32.device)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     if n_tok == 0:
         return grad_w.to(weight.dtype)
+    w32 = _fp32_weight(hidden, weight, False)  # the products below are with h, not W
     h32 = hidden.float()
     gh = (g * inv_t)[:, None] * h32  # (N, H)
-    h_scaled = h32 * inv_t
+    h_scaled = None if g_ent is None else h32 * inv_t
     # the entropy term needs p and log p at once: two slice buffers, so half the width
     width = max(1, min(vocab, chunk_size * vocab // n_tok // (1 if g_ent is None else 2)))
-    flat = torch.empty(n_tok * width, dtype=torch.float32, device=w32.device)
+    flat = torch.empty(n_tok * width, dtype=torch.float32, device=weight.device)
     for start in range(0, vocab, width):
         vs = slice(start, start + width)
-        n_ids = w32[vs].shape[0]
-        z = _scaled_logits(hidden, weight[vs], w32[vs], inv_t, flat[: n_tok * n_ids].view(n_tok, n_ids))  # (N, v)
+        n_ids = weight[vs].shape[0]
+        w32_slice = None if w32 is None else w32[vs]
+        z = _scaled_logits(hidden, weight[vs], w32_slice, inv_t, flat[: n_tok * n_ids].view(n_tok, n_ids))  # (N, v)
         if g_ent is None:
             p = z.sub_(lse[:, None]).exp_()  # softmax columns of this slice, recomputed
             torch.mm(p.t(), gh, out=grad_w[vs]).neg_()  # -p part

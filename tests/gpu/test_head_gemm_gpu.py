@@ -48,3 +48,23 @@ def test_the_16bit_logits_gemm_equals_the_fp32_gemm(dtype, temperature):
     for name, value in (("hidden grad", 2), ("weight grad", 3)):  # both rounded to the 16-bit dtype at the end
         torch.testing.assert_close(new[value].float(), old[value].float(), rtol=2e-2,
                                    atol=2e-2 * old[value].float().abs().max().item(), msg=name)
+
+
+def test_a_no_grad_pass_makes_no_fp32_copy_of_the_weight():
+    """The old op made ``weight.float()`` (V x H x 4 bytes) on every call; with the 16-bit logits GEMM a pass without
+    grads reads only the 16-bit weight, so its peak is the chunk buffer plus small vectors."""
+    vocab, width, n_tok, chunk = 151_936, 1024, 512, 128
+    hidden = torch.randn(n_tok, width, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(vocab, width, device="cuda", dtype=torch.bfloat16) * 0.02
+    labels = torch.randint(0, vocab, (n_tok,), device="cuda")
+    with torch.no_grad():
+        ops.token_logprobs_and_entropy(hidden, weight, labels, 0.7, chunk_size=chunk)  # cuBLAS workspace etc.
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        ops.token_logprobs_and_entropy(hidden, weight, labels, 0.7, chunk_size=chunk)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    fp32_weight = vocab * width * 4  # 622 MB
+    chunk_buffer = chunk * vocab * 4  # 78 MB
+    assert extra < chunk_buffer * 2 + 64 * 2**20 < fp32_weight, (extra, chunk_buffer, fp32_weight)

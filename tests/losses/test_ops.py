@@ -80,6 +80,19 @@ def test_bf16_inputs():
     torch.testing.assert_close(w1.grad.double(), w2.grad, atol=1e-2, rtol=1e-2)
 
 
+def test_fp32_weight_copy_only_where_read(monkeypatch):
+    """On the 16-bit GEMM path a pass without input grads makes no ``(V, H)`` fp32 copy of the weight (0.6-1.2 GB
+    at Qwen3's vocabulary, per micro-batch); the Jacobian's ``p @ W`` products and the fp32 path still get one."""
+    hidden, weight = torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(7, 4, dtype=torch.bfloat16)
+    assert ops._fp32_weight(hidden, weight, False).dtype == torch.float32  # CPU: the fp32 GEMM reads it
+    monkeypatch.setattr(ops, "_exact_16bit_gemm", lambda h, w: True)
+    assert ops._fp32_weight(hidden, weight, False) is None
+    w32 = ops._fp32_weight(hidden, weight, True)
+    assert w32.dtype == torch.float32 and torch.equal(w32, weight.float())
+    fp32 = weight.float()
+    assert ops._fp32_weight(hidden, fp32, True) is fp32  # no copy of an fp32 weight
+
+
 def test_no_grad_and_inference_paths():
     hidden, weight, labels, _ = make(10, seed=9)
     ref_lp, ref_ent = naive(hidden, weight, labels, 1.0)
