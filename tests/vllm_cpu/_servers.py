@@ -75,11 +75,28 @@ class VLLMServer:
         """Start the server unless it answers already (a test may run without the one that killed it)."""
         return self if self.answers() else self.start().wait_ready()
 
-    def kill(self) -> None:
-        """SIGKILL the server and its children (what a crashed node looks like to the trainer)."""
+    def kill(self) -> set[Path]:
+        """SIGKILL the server and its children (what a crashed node looks like to the trainer), then unlink the
+        shared-memory ring buffers they mapped: vLLM unlinks them only on a clean exit, and every killed server
+        left two in /dev/shm (160 and 240 MiB of address space each; ~40 names a lane run). Returns them."""
+        segments: set[Path] = set()
         if self.proc is not None and self.proc.poll() is None:
+            segments = shared_memory_of_group(self.proc.pid)
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=60)
+            for path in segments:
+                path.unlink(missing_ok=True)
+        return segments
+
+    def stop(self, timeout_s: float = 60) -> None:
+        """SIGTERM, as a user stops a server: vLLM shuts down and cleans up; SIGKILL if it has not within
+        ``timeout_s``."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the server and its children (SIGSTOP: a hung node; SIGCONT: it wakes up)."""
@@ -87,6 +104,25 @@ class VLLMServer:
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+def shared_memory_of_group(pgid: int) -> set[Path]:
+    """The /dev/shm segments the processes of group ``pgid`` have mapped (their /proc/PID/maps)."""
+    segments = set()
+    for proc_dir in Path("/proc").iterdir():
+        if not proc_dir.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc_dir.name)) != pgid:
+                continue
+            maps = (proc_dir / "maps").read_text()
+        except (OSError, ProcessLookupError):  # gone meanwhile, or not ours to read
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/psm_"):
+                segments.add(Path(fields[5].removesuffix(" (deleted)")))
+    return segments
 
 
 def lane_token_file(directory: Path) -> Path:

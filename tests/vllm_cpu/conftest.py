@@ -76,7 +76,7 @@ def servers(warm_model_dir, tmp_path_factory):
         yield [s.wait_ready() for s in pair]
     finally:
         for s in pair:
-            s.kill()
+            s.stop()
 
 
 FAULT_FIGURES: list[str] = []  # "what: figure" lines of the fault-injection suite, printed at the end

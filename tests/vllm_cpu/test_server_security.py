@@ -38,7 +38,7 @@ def bare(warm_model_dir, tmp_path_factory):
     try:
         yield server.start().wait_ready(), cache
     finally:
-        server.kill()
+        server.stop()
 
 
 def test_a_server_started_with_nothing_set_makes_a_secret_and_answers_only_to_it(bare):
