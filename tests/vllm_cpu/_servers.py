@@ -76,27 +76,33 @@ class VLLMServer:
         return self if self.answers() else self.start().wait_ready()
 
     def kill(self) -> set[Path]:
-        """SIGKILL the server and its children (what a crashed node looks like to the trainer), then unlink the
-        shared-memory ring buffers they mapped: vLLM unlinks them only on a clean exit, and every killed server
-        left two in /dev/shm (160 and 240 MiB of address space each; ~40 names a lane run). Returns them."""
-        segments: set[Path] = set()
-        if self.proc is not None and self.proc.poll() is None:
-            segments = shared_memory_of_group(self.proc.pid)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=60)
-            for path in segments:
-                path.unlink(missing_ok=True)
-        return segments
+        """SIGKILL the server and its children: what a crashed node looks like to the trainer."""
+        return self._end(signal.SIGKILL, 60)
 
-    def stop(self, timeout_s: float = 60) -> None:
-        """SIGTERM, as a user stops a server: vLLM shuts down and cleans up; SIGKILL if it has not within
-        ``timeout_s``."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
+    def stop(self, timeout_s: float = 60) -> set[Path]:
+        """SIGTERM, as a user stops a server (SIGKILL if any of it is left after ``timeout_s``)."""
+        return self._end(signal.SIGTERM, timeout_s)
+
+    def _end(self, sig: int, timeout_s: float) -> set[Path]:
+        """Signal the server, wait until no process of its group is left, then unlink the shared memory the group
+        had mapped, and return it: vLLM unlinks it only on a clean exit, and every SIGKILLed server left its two
+        ring buffers (psm_*, 160 and 240 MiB of address space each) in /dev/shm, ~40 names a lane run; a SIGTERMed
+        one unlinks its own, but not always before its leader exits. (A semaphore name that no process maps any
+        more, 32 bytes, cannot be told from the other server's and is left.)"""
+        if self.proc is None or self.proc.poll() is not None:
+            return set()
+        pgid = self.proc.pid
+        segments = _shared_memory_of_group(pgid)
+        if sig == signal.SIGKILL:
+            os.killpg(pgid, sig)
+        else:
+            self.proc.send_signal(sig)
+        if not _wait_group_gone(self.proc, timeout_s):
+            os.killpg(pgid, signal.SIGKILL)
+            _wait_group_gone(self.proc, 60)
+        for path in segments:
+            path.unlink(missing_ok=True)
+        return segments
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the server and its children (SIGSTOP: a hung node; SIGCONT: it wakes up)."""
@@ -106,23 +112,44 @@ class VLLMServer:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
 
-def shared_memory_of_group(pgid: int) -> set[Path]:
-    """The /dev/shm segments the processes of group ``pgid`` have mapped (their /proc/PID/maps)."""
-    segments = set()
+def _group_members(pgid: int) -> list[Path]:
+    """/proc/PID of every process of group ``pgid`` that is not a zombie."""
+    members = []
     for proc_dir in Path("/proc").iterdir():
         if not proc_dir.name.isdigit():
             continue
         try:
-            if os.getpgid(int(proc_dir.name)) != pgid:
-                continue
+            state, _, group = (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+        if int(group) == pgid and state != "Z":
+            members.append(proc_dir)
+    return members
+
+
+def _shared_memory_of_group(pgid: int) -> set[Path]:
+    """The /dev/shm files the live processes of group ``pgid`` have mapped (their /proc/PID/maps)."""
+    mapped = set()
+    for proc_dir in _group_members(pgid):
+        try:
             maps = (proc_dir / "maps").read_text()
-        except (OSError, ProcessLookupError):  # gone meanwhile, or not ours to read
+        except OSError:  # gone meanwhile, or not ours to read
             continue
         for line in maps.splitlines():
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith("/dev/shm/psm_"):
-                segments.add(Path(fields[5].removesuffix(" (deleted)")))
-    return segments
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                mapped.add(Path(fields[5].removesuffix(" (deleted)")))
+    return mapped
+
+
+def _wait_group_gone(leader: subprocess.Popen, timeout_s: float) -> bool:
+    """Reap ``leader`` and wait until no live process of its group is left; False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if leader.poll() is not None and not _group_members(leader.pid):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def lane_token_file(directory: Path) -> Path:
