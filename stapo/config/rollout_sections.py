@@ -90,8 +90,9 @@ class ServerConfig:
     """The limit of each step of a weight sync; keep it under the servers' ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``
     (``stapo serve`` sets 900 s), past which vLLM's watchdog kills a waiting server."""
     sync_join_timeout_s: float = 30.0
-    """Every server checks in for a weight sync within this, or the sync is retried without the ones that did not.
-    At most 60: a server waits no longer for the trainer's go."""
+    """Every server checks in for a weight sync within this, or the sync is retried without the ones that did not;
+    forming the group after the check-in is bounded by it too. At most 60: a server waits no longer for the
+    trainer's go."""
     sync_retries: int = 2
     """Times a failed weight sync is retried (with the servers that still answer) before the run checkpoints and
     stops."""

@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
-import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Protocol
 
 import torch
 
 from stapo.distributed.process_group import default_backend
 from stapo.sync.bucket_format import pack_bucket_tensor
 from stapo.sync.weight_delta import EncodedBucket, SentWeights, TransferStats, checksum
-from stapo.sync.weight_group import (GroupSpec, call_off, checked_in, exchange_proofs, let_form, listening_store,
-                                       namespaced, new_nonce)
+from stapo.sync.weight_group import GroupSpec, call_off, checked_in, let_form, listening_store, namespaced, new_nonce
 
 __all__ = ["BroadcastSession", "CallFailed", "ServerCalls", "SyncFailed"]
 
@@ -112,18 +111,35 @@ class BroadcastSession:
             raise SyncFailed(f"server(s) {', '.join(missing)} did not join the weight sync within "
                              f"{self.join_timeout_s:g} s; {self._failed_calls(joins)}", missing)
         let_form(self._store, self.nonce)
-        try:
-            self._group = specs[0].connect(0, store=self._store, bind_host=self.sync_host)
-            strangers = exchange_proofs(self._group, self.nonce, 0, world, self.device)
-        except RuntimeError as err:
-            raise SyncFailed(f"the weight group did not form ({err}); {self._failed_calls(joins)}",
-                             list(self._failures(joins))) from None
+        self._group, strangers = self._await_formation(
+            _in_daemon_thread(self._form, specs[0], self._store, name="stapo-sync-form"), joins)
         if strangers:
             named = [c.address for (c, workers), o in zip(self.servers, offsets) if any(o <= r < o + workers
                                                                                      for r in strangers)]
             raise SyncFailed(f"rank(s) {strangers} of the weight group did not prove they hold the session's nonce "
                              "(not the servers asked to join; no weight was sent)", named)
         self._wait(joins, "join")
+
+    def _form(self, spec: GroupSpec, store) -> tuple:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # a new thread starts on device 0
+        return spec.form(0, store, self.device, self.sync_host)
+
+    def _await_formation(self, forming: Future, joins: list[Future]) -> tuple:
+        """``(group, strangers)`` once formed. A server whose join fails meanwhile (killed after it checked in)
+        ends the wait at once, naming it: rank 0 would otherwise wait out ``timeout_s`` for a peer that never
+        comes. The formation thread is left to its bound, ``join_timeout_s`` (a daemon; the store is this
+        session's only)."""
+        while True:
+            try:
+                return forming.result(timeout=0.05)
+            except FutureTimeout:
+                if failed := self._failures(joins):
+                    raise SyncFailed(f"server(s) {', '.join(failed)} failed while the weight group formed; "
+                                     f"{self._failed_calls(joins)}", list(failed)) from None
+            except RuntimeError as err:
+                raise SyncFailed(f"the weight group did not form ({err}); {self._failed_calls(joins)}",
+                                 list(self._failures(joins))) from None
 
     def _await_check_ins(self, specs: list[GroupSpec], joins: list[Future]) -> list[str]:
         """The servers that did not check in within ``join_timeout_s``, in order; a failed join ends no other
@@ -197,8 +213,10 @@ class BroadcastSession:
         return silent
 
     def _abort_one(self, client: ServerCalls) -> bool:
+        """A server still forming the group takes the abort once its formation ends, within ``join_timeout_s``
+        of the go (`GroupSpec.form`; vLLM runs one worker call at a time): hence twice that."""
         try:
-            client.rpc("stapo_abort_weight_update", self.nonce, timeout_s=self.join_timeout_s)
+            client.rpc("stapo_abort_weight_update", self.nonce, timeout_s=2 * self.join_timeout_s)
             return True
         except CallFailed as err:
             log.warning("weight sync: rollout server %s did not take the abort (%s)", client.address, err)

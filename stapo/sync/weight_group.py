@@ -182,18 +182,29 @@ class GroupSpec:
             raise PermissionError("the trainer gave no go for the weight group: session called off") from None
         if not hmac.compare_digest(store.get(go), proof(self.nonce, "form").encode()):
             raise PermissionError("the trainer called the weight sync off before the group formed")
-        group = self.connect(rank, store=store)
-        if exchange_proofs(group, self.nonce, rank, self.world_size, device):
+        group, wrong = self.form(rank, store, device)
+        if wrong:
             raise PermissionError("the weight group's rank 0 did not prove it holds this session's nonce: it is not "
                                   "the trainer that opened the session; left the group, nothing loaded")
         return group
 
+    def form(self, rank: int, store, device, bind_host: str | None = None) -> tuple:
+        """``(group, the wrong proofs this rank checks)``: `connect`, `exchange_proofs`, then the group's
+        collectives get ``timeout_s``. Until then every step is bounded by ``join_timeout_s``: each member checked
+        in before the go, so forming takes a moment, and a member lost meanwhile must not hold the others (a
+        server's engine, blocked in the join) for a whole ``timeout_s``."""
+        group = self.connect(rank, store, bind_host)
+        wrong = exchange_proofs(group, self.nonce, rank, self.world_size, device)
+        group._set_default_timeout(datetime.timedelta(seconds=self.timeout_s))  # torch's own _set_pg_timeout's call
+        return group, wrong
+
     def connect(self, rank: int, store, bind_host: str | None = None):
-        """This process's member of the group over the `namespaced` ``store``; gloo's sockets bind ``bind_host``
-        (default: this machine's address on the route to the store)."""
+        """This process's member of the group over the `namespaced` ``store``, its timeout the formation's bound
+        (`form` lifts it); gloo's sockets bind ``bind_host`` (default: this machine's address on the route to the
+        store)."""
         import torch.distributed as dist
 
-        timeout = datetime.timedelta(seconds=self.timeout_s)
+        timeout = datetime.timedelta(seconds=min(self.join_timeout_s, self.timeout_s))
         if self.backend == "nccl":  # as torch's own new_group builds it, with this spec's timeout (not NCCL's 10 min)
             options = dist.ProcessGroupNCCL.Options()
             options.is_high_priority_stream = False

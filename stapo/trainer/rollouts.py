@@ -196,7 +196,9 @@ class Rollouts:
                             if outcome.live and attempt < attempts else "")
             if not outcome.live:
                 break
-        raise NoRolloutServers(f"the weight sync into the rollout servers failed {attempt} time(s): {outcome.error}")
+        left = "" if outcome.live else "no rollout server is left: "
+        raise NoRolloutServers(f"{left}the weight sync into the rollout servers failed {attempt} time(s): "
+                               f"{outcome.error}")
 
     def resume_state(self, step: int) -> tuple[dict, int]:
         """``(prompt sampler state to resume iteration step from, batches generated ahead of it)``."""

@@ -62,6 +62,7 @@ class FakeServer:
         self.session_open = False
         self.join_status = 500
         self.hang = threading.Event()
+        self.engine_core = threading.Lock()  # vLLM's engine core runs one worker call at a time
         self.calls: list[tuple[str, str]] = []  # (path, method or "")
         self.completion = lambda body: (200, self.good_reply(body))
         self.stream_tokens, self.stream_delay = 6, 0.0  # streamed segments: tokens per request, seconds per token
@@ -136,7 +137,8 @@ class FakeServer:
 
     def _worker_rpc(self, handler, method: str, args: list) -> None:
         try:
-            result = getattr(self.worker, method)(*args)
+            with self.engine_core:
+                result = getattr(self.worker, method)(*args)
         except Exception as err:  # what vLLM's route answers when a worker method raises
             return self._reply(handler, 500, {"error": f"{type(err).__name__}: {err}"})
         return self._reply(handler, 200, {"results": [result]})

@@ -6,6 +6,7 @@ tests/vllm_cpu/test_server_security.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import threading
@@ -203,3 +204,78 @@ def test_a_full_sync_whose_bytes_changed_on_the_way_is_not_committed(caplog):
     assert server.worker.weights == {} and getattr(server.worker, "_stapo_version", None) is None
     assert f"rollout server {server.address} holds other bytes than the trainer sent" in caplog.text
     assert server.worker._stapo_open_session() is None
+
+
+
+def lose_rank(monkeypatch, lost: int) -> None:
+    """The worker of rank ``lost`` checks in and gets the go, then fails where it would form the group: a server
+    killed in that moment (its join call fails; it never connects)."""
+    real = GroupSpec.connect
+
+    def connect(spec, rank, store, bind_host=None):
+        if rank == lost:
+            raise RuntimeError("the server's process was killed")
+        return real(spec, rank, store, bind_host)
+    monkeypatch.setattr(GroupSpec, "connect", connect)
+
+
+def test_a_server_lost_after_its_check_in_ends_the_formation_at_once(monkeypatch):
+    """CI caught it on the real servers: a server killed after it checked in, before it joined the group, left rank 0
+    in the formation until the sync's timeout (300 s) for a peer that never came. Its failed join now ends the wait,
+    naming it."""
+    lose_rank(monkeypatch, 1)
+    server = FakeServer(worker=DictWorker())
+    session = BroadcastSession([(ServerClient(server.address), 1)], "127.0.0.1", timeout_s=60.0, backend="gloo",
+                               join_timeout_s=30.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(SyncFailed, match=f"server\\(s\\) {server.address} failed while the weight group formed; "
+                                             ".*the server's process was killed") as failed:
+            session.open()
+    finally:
+        server.close()
+    assert failed.value.servers == (server.address,)
+    assert time.monotonic() - start < 10  # neither the formation's bound (30 s) nor the sync's timeout (60 s)
+
+
+def test_the_server_left_is_held_only_for_the_formations_bound_and_takes_the_retry(monkeypatch):
+    """The other side of it: the surviving server's worker waited in the formation for the lost one for the whole
+    sync timeout, its engine blocked (one worker call at a time), so the retry found it silent and marked it down
+    too: the run stopped with a healthy server. Forming is now bounded by ``sync_join_timeout_s`` on every rank,
+    and the abort waits that out; the retry syncs the survivor."""
+    lose_rank(monkeypatch, 2)  # the second server's worker (the first's is rank 1)
+    survivor, lost = FakeServer(worker=DictWorker()), FakeServer(worker=DictWorker())
+    limits = dataclasses.replace(LIMITS, sync_timeout_s=60.0, sync_join_timeout_s=2.0)
+    model = policy()
+    try:
+        engine = ServerEngine([survivor.address, lost.address], pad_token_id=0, limits=limits)
+        start = time.monotonic()
+        sync_weights(model, engine, 1 << 12, version=1)
+        first = engine.last_sync
+        lost.close()  # (dead: it answers nothing more)
+        sync_weights(model, engine, 1 << 12, version=1)  # the trainer's retry
+        took = time.monotonic() - start
+    finally:
+        survivor.close()
+    assert not first.ok and first.failed == (lost.address,) and "failed while the weight group formed" in first.error
+    assert engine.last_sync.ok, engine.last_sync
+    assert [c.address for c in engine.pool.live] == [survivor.address]
+    assert holds(survivor.worker, model) and survivor.worker._stapo_version == 1
+    assert took < 20  # the formation's bound (2 s) twice at most, not the sync's timeout (60 s)
+
+
+def test_a_formed_group_gives_its_collectives_the_sync_timeout():
+    """The formation's bound is lifted once every proof checked out: a bucket's broadcast may take ``timeout_s``."""
+    nonce, listening = new_nonce(), listening_store("127.0.0.1", 10)
+    spec = GroupSpec("127.0.0.1", listening.port, world_size=2, rank_offset=1, timeout_s=40, nonce=nonce,
+                     join_timeout_s=5)
+    store, joined = namespaced(listening, nonce), {}
+    thread = threading.Thread(target=lambda: joined.setdefault("group", spec.join(1, CPU)))
+    thread.start()
+    while not checked_in(store, nonce, 1, 1):
+        time.sleep(0.01)
+    let_form(store, nonce)
+    group, wrong = spec.form(0, store, CPU, "127.0.0.1")
+    thread.join(timeout=30)
+    assert wrong == []
+    assert group.options._timeout == joined["group"].options._timeout == datetime.timedelta(seconds=40)

@@ -89,11 +89,14 @@ class VLLMServer:
         ring buffers (psm_*, 160 and 240 MiB of address space each) in /dev/shm, ~40 names a lane run; a SIGTERMed
         one unlinks its own, but not always before its leader exits. (A semaphore name that no process maps any
         more, 32 bytes, cannot be told from the other server's and is left.)"""
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return set()
         pgid = self.proc.pid
+        leader_gone = self.proc.poll() is not None
+        if leader_gone and not _group_members(pgid):
+            return set()
         segments = _shared_memory_of_group(pgid)
-        if sig == signal.SIGKILL:
+        if sig == signal.SIGKILL or leader_gone:  # (a leader that exited first leaves its engine process behind)
             os.killpg(pgid, sig)
         else:
             self.proc.send_signal(sig)

@@ -208,6 +208,33 @@ def test_a_server_killed_mid_sync_leaves_the_run_to_the_other(both, warm_model_d
     both[1].start().wait_ready()
 
 
+def test_a_server_killed_as_the_weight_group_forms_leaves_the_run_to_the_other(both, warm_model_dir, tmp_path):
+    """Both servers checked in, one dies before the group forms (CI met it once, at random): the trainer waited out
+    the sync's timeout (300 s) in the formation and the survivor's engine was blocked as long, so the retry found it
+    silent too and the run stopped. Now its failed join names the dead server at once and the survivor is held for
+    the formation's bound (`rollout.server.sync_join_timeout_s`, 30 s) only."""
+    out = tmp_path / "killed_forming"
+    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", imports=[MID_SYNC],
+                     env=plain_env(STAPO_LANE_MID_SYNC="stop", STAPO_LANE_MID_SYNC_AT="formation"))
+    lines = Lines(trainer)
+    _stopped_mid_sync(trainer)
+    both[1].kill()
+    resumed = time.monotonic()
+    trainer.send_signal(signal.SIGCONT)
+    trainer.wait(timeout=1800)
+    finished = time.monotonic()
+    stderr = lines.text
+    assert trainer.returncode == 0, stderr[-3000:]
+    assert f"server(s) {both[1].address} failed while the weight group formed" in stderr, stderr[-3000:]
+    assert _trained_steps(out) == [1, 2, 3] and state(both[0])["version"] == 3
+    retried = lines.first("retrying with the 1 server(s) left")
+    assert retried is not None and retried - resumed < 2 * 30 + 15, (retried and retried - resumed)
+    figure(f"server SIGKILLed after it checked in, before the group formed -> the sync retried with the other "
+           f"after {retried - resumed:.1f} s (its formation's bound: 30 s), the run's last step and its final "
+           "evaluation done", finished - resumed)
+    both[1].start().wait_ready()
+
+
 def test_an_over_long_prompt_is_a_warning_and_the_run_goes_on(both, warm_model_dir, tmp_path):
     from stapo.tiny import arithmetic_problems
 
