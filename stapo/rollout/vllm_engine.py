@@ -183,7 +183,7 @@ class VLLMEngine(RolloutEngine):
         self.pad_token_id = pad_token_id(self.tokenizer)
         self.max_model_len = int(kwargs["max_model_len"])
         self._sleeping: set[str] = set()  # tags currently asleep: {"weights", "kv_cache"}
-        self._updating = False
+        self._updating = self._closed = False
         self.sleep_level, self.progress = sleep_level, progress
         self.needs_weights = False  # a level-2 sleep discarded them; a weight update restores them
 
@@ -192,6 +192,8 @@ class VLLMEngine(RolloutEngine):
         """Every request in ONE vLLM submission, one sample each with its own seed."""
         if self._updating:
             raise RuntimeError("generation inside a weight update session: finish the update first")
+        if self._closed:
+            raise RuntimeError("generation after VLLMEngine.close(): its engine core is stopped")
         if self.needs_weights:
             raise RuntimeError("generation after a level-2 sleep discarded the weights: push them first "
                                "(stapo.sync.buckets.sync_weights, one weight_update session)")
@@ -250,6 +252,16 @@ class VLLMEngine(RolloutEngine):
             release_cached_memory()
             self.llm.wake_up(tags=sorted(self._sleeping))
             self._sleeping = set()
+
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core process (its worker, weights and KV cache): otherwise it lives until the
+        interpreter exits, and a second engine in the same process (a notebook, a test session) holds its own
+        beside it. An engine core in this process (``in_process``: it shares the trainer's process and groups)
+        ends with the process. Generating after `close` is an error."""
+        if not self.in_process and not self._closed:
+            self._closed = True
+            self.llm.llm_engine.engine_core.shutdown()
 
 
 def segment_from_vllm(completion, version: int | None = None) -> Segment:

@@ -22,7 +22,9 @@ from _rollout_utils import assert_matches_teacher_forced  # noqa: E402
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """One standalone engine for the module (vLLM runs its engine core in a child process here)."""
-    yield VLLMEngine(tiny_model_dir, dtype="float32", max_model_len=256, enforce_eager=True)
+    engine = VLLMEngine(tiny_model_dir, dtype="float32", max_model_len=256, enforce_eager=True)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")

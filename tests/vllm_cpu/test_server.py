@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,22 @@ pytestmark = pytest.mark.timeout(2400)
 SERVER = ["rollout.mode=server", "trainer.save_every=1", "trainer.keep_last=4"]
 
 
+def engine_core_processes() -> set[int]:
+    """The live vLLM engine-core processes this process started."""
+    children = set()
+    for task in Path("/proc/self/task").iterdir():
+        children |= {int(pid) for pid in (task / "children").read_text().split()}
+    return {pid for pid in children if "EngineCore" in _read(f"/proc/{pid}/cmdline")
+            and _read(f"/proc/{pid}/stat").rpartition(")")[2].split()[:1] != ["Z"]}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:  # gone meanwhile
+        return ""
+
+
 @pytest.fixture(scope="module")
 def k0_run(servers, warm_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("server_k0") / "run"
@@ -50,8 +67,14 @@ def test_server_and_in_process_engines_give_the_same_samples(servers, warm_model
     sync_weights(warm, remote_engine, bucket_bytes=2**20, version=0)
     sampling = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=24, seed=5)
     remote = generate(remote_engine, prompts, 4, sampling)
-    local = generate(VLLMEngine(warm_model_dir, dtype="float32", max_model_len=512, enforce_eager=True),
-                     prompts, 4, sampling)
+    before = engine_core_processes()
+    local_engine = VLLMEngine(warm_model_dir, dtype="float32", max_model_len=512, enforce_eager=True)
+    started = engine_core_processes() - before
+    local = generate(local_engine, prompts, 4, sampling)
+    local_engine.close()  # its engine-core process stops now, not at the interpreter's exit
+    assert started and not started & engine_core_processes(), started
+    with pytest.raises(RuntimeError, match="generation after VLLMEngine.close"):
+        generate(local_engine, prompts, 1, sampling)
     assert torch.equal(remote.response_ids, local.response_ids)
     assert remote.finish_reason == local.finish_reason
     # the same tokens: against the trainer's recompute of them, the server path's log-probs are the colocated

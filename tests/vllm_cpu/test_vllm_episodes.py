@@ -72,7 +72,8 @@ def colocated(warm_model_dir):
     from transformers import AutoTokenizer
 
     inner = VLLMEngine(warm_model_dir, dtype="float32", max_model_len=512, enforce_eager=True)
-    return Episodes(inner, AutoTokenizer.from_pretrained(str(warm_model_dir)))
+    yield Episodes(inner, AutoTokenizer.from_pretrained(str(warm_model_dir)))
+    inner.close()
 
 
 SAMPLING = SamplingParams(temperature=1.0, seed=11)
