@@ -212,9 +212,10 @@ def test_a_server_killed_as_the_weight_group_forms_leaves_the_run_to_the_other(b
     """Both servers checked in, one dies before the group forms (CI met it once, at random): the trainer waited out
     the sync's timeout (300 s) in the formation and the survivor's engine was blocked as long, so the retry found it
     silent too and the run stopped. Now its failed join names the dead server at once and the survivor is held for
-    the formation's bound (`rollout.server.sync_join_timeout_s`, 30 s) only."""
-    out = tmp_path / "killed_forming"
-    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", imports=[MID_SYNC],
+    the formation's bound (`rollout.server.sync_join_timeout_s`, 15 s here) only."""
+    out, bound = tmp_path / "killed_forming", 15
+    trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3",
+                     f"rollout.server.sync_join_timeout_s={bound}", imports=[MID_SYNC],
                      env=plain_env(STAPO_LANE_MID_SYNC="stop", STAPO_LANE_MID_SYNC_AT="formation"))
     lines = Lines(trainer)
     _stopped_mid_sync(trainer)
@@ -228,9 +229,9 @@ def test_a_server_killed_as_the_weight_group_forms_leaves_the_run_to_the_other(b
     assert f"server(s) {both[1].address} failed while the weight group formed" in stderr, stderr[-3000:]
     assert _trained_steps(out) == [1, 2, 3] and state(both[0])["version"] == 3
     retried = lines.first("retrying with the 1 server(s) left")
-    assert retried is not None and retried - resumed < 2 * 30 + 15, (retried and retried - resumed)
+    assert retried is not None and retried - resumed < 2 * bound + 15, (retried and retried - resumed)
     figure(f"server SIGKILLed after it checked in, before the group formed -> the sync retried with the other "
-           f"after {retried - resumed:.1f} s (its formation's bound: 30 s), the run's last step and its final "
+           f"after {retried - resumed:.1f} s (its formation's bound: {bound} s), the run's last step and its final "
            "evaluation done", finished - resumed)
     both[1].start().wait_ready()
 
