@@ -253,7 +253,6 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up(tags=sorted(self._sleeping))
             self._sleeping = set()
 
-
     def close(self) -> None:
         """Stop vLLM's engine-core process (its worker, weights and KV cache): otherwise it lives until the
         interpreter exits, and a second engine in the same process (a notebook, a test session) holds its own
