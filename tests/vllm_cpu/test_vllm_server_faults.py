@@ -164,6 +164,19 @@ def _stopped_mid_sync(trainer: subprocess.Popen) -> None:
     raise AssertionError("the trainer never stopped inside its weight sync")
 
 
+def _kill_a_server_while_stopped_mid_sync(trainer: subprocess.Popen, out, server) -> tuple:
+    """Once ``trainer`` froze itself in its sync, SIGKILL ``server`` and let the trainer go on to its end; returns
+    its stderr lines, the last step trained before the kill, and when it resumed and finished."""
+    lines = Lines(trainer)
+    _stopped_mid_sync(trainer)
+    at_step = max(_trained_steps(out))
+    server.kill()
+    resumed = time.monotonic()
+    trainer.send_signal(signal.SIGCONT)
+    trainer.wait(timeout=1800)
+    return lines, at_step, resumed, time.monotonic()
+
+
 def test_a_trainer_killed_mid_sync_resumes_with_the_same_servers(both, warm_model_dir, tmp_path):
     out = tmp_path / "killed_trainer"
     trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", *DELTA, imports=[MID_SYNC])
@@ -190,14 +203,7 @@ def test_a_server_killed_mid_sync_leaves_the_run_to_the_other(both, warm_model_d
     out = tmp_path / "killed_server"
     trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3", *DELTA, imports=[MID_SYNC],
                      env=plain_env(STAPO_LANE_MID_SYNC="stop"))
-    lines = Lines(trainer)
-    _stopped_mid_sync(trainer)
-    at_step = max(_trained_steps(out))
-    both[1].kill()
-    killed = time.monotonic()
-    trainer.send_signal(signal.SIGCONT)
-    trainer.wait(timeout=1800)
-    finished = time.monotonic()
+    lines, at_step, killed, finished = _kill_a_server_while_stopped_mid_sync(trainer, out, both[1])
     stderr = lines.text
     assert trainer.returncode == 0, stderr[-3000:]
     assert f"rollout server {both[1].address}" in stderr and "is down" in stderr
@@ -217,13 +223,7 @@ def test_a_server_killed_as_the_weight_group_forms_leaves_the_run_to_the_other(b
     trainer = _train(out, warm_model_dir, servers_override(*both), "trainer.total_steps=3",
                      f"rollout.server.sync_join_timeout_s={bound}", imports=[MID_SYNC],
                      env=plain_env(STAPO_LANE_MID_SYNC="stop", STAPO_LANE_MID_SYNC_AT="formation"))
-    lines = Lines(trainer)
-    _stopped_mid_sync(trainer)
-    both[1].kill()
-    resumed = time.monotonic()
-    trainer.send_signal(signal.SIGCONT)
-    trainer.wait(timeout=1800)
-    finished = time.monotonic()
+    lines, _, resumed, finished = _kill_a_server_while_stopped_mid_sync(trainer, out, both[1])
     stderr = lines.text
     assert trainer.returncode == 0, stderr[-3000:]
     assert f"server(s) {both[1].address} failed while the weight group formed" in stderr, stderr[-3000:]
