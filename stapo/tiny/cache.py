@@ -1,7 +1,9 @@
 """Content-keyed, atomically written artifact directories for the tiny-model toolkit.
 
 A build writes into a temporary sibling and renames it into place, so a directory under its final name is
-complete by construction (the same rule as checkpoints, docs/distributed.md).
+complete by construction (the same rule as checkpoints, docs/distributed.md). The sibling's name carries the
+host and pid of its builder: a build killed before its cleanup ran (SIGKILL, or SIGTERM with Python's default
+handler) leaves it behind, and the next build of that entry on that host removes it once its builder is gone.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -30,6 +33,37 @@ def cache_key(kind: str, payload: dict) -> str:
     return f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
+def _tmp_prefix(final: Path, pid: int | None = None) -> str:
+    """Prefix of ``final``'s temporary siblings built by ``pid`` (default: this process) on this host."""
+    return f".{final.name}.tmp-{socket.gethostname()}-{os.getpid() if pid is None else pid}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_orphaned_builds(final: Path) -> list[Path]:
+    """Delete ``final``'s temporary siblings whose builder (this host, by pid) has exited; returns them.
+    Siblings from other hosts sharing the cache, or from live builders, are left alone."""
+    final = Path(final)
+    host_prefix = f".{final.name}.tmp-{socket.gethostname()}-"
+    removed = []
+    for sibling in final.parent.iterdir():
+        if not sibling.name.startswith(host_prefix):
+            continue
+        pid = sibling.name[len(host_prefix):].split("-", 1)[0]
+        if sibling.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(sibling, ignore_errors=True)
+            removed.append(sibling)
+    return removed
+
+
 def build_atomically(final: Path, build: Callable[[Path], None], *, reuse: bool) -> Path:
     """Run ``build(tmp_dir)`` and rename ``tmp_dir`` to ``final``, replacing it (or with ``reuse``, returning an
     existing ``final`` as is). If another process wins the race for ``final``, its copy is kept."""
@@ -37,7 +71,8 @@ def build_atomically(final: Path, build: Callable[[Path], None], *, reuse: bool)
     if reuse and final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    remove_orphaned_builds(final)
+    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(final), dir=final.parent))
     try:
         build(tmp)
         if final.exists() and not reuse:

@@ -1,5 +1,7 @@
 """Cache entries copied between machines (the trainer sends rank 0's tiny model to node-local caches)."""
 
+from pathlib import Path
+
 import pytest
 
 from stapo.tiny.cache import cache_root, entry_files, install_entry
@@ -23,3 +25,43 @@ def test_only_flat_entries_are_copied(tmp_path):
     (tmp_path / "entry" / "sub").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"not a flat cache entry: \['sub'\]"):
         entry_files(tmp_path / "entry")
+
+
+KILLED_MID_BUILD = """
+import os, signal, sys
+from pathlib import Path
+from stapo.tiny.cache import build_atomically
+
+def build(tmp):
+    (tmp / "half.bin").write_bytes(b"x")
+    print(tmp, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # killed before any cleanup can run
+
+build_atomically(Path(sys.argv[1]), build, reuse=True)
+"""
+
+
+def test_a_build_killed_midway_leaves_no_residue_after_the_next_build(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from stapo.tiny.cache import build_atomically
+
+    final = tmp_path / "model-abc"
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_BUILD, str(final)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert killed.returncode == -9
+    orphan = Path(killed.stdout.strip())
+    assert orphan.parent == tmp_path and orphan.is_dir() and not final.exists()
+    live = tmp_path / f".model-abc.tmp-{socket.gethostname()}-{os.getpid()}-live"  # a build still running here
+    elsewhere = tmp_path / ".model-abc.tmp-another-host-1-x"  # a node sharing the cache: its pids are not ours
+    live.mkdir()
+    elsewhere.mkdir()
+
+    built = build_atomically(final, lambda tmp: (tmp / "ok").write_text("1"), reuse=True)
+
+    assert (built / "ok").read_text() == "1"
+    assert not orphan.exists() and live.is_dir() and elsewhere.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([final.name, live.name, elsewhere.name])
