@@ -229,5 +229,8 @@ def plot_runs(rows: list[dict], out_png: Path, unstable_lr: float = 2e-4) -> Pat
         ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:  # a pending run's panel has nothing to name
+            ax.legend(fontsize=6)
+        else:
+            ax.text(0.5, 0.5, "pending", ha="center", va="center", transform=ax.transAxes, color="gray")
     return save_figure(fig, out_png)
