@@ -33,9 +33,9 @@ def cache_key(kind: str, payload: dict) -> str:
     return f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
-def _tmp_prefix(final: Path, pid: int | None = None) -> str:
-    """Prefix of ``final``'s temporary siblings built by ``pid`` (default: this process) on this host."""
-    return f".{final.name}.tmp-{socket.gethostname()}-{os.getpid() if pid is None else pid}-"
+def _host_prefix(final: Path) -> str:
+    """Prefix of ``final``'s temporary siblings built on this host; the builder's pid follows it."""
+    return f".{final.name}.tmp-{socket.gethostname()}-"
 
 
 def _alive(pid: int) -> bool:
@@ -48,20 +48,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_orphaned_builds(final: Path) -> list[Path]:
-    """Delete ``final``'s temporary siblings whose builder (this host, by pid) has exited; returns them.
-    Siblings from other hosts sharing the cache, or from live builders, are left alone."""
-    final = Path(final)
-    host_prefix = f".{final.name}.tmp-{socket.gethostname()}-"
-    removed = []
+def remove_orphaned_builds(final: Path) -> None:
+    """Delete ``final``'s temporary siblings whose builder (this host, by pid) has exited. Siblings from
+    other hosts sharing the cache, or from live builders, are left alone."""
+    prefix = _host_prefix(final)
     for sibling in final.parent.iterdir():
-        if not sibling.name.startswith(host_prefix):
-            continue
-        pid = sibling.name[len(host_prefix):].split("-", 1)[0]
-        if sibling.is_dir() and pid.isdigit() and not _alive(int(pid)):
+        pid = sibling.name[len(prefix):].split("-", 1)[0] if sibling.name.startswith(prefix) else ""
+        if pid.isdigit() and sibling.is_dir() and not _alive(int(pid)):
             shutil.rmtree(sibling, ignore_errors=True)
-            removed.append(sibling)
-    return removed
 
 
 def build_atomically(final: Path, build: Callable[[Path], None], *, reuse: bool) -> Path:
@@ -72,7 +66,7 @@ def build_atomically(final: Path, build: Callable[[Path], None], *, reuse: bool)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_orphaned_builds(final)
-    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(final), dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_host_prefix(final)}{os.getpid()}-", dir=final.parent))
     try:
         build(tmp)
         if final.exists() and not reuse:
