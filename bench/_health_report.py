@@ -55,7 +55,8 @@ def summarize_run(run, run_dir: Path, attempts: list[dict], drop_points: float) 
                drop_step=after[0][0] if after else None, steps_done=len(timeline.steps),
                alarms=[{k: e[k] for k in ("step", "monitor", "onset", "action")} for e in timeline.alarms()],
                rollbacks=[{k: e[k] for k in ("step", "restored_step", "onset", "lr")} for e in timeline.rollbacks()],
-               wall_s=round(sum(a["wall_s"] for a in attempts), 1), cpu_s=round(sum(a["cpu_s"] for a in attempts), 1))
+               wall_s=round(sum(a["wall_s"] for a in attempts), 1), cpu_s=round(sum(a["cpu_s"] for a in attempts), 1),
+               trace=step_trace(timeline.steps))
     if run.arm == "warn":  # replays are exact only where no action changed the run; [alarm step, onset] if any
         replays = {f"{name}|{variant}|{p}": _replay(timeline.series(name), threshold, spec["fires"], p)
                    for name, spec in timeline.monitors.items() if timeline.series(name)
@@ -63,6 +64,32 @@ def summarize_run(run, run_dir: Path, attempts: list[dict], drop_points: float) 
         row["judged"] = [name for name in timeline.monitors if timeline.series(name)]
         row["replay"] = {key: hit for key, hit in replays.items() if hit is not None}
     return row
+
+
+#: What a step leaves that a different run could hardly repeat: its loss, its gradient norm (exact functions of
+#: the weights and the batch) and the entropy of its rollouts (of the weights and the sampler's state)
+TRACE_KEYS = ("loss", "grad_norm", "entropy_mean")
+
+
+def step_trace(steps: list[dict]) -> list[list[float]]:
+    """``TRACE_KEYS`` of steps 1, 2, ... as first logged (a step redone after a rollback or a resume counts once):
+    what the twin check compares, kept in the row because run directories do not outlive the machine."""
+    first: dict[int, list[float]] = {}
+    for r in steps:
+        first.setdefault(int(r["step"]), [r.get(k) for k in TRACE_KEYS])
+    trace: list[list[float]] = []
+    while len(trace) + 1 in first:  # steps 1..n without a gap
+        trace.append(first[len(trace) + 1])
+    return trace
+
+
+def same_as_twin_through(warn: dict, rollback: dict) -> int | None:
+    """The last step through which a rollback run's trace equals its warn twin's exactly, from step 1 on (the twin
+    rule: they are one run up to the rollback run's first alarm); None where a row has no trace."""
+    a, b = warn.get("trace"), rollback.get("trace")
+    if not a or not b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def run_total(run_dir: Path) -> int:
@@ -151,8 +178,9 @@ def lead_table(rows: list[dict], unstable_lr: float, stable_lr: float) -> str:
 
 def rollback_table(rows: list[dict], unstable_lr: float) -> tuple[str, list[float], list[float]]:
     twins = {(r["mask"], r["seed"]): r for r in _done(rows, "warn", unstable_lr)}
-    lines = ["| mask | seed | no rollback: final / best | rollback: final / best | rollbacks | Δ final | Δ best |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mask | seed | no rollback: final / best | rollback: final / best | rollbacks | Δ final | Δ best "
+             "| same steps as the twin (first alarm) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     d_final, d_best = [], []
     for r in [r for r in rows if r["arm"] == "rollback" and r["lr"] == unstable_lr]:
         twin = twins.get((r["mask"], r["seed"]))
@@ -164,8 +192,20 @@ def rollback_table(rows: list[dict], unstable_lr: float) -> tuple[str, list[floa
         made = "none (twin)" if r["status"] == "twin" else str(len(r["rollbacks"]))
         lines.append(f"| `{r['mask']}` | {r['seed']} | {_pts(twin['final_acc'])} / {_pts(twin['peak_acc'])} | "
                      f"{_pts(other['final_acc'])} / {_pts(other['peak_acc'])} | {made} | "
-                     f"{100 * d_final[-1]:+.1f} | {100 * d_best[-1]:+.1f} |")
+                     f"{100 * d_final[-1]:+.1f} | {100 * d_best[-1]:+.1f} | {_twin_cell(r)} |")
     return "\n".join(lines), d_final, d_best
+
+
+def _twin_cell(row: dict) -> str:
+    """Steps 1..k with the twin's trace to the last digit, against the first alarm (the twin rule wants k >= it)."""
+    if row["status"] == "twin":
+        return "is its twin"
+    through, first = row.get("same_as_twin_through"), min((a["step"] for a in row["alarms"]), default=None)
+    if through is None:
+        return "–"
+    alarm = f" (alarm {first})" if first is not None else " (no alarm)"
+    broken = first is not None and through < first or first is None and through < row["steps_done"]
+    return f"**differs from step {through + 1}**{alarm}" if broken else f"steps 1–{through}{alarm}"
 
 
 def render(rows: list[dict], results_link: str, figure_link: str, drop_points: float,

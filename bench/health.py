@@ -10,7 +10,8 @@ it; ``stapo`` seed 0 is run anyway, to check that claim. Each run is a fresh ``p
 process (at most ``--parallel`` at once); finished runs are skipped, an interrupted one continues from
 its checkpoint; the first run pins the commit in ``OUT/COMMIT`` and a checkout of another commit is
 refused (warn and rollback runs of two code versions are not pairs). ``--report`` writes
-docs/health/results.jsonl (one row per run), the generated block of docs/health.md and its figure::
+docs/health/results.jsonl (one row per run), the generated block of docs/health.md and its figure. That record
+outlives the run directories: a run recorded there (at the pinned commit) is not made again, and its row stays::
 
     nice -n 19 python bench/health.py --out /tmp/health_study          # the study (hours of CPU)
     python bench/health.py --report --out /tmp/health_study            # results.jsonl, tables, figure
@@ -35,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from stapo.cli import builtin_recipe  # noqa: E402
 from stapo.run_dir import METRICS_FILE, read_metrics  # noqa: E402
-from _health_report import BEGIN, END, plot_runs, render, summarize_run  # noqa: E402  (bench/ is on sys.path)
+from _health_report import BEGIN, END, plot_runs, render, same_as_twin_through, summarize_run  # noqa: E402
 from _train_runs import SMOKE, replace_block  # noqa: E402
 from stability import Run as StabilityRun, is_finished, read_timings, run_one  # noqa: E402
 
@@ -111,10 +112,33 @@ def pin_commit(out: Path, commit: str) -> None:
                          f"runs of two code versions are not pairs; check out {pinned} or use another --out")
 
 
-def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], parallel: int, verify=VERIFY_TWIN) -> None:
-    """Warn runs first, in order, ``parallel`` at a time; each rollback run once its twin is done."""
+def pinned_commit(out: Path) -> str:
+    pin = out / PIN_FILE
+    return pin.read_text(encoding="utf-8").split()[0] if pin.is_file() else "unknown"
+
+
+def recorded_rows(results: Path, commit: str) -> dict[str, dict]:
+    """The finished runs of ``results``, by name: the study's record outlives its run directories (a machine's
+    /tmp does not), so a run recorded there is not made again. Rows of another commit are refused: they and
+    runs of this one would not be pairs."""
+    rows = [json.loads(line) for line in results.read_text(encoding="utf-8").splitlines() if line.strip()] \
+        if results.is_file() else []
+    finished = {r["run"]: r for r in rows if r["status"] in ("done", "failed")}
+    others = sorted({r.get("commit", "unknown") for r in finished.values()} - {commit})
+    if others:
+        raise SystemExit(f"bench/health.py: {results} records {len(finished)} finished runs made at "
+                         f"{', '.join(others)}; these runs are at {commit}: runs of two code versions are not "
+                         f"pairs; check out {others[0]} to go on with them, or pass --results NEW to start over")
+    return finished
+
+
+def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], parallel: int, verify=VERIFY_TWIN,
+              results: Path = RESULTS) -> None:
+    """Warn runs first, in order, ``parallel`` at a time; each rollback run once its twin is done. A run
+    finished here or recorded in ``results`` is not made again."""
     out.mkdir(parents=True, exist_ok=True)
     pin_commit(out, checkout_commit())
+    recorded = recorded_rows(results, pinned_commit(out))
     lock, done = threading.Lock(), {}
 
     def log(message: str) -> None:
@@ -124,11 +148,15 @@ def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], parall
     def one(run: Run) -> None:
         if run.arm == "rollback":
             done[run.twin()].wait()
-            if not needs_running(run, out, verify):
+            twin = recorded.get(run.twin().name)
+            if not (needs_running(run, out, verify) or twin is not None and twin["alarms"]):
                 log(f"{run.name}: its twin raised no alarm, not run (the twin stands for it)")
                 return
         if is_finished(out / run.name):
             log(f"{run.name}: finished earlier, not rerun")
+            return
+        if run.name in recorded:
+            log(f"{run.name}: recorded in {results.name}, not rerun")
             return
         log(f"{run.name} ...")
         entry = run_one(run, out, recipe, [f"health.on_alarm={run.arm}", *extra])  # run_one sets optim.lr
@@ -151,10 +179,17 @@ def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], parall
 
 
 def write_report(grid: list[Run], out: Path, results: Path, doc: Path, figure: Path, verify=VERIFY_TWIN) -> None:
-    timings, by_run = read_timings(out), {}
+    """Rows from the run directories in ``out``; a run without one keeps its row from ``results`` (made on an
+    earlier machine, at the same commit)."""
+    commit = pinned_commit(out)
+    timings, recorded, by_run = read_timings(out), recorded_rows(results, commit), {}
     for run in grid:  # warn runs come first: a rollback run's row can look at its twin's
-        row = summarize_run(run, out / run.name, timings.get(run.name, []), DROP_POINTS)
+        row = {**summarize_run(run, out / run.name, timings.get(run.name, []), DROP_POINTS), "commit": commit}
+        if row["status"] == "pending" and run.name in recorded:
+            row = recorded[run.name]
         twin = by_run.get(run.twin()) if run.arm == "rollback" else None
+        if row["status"] == "done" and twin is not None and (through := same_as_twin_through(twin, row)) is not None:
+            row["same_as_twin_through"] = through
         if row["status"] == "pending" and twin is not None and twin["status"] == "done" and not twin["alarms"] \
                 and (run.mask, run.seed) != verify:
             row["status"] = "twin"  # never made: it would repeat its twin, which stands for it
@@ -178,18 +213,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-verify", action="store_true", help="skip the rollback run made only to check the twin claim")
     parser.add_argument("--smoke", action="store_true", help="seed 0, mask none: 2 runs x 5 steps (tests)")
     parser.add_argument("--report", action="store_true", help="write results, tables and figure; run nothing")
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--results", type=Path, default=None,
+                        help="the study's record, one row per run (default docs/health/results.jsonl; "
+                             "with --smoke, OUT/results.jsonl)")
     parser.add_argument("--doc", type=Path, default=DOC)
     parser.add_argument("--figure", type=Path, default=FIGURE)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args(argv)
     grid = study_grid((0,), ("none",), (UNSTABLE_LR,)) if args.smoke else study_grid(tuple(args.seeds))
     verify = ("none", 0) if args.smoke else None if args.no_verify else VERIFY_TWIN
+    results = args.results or (args.out / "results.jsonl" if args.smoke else RESULTS)
     if args.report:
-        write_report(grid, args.out, args.results, args.doc, args.figure, verify)
+        write_report(grid, args.out, results, args.doc, args.figure, verify)
         return 0
     extra = [*FIXED, *(SMOKE + SMOKE_EXTRA if args.smoke else []), *args.overrides]
-    run_study(grid, args.out, args.recipe, extra, args.parallel, verify)
+    run_study(grid, args.out, args.recipe, extra, args.parallel, verify, results)
     return 0
 
 
