@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the study's run directories (not committed)")
     parser.add_argument("--recipe", type=Path, default=builtin_recipe())
     parser.add_argument("--parallel", type=int, default=2, help="runs at once (default 2)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="the seeds to run (default 0-4)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
+                        help="the seeds to run (default 0-4; --report covers all)")
     parser.add_argument("--no-verify", action="store_true", help="skip the rollback run made only to check the twin claim")
     parser.add_argument("--smoke", action="store_true", help="seed 0, mask none: 2 runs x 5 steps (tests)")
     parser.add_argument("--report", action="store_true", help="write results, tables and figure; run nothing")
@@ -223,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     grid = study_grid((0,), ("none",), (UNSTABLE_LR,)) if args.smoke else study_grid(tuple(args.seeds))
     verify = ("none", 0) if args.smoke else None if args.no_verify else VERIFY_TWIN
     results = args.results or (args.out / "results.jsonl" if args.smoke else RESULTS)
-    if args.report:
-        write_report(grid, args.out, results, args.doc, args.figure, verify)
+    if args.report:  # over the whole grid whatever --seeds says: the record keeps every run's row
+        write_report(grid if args.smoke else study_grid(), args.out, results, args.doc, args.figure, verify)
         return 0
     extra = [*FIXED, *(SMOKE + SMOKE_EXTRA if args.smoke else []), *args.overrides]
     run_study(grid, args.out, args.recipe, extra, args.parallel, verify, results)
