@@ -81,9 +81,12 @@ def alarms_of(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(path) if r.get("event") == "alarm"] if path.is_file() else []
 
 
-def needs_running(run: Run, out: Path, verify=VERIFY_TWIN) -> bool:
-    """A rollback run is made when its twin raised an alarm (or it is the check of the claim above)."""
-    return run.arm == "warn" or (run.mask, run.seed) == verify or bool(alarms_of(out / run.twin().name))
+def needs_running(run: Run, out: Path, verify=VERIFY_TWIN, recorded: dict[str, dict] | None = None) -> bool:
+    """A rollback run is made when its twin raised an alarm (or it is the check of the claim above); the twin's
+    alarms come from its directory, or from its recorded row when that directory is gone."""
+    twin = (recorded or {}).get(run.twin().name)
+    alarms = twin["alarms"] if twin is not None else alarms_of(out / run.twin().name)
+    return run.arm == "warn" or (run.mask, run.seed) == verify or bool(alarms)
 
 
 def checkout_commit(root: Path = ROOT) -> str:
@@ -106,7 +109,7 @@ def pin_commit(out: Path, commit: str) -> None:
     if not pin.is_file():
         pin.write_text(commit + "\n", encoding="utf-8")
         return
-    pinned = pin.read_text(encoding="utf-8").split()[0]
+    pinned = pinned_commit(out)
     if pinned != commit or commit == "unknown":
         raise SystemExit(f"bench/health.py: the runs in {out} were made at {pinned}, this checkout is {commit}: "
                          f"runs of two code versions are not pairs; check out {pinned} or use another --out")
@@ -148,8 +151,7 @@ def run_study(grid: list[Run], out: Path, recipe: Path, extra: list[str], parall
     def one(run: Run) -> None:
         if run.arm == "rollback":
             done[run.twin()].wait()
-            twin = recorded.get(run.twin().name)
-            if not (needs_running(run, out, verify) or twin is not None and twin["alarms"]):
+            if not needs_running(run, out, verify, recorded):
                 log(f"{run.name}: its twin raised no alarm, not run (the twin stands for it)")
                 return
         if is_finished(out / run.name):
