@@ -37,7 +37,7 @@ def engine_core_processes() -> set[int]:
     """The live vLLM engine-core processes this process started."""
     children = set()
     for task in Path("/proc/self/task").iterdir():
-        children |= {int(pid) for pid in (task / "children").read_text().split()}
+        children |= {int(pid) for pid in _read(f"{task}/children").split()}  # a thread may end meanwhile
     return {pid for pid in children if "EngineCore" in _read(f"/proc/{pid}/cmdline")
             and _read(f"/proc/{pid}/stat").rpartition(")")[2].split()[:1] != ["Z"]}
 
