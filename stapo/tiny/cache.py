@@ -4,18 +4,26 @@ A build writes into a temporary sibling and renames it into place, so a director
 complete by construction (the same rule as checkpoints, docs/distributed.md). The sibling's name carries the
 host and pid of its builder: a build killed before its cleanup ran (SIGKILL, or SIGTERM with Python's default
 handler) leaves it behind, and the next build of that entry on that host removes it once its builder is gone.
+
+Two processes wanting the same cache entry (two study runs, two test sessions) build it once: the second waits on
+the entry's lock file (``flock``, dropped by the kernel when its holder dies, however it dies; removed by a holder
+that finishes) and reuses the first one's result. The lock saves work only; without it (a file system that refuses ``flock``) each process
+builds its own copy and the rename keeps whichever is first, as before, and a warning says so.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 #: Bump when the on-disk format or the build recipe changes, so old caches are not reused.
 FORMAT_VERSION = 1
@@ -58,13 +66,68 @@ def remove_orphaned_builds(final: Path) -> None:
             shutil.rmtree(sibling, ignore_errors=True)
 
 
+@contextmanager
+def one_builder(final: Path) -> Iterator[None]:
+    """Hold ``final``'s build lock, a ``.NAME.lock`` file beside it that its holder removes when done."""
+    path = final.parent / f".{final.name}.lock"
+    lock = _take(path, final.name)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            path.unlink(missing_ok=True)  # while still locked: a waiter then finds its file gone and retries
+            lock.close()  # drops the lock
+
+
+def _take(path: Path, name: str):
+    """The locked, open lock file, saying who holds it while waiting; None (and a warning) where the file system
+    refuses locks."""
+    said = False
+    while True:
+        lock = open(path, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not said:
+                lock.seek(0)
+                holder = lock.read().strip() or "pid unknown"
+                sys.stderr.write(f"{name}: another process ({holder}) is building it; waiting to reuse its result\n")
+                said = True
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as e:  # correct without the lock, only slower
+            lock.close()
+            sys.stderr.write(f"warning: {name}: cannot lock {path} ({e}); a concurrent build of the same entry "
+                             "will be done twice\n")
+            return None
+        try:
+            current = os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            lock.truncate(0)
+            lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+            lock.flush()
+            return lock
+        lock.close()  # the holder removed this file as it finished: lock the one there now
+
+
 def build_atomically(final: Path, build: Callable[[Path], None], *, reuse: bool) -> Path:
     """Run ``build(tmp_dir)`` and rename ``tmp_dir`` to ``final``, replacing it (or with ``reuse``, returning an
-    existing ``final`` as is). If another process wins the race for ``final``, its copy is kept."""
+    existing ``final`` as is, waiting for a concurrent build of it rather than repeating it). If another process
+    wins the race for ``final`` all the same, its copy is kept."""
     final = Path(final)
     if reuse and final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    if not reuse:
+        return _build_and_rename(final, build, reuse)
+    with one_builder(final):
+        if final.is_dir():  # built while this process waited
+            return final
+        return _build_and_rename(final, build, reuse)
+
+
+def _build_and_rename(final: Path, build: Callable[[Path], None], reuse: bool) -> Path:
     remove_orphaned_builds(final)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_host_prefix(final)}{os.getpid()}-", dir=final.parent))
     try:

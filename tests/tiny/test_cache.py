@@ -64,4 +64,77 @@ def test_a_build_killed_midway_leaves_no_residue_after_the_next_build(tmp_path):
 
     assert (built / "ok").read_text() == "1"
     assert not orphan.exists() and live.is_dir() and elsewhere.is_dir()
+    # the killed builder held the entry's lock: the kernel dropped it (this build did not wait), this one removed it
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([final.name, live.name, elsewhere.name])
+
+
+SLOW_BUILD = """
+import sys, time
+from pathlib import Path
+from stapo.tiny.cache import build_atomically
+
+def build(tmp):
+    with open(sys.argv[2], "a") as builds:
+        builds.write("built\\n")
+    print("building", flush=True)
+    time.sleep(float(sys.argv[3]))
+    if sys.argv[4:] == ["fail"]:
+        raise SystemExit("build failed")
+    (tmp / "weights").write_text(str(len(Path(sys.argv[2]).read_text().split())))
+
+print(build_atomically(Path(sys.argv[1]), build, reuse=True), flush=True)
+"""
+
+
+def test_two_processes_wanting_one_entry_build_it_once(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    final, builds = tmp_path / "warm-abc", tmp_path / "builds.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen([sys.executable, "-c", SLOW_BUILD, str(final), str(builds), "3"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert first.stdout.readline() == "building\n"  # it holds the lock now
+    second = subprocess.run([sys.executable, "-c", SLOW_BUILD, str(final), str(builds), "0"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, (err, second.stderr)
+    assert builds.read_text() == "built\n"  # once, by the first
+    assert out.strip() == second.stdout.strip() == str(final) and (final / "weights").read_text() == "1"
+    assert f"warm-abc: another process (pid {first.pid} on " in second.stderr
+    assert "waiting to reuse its result" in second.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["builds.txt", "warm-abc"]  # no lock file left
+
+
+def test_a_process_waiting_on_a_build_that_fails_builds_the_entry_itself(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    final, builds = tmp_path / "warm-abc", tmp_path / "builds.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen([sys.executable, "-c", SLOW_BUILD, str(final), str(builds), "3", "fail"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert first.stdout.readline() == "building\n"
+    second = subprocess.run([sys.executable, "-c", SLOW_BUILD, str(final), str(builds), "0"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert first.wait(timeout=120) == 1 and second.returncode == 0, second.stderr
+    assert "waiting to reuse its result" in second.stderr
+    assert builds.read_text() == "built\nbuilt\n" and (final / "weights").read_text() == "2"  # the second's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["builds.txt", "warm-abc"]
+
+
+def test_a_file_system_refusing_locks_still_builds_and_says_so(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    from stapo.tiny.cache import build_atomically
+
+    def refuse(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    built = build_atomically(tmp_path / "model-abc", lambda tmp: (tmp / "ok").write_text("1"), reuse=True)
+    assert (built / "ok").read_text() == "1"
+    assert "warning: model-abc: cannot lock" in capsys.readouterr().err
