@@ -7,8 +7,8 @@ handler) leaves it behind, and the next build of that entry on that host removes
 
 Two processes wanting the same cache entry (two study runs, two test sessions) build it once: the second waits on
 the entry's lock file (``flock``, dropped by the kernel when its holder dies, however it dies; removed by a holder
-that finishes) and reuses the first one's result. The lock saves work only; without it (a file system that refuses ``flock``) each process
-builds its own copy and the rename keeps whichever is first, as before, and a warning says so.
+that finishes) and reuses the first one's result. The lock saves work only: where a file system refuses ``flock``,
+each process builds its own copy, the rename keeps whichever is first, and a warning says so.
 """
 
 from __future__ import annotations
