@@ -41,7 +41,7 @@ build_atomically(Path(sys.argv[1]), build, reuse=True)
 """
 
 
-def test_a_build_killed_midway_leaves_no_residue_after_the_next_build(tmp_path):
+def test_a_build_killed_midway_leaves_no_residue_after_the_next_build(tmp_path, capsys):
     import os
     import socket
     import subprocess
@@ -65,6 +65,7 @@ def test_a_build_killed_midway_leaves_no_residue_after_the_next_build(tmp_path):
     assert (built / "ok").read_text() == "1"
     assert not orphan.exists() and live.is_dir() and elsewhere.is_dir()
     # the killed builder held the entry's lock: the kernel dropped it (this build did not wait), this one removed it
+    assert "waiting" not in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([final.name, live.name, elsewhere.name])
 
 
@@ -82,45 +83,55 @@ def build(tmp):
         raise SystemExit("build failed")
     (tmp / "weights").write_text(str(len(Path(sys.argv[2]).read_text().split())))
 
+print("ready", flush=True)  # imported (seconds under load): the build starts on the test's word
+sys.stdin.readline()
 print(build_atomically(Path(sys.argv[1]), build, reuse=True), flush=True)
 """
 
 
-def test_two_processes_wanting_one_entry_build_it_once(tmp_path):
+def _builder(final: Path, builds: Path, seconds: float, *how: str):
+    """A process building ``final`` with SLOW_BUILD, imported and waiting for the word to start."""
     import os
     import subprocess
     import sys
 
+    process = subprocess.Popen([sys.executable, "-c", SLOW_BUILD, str(final), str(builds), str(seconds), *how],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert process.stdout.readline() == "ready\n", process.communicate(timeout=120)
+    return process
+
+
+def _start(process) -> None:
+    process.stdin.write("go\n")
+    process.stdin.flush()
+
+
+def test_two_processes_wanting_one_entry_build_it_once(tmp_path):
     final, builds = tmp_path / "warm-abc", tmp_path / "builds.txt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    first = subprocess.Popen([sys.executable, "-c", SLOW_BUILD, str(final), str(builds), "3"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    assert first.stdout.readline() == "building\n"  # it holds the lock now
-    second = subprocess.run([sys.executable, "-c", SLOW_BUILD, str(final), str(builds), "0"],
-                            capture_output=True, text=True, env=env, timeout=120)
-    out, err = first.communicate(timeout=120)
-    assert first.returncode == 0 and second.returncode == 0, (err, second.stderr)
+    first, second = _builder(final, builds, 3), _builder(final, builds, 0)
+    _start(first)
+    assert first.stdout.readline() == "building\n"  # it holds the lock now, for 3 s
+    _start(second)
+    (out, err), (second_out, second_err) = first.communicate(timeout=120), second.communicate(timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, (err, second_err)
     assert builds.read_text() == "built\n"  # once, by the first
-    assert out.strip() == second.stdout.strip() == str(final) and (final / "weights").read_text() == "1"
-    assert f"warm-abc: another process (pid {first.pid} on " in second.stderr
-    assert "waiting to reuse its result" in second.stderr
+    assert out.split()[-1] == second_out.strip() == str(final) and (final / "weights").read_text() == "1"
+    assert f"warm-abc: another process (pid {first.pid} on " in second_err
+    assert "waiting to reuse its result" in second_err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["builds.txt", "warm-abc"]  # no lock file left
 
 
 def test_a_process_waiting_on_a_build_that_fails_builds_the_entry_itself(tmp_path):
-    import os
-    import subprocess
-    import sys
-
     final, builds = tmp_path / "warm-abc", tmp_path / "builds.txt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    first = subprocess.Popen([sys.executable, "-c", SLOW_BUILD, str(final), str(builds), "3", "fail"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    first, second = _builder(final, builds, 3, "fail"), _builder(final, builds, 0)
+    _start(first)
     assert first.stdout.readline() == "building\n"
-    second = subprocess.run([sys.executable, "-c", SLOW_BUILD, str(final), str(builds), "0"],
-                            capture_output=True, text=True, env=env, timeout=120)
-    assert first.wait(timeout=120) == 1 and second.returncode == 0, second.stderr
-    assert "waiting to reuse its result" in second.stderr
+    _start(second)
+    assert first.wait(timeout=120) == 1
+    second_out, second_err = second.communicate(timeout=120)
+    assert second.returncode == 0, second_err
+    assert "waiting to reuse its result" in second_err
     assert builds.read_text() == "built\nbuilt\n" and (final / "weights").read_text() == "2"  # the second's
     assert sorted(p.name for p in tmp_path.iterdir()) == ["builds.txt", "warm-abc"]
 
